@@ -1,0 +1,271 @@
+r"""Block gather/scatter and HiSparse swap-in kernels (installed as ``tiered_kv.kernels``).
+
+Every op has a torch implementation (:mod:`.torch_ops`, CPU and GPU tensors) and a
+CUDA one (:mod:`.cuda_ops`: CUDA C in ``*.cu``, compiled by CuPy/NVRTC at run time,
+launched on torch's current stream). The functions here validate their arguments and
+dispatch: ``impl="auto"`` takes CUDA when the tensors are on a CUDA device and cupy
+imports, torch otherwise; ``impl="torch"`` / ``impl="cuda"`` force one (tests compare
+the two).
+
+The layout contract of the whole project — a Classical pool is a list of *parts*, and a
+*block record* is one block's bytes of every part, in part order, layer-major. The
+record is what goes to the host tier and, as the payload, to disk::
+
+    parts (one block id addresses every part; a part may have 0 layers)
+        part 0  CSA KV    [L0 = 21, num_blocks, E0 = 32, B0 = 584]  uint8
+        part 1  indexer   [L1 = 21, num_blocks, E1 = 32, B1 = 132]  uint8
+        part 2  HCA KV    [L2 = 20, num_blocks, E2 = 1,  B2 = 584]  uint8
+
+    block record of block b, uint8 [record_bytes], record_bytes = sum_p Lp*Ep*Bp
+        |<-------- part 0 --------->|<-------- part 1 --------->|<---- part 2 ---->|
+        | l=0 | l=1 | ... | l=L0-1  | l=0 | l=1 | ... | l=L1-1  | l=0 | ... |l=L2-1|
+           \__ part0[0, b] : [E0, B0] row-major (entry 0's B0 bytes, entry 1's, ...)
+
+        byte (p, l, e, k)  ->  sum_{q<p} Lq*Eq*Bq  +  (l*Ep + e)*Bp  +  k
+
+    Flash fp8: 21*32*584 + 21*32*132 + 20*1*584 = 392,448 + 88,704 + 11,680 = 492,832 B
+
+``gather_blocks`` packs n blocks into records ``[n, record_bytes]``; ``scatter_blocks``
+is its inverse; ``swap_in`` is the copy half of a HiSparse swap-in,
+``buffer[slots[i]] = host[host_rows[i]]`` (on a GPU: one kernel reading pinned host
+memory over UVA). Asynchrony: a copy into or out of *pinned* host memory is enqueued on
+the current stream and not waited for; synchronize (or use
+:class:`tiered_kv.transfer.CopyEngine`) before reading the host side.
+
+Validation reads ids to the host (``check_ids=True``, a device sync when the ids live on
+a GPU); pass ids on the CPU, or ``check_ids=False`` for ids the caller already trusts
+(an out-of-range id then traps in the CUDA kernel).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from . import cuda_ops, torch_ops
+
+__all__ = ["Impl", "gather_blocks", "record_bytes", "scatter_blocks", "swap_in"]
+
+
+class Impl(enum.Enum):
+    """Which implementation runs an op."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    CUDA = "cuda"
+
+    @classmethod
+    def parse(cls, value: str | Impl) -> Impl:
+        if isinstance(value, Impl):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"impl: expected one of 'auto', 'torch', 'cuda', got {value!r}") from None
+
+
+# ---------------------------------------------------------------------- validation
+def _check_tensor(name: str, t: object, *, dtype: torch.dtype, ndim: int, shape_doc: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {shape_doc} {dtype}, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D {shape_doc}, got shape {list(t.shape)}")
+    return t
+
+
+def _check_parts(parts: Sequence[torch.Tensor]) -> tuple[torch.device, int]:
+    """Validate pool parts; return their device and num_blocks."""
+    if isinstance(parts, torch.Tensor) or not isinstance(parts, Sequence):
+        raise TypeError(f"parts: expected a sequence of tensors, got {type(parts).__name__}")
+    if len(parts) == 0:
+        raise ValueError("parts: expected at least one part")
+    doc = "[num_layers, num_blocks, entries, entry_bytes]"
+    for i, part in enumerate(parts):
+        _check_tensor(f"parts[{i}]", part, dtype=torch.uint8, ndim=4, shape_doc=doc)
+    device, num_blocks = parts[0].device, parts[0].shape[1]
+    for i, part in enumerate(parts[1:], start=1):
+        if part.device != device:
+            raise ValueError(f"parts[{i}]: expected device {device} like parts[0], got {part.device}")
+        if part.shape[1] != num_blocks:
+            raise ValueError(
+                f"parts[{i}]: expected num_blocks {num_blocks} like parts[0] (dim 1), "
+                f"got shape {list(part.shape)}"
+            )
+    return device, num_blocks
+
+
+def _check_ids(name: str, ids: object, *, devices: tuple[torch.device, ...]) -> torch.Tensor:
+    ids = _check_tensor(name, ids, dtype=torch.int64, ndim=1, shape_doc="[n]")
+    if ids.device not in devices:
+        allowed = " or ".join(str(d) for d in dict.fromkeys(devices))
+        raise ValueError(f"{name}: expected a tensor on {allowed}, got {ids.device}")
+    return ids
+
+
+def _check_range(name: str, ids: torch.Tensor, upper: int, what: str) -> None:
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= upper:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name}: expected ids in [0, {upper}) ({what}), got {bad}")
+
+
+def _check_unique(name: str, ids: torch.Tensor, why: str) -> None:
+    if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"{name}: expected unique ids ({why}), got duplicates in {ids.tolist()[:16]}")
+
+
+def _host_or(device: torch.device) -> tuple[torch.device, ...]:
+    return (device, torch.device("cpu"))
+
+
+def _select(impl: Impl, reason: str | None) -> Impl:
+    if impl is Impl.AUTO:
+        return Impl.CUDA if reason is None else Impl.TORCH
+    if impl is Impl.CUDA and reason is not None:
+        raise ValueError(f"impl='cuda': not runnable here: {reason}")
+    return impl
+
+
+# ------------------------------------------------------------------------- public
+def record_bytes(parts: Sequence[torch.Tensor]) -> int:
+    """Bytes of one block record: ``sum(L * E * B)`` over the parts ``[L, num_blocks, E, B]``."""
+    _check_parts(parts)
+    return sum(p.shape[0] * p.shape[2] * p.shape[3] for p in parts)
+
+
+def gather_blocks(
+    parts: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    impl: str | Impl = "auto",
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """Pack blocks into records: ``out[i] = record of block block_ids[i]``; returns ``out``.
+
+    parts: ``[L_p, num_blocks, E_p, B_p] uint8`` each, one device (any strides).
+    block_ids: ``[n] int64`` on the parts' device or the CPU; any order, repeats allowed.
+    out: ``[n, record_bytes] uint8`` on the parts' device or the CPU (pinned or not).
+    When ``out`` is on the CPU and the parts on a GPU, the records are gathered into a
+    device staging tensor and copied down (non-blocking when ``out`` is pinned).
+    """
+    impl = Impl.parse(impl)
+    device, num_blocks = _check_parts(parts)
+    block_ids = _check_ids("block_ids", block_ids, devices=_host_or(device))
+    _check_tensor("out", out, dtype=torch.uint8, ndim=2, shape_doc="[n, record_bytes]")
+    n, nbytes = block_ids.numel(), record_bytes(parts)
+    if tuple(out.shape) != (n, nbytes):
+        raise ValueError(
+            f"out: expected shape [n={n}, record_bytes={nbytes}], got {list(out.shape)}"
+            + (" (record_bytes mismatch)" if out.shape[0] == n else "")
+        )
+    if out.device not in _host_or(device):
+        raise ValueError(f"out: expected a tensor on {device} or cpu, got {out.device}")
+    if check_ids:
+        _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
+
+    staging = out if out.device == device else torch.empty_like(out, device=device)
+    chosen = _select(impl, None if impl is Impl.TORCH else
+                     cuda_ops.unsupported_reason(parts=parts, records=staging))
+    if n:
+        if chosen is Impl.CUDA:
+            cuda_ops.gather_blocks(parts, block_ids, staging)
+        else:
+            torch_ops.gather_blocks(parts, block_ids.to(device), staging)
+        if staging is not out:
+            out.copy_(staging, non_blocking=out.is_pinned())
+    return out
+
+
+def scatter_blocks(
+    records: torch.Tensor,
+    block_ids: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    *,
+    impl: str | Impl = "auto",
+    check_ids: bool = True,
+) -> None:
+    """Unpack records into blocks, the inverse of :func:`gather_blocks`.
+
+    records: ``[n, record_bytes] uint8`` on the parts' device or the CPU (uploaded
+    first, non-blocking when pinned). block_ids: ``[n] int64``, unique (two records for
+    one block would race). parts: as for :func:`gather_blocks`; written in place.
+    """
+    impl = Impl.parse(impl)
+    device, num_blocks = _check_parts(parts)
+    _check_tensor("records", records, dtype=torch.uint8, ndim=2, shape_doc="[n, record_bytes]")
+    block_ids = _check_ids("block_ids", block_ids, devices=_host_or(device))
+    n, nbytes = block_ids.numel(), record_bytes(parts)
+    if tuple(records.shape) != (n, nbytes):
+        raise ValueError(
+            f"records: expected shape [n={n}, record_bytes={nbytes}], got {list(records.shape)}"
+            + (" (record_bytes mismatch)" if records.shape[0] == n else "")
+        )
+    if records.device not in _host_or(device):
+        raise ValueError(f"records: expected a tensor on {device} or cpu, got {records.device}")
+    if check_ids:
+        _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
+        _check_unique("block_ids", block_ids, "each block is written by one record")
+    if records.device != device:
+        records = records.to(device, non_blocking=records.is_pinned())
+    chosen = _select(impl, None if impl is Impl.TORCH else
+                     cuda_ops.unsupported_reason(parts=parts, records=records))
+    if n == 0:
+        return
+    if chosen is Impl.CUDA:
+        cuda_ops.scatter_blocks(records, block_ids, parts)
+    else:
+        torch_ops.scatter_blocks(records, block_ids.to(device), parts)
+
+
+def swap_in(
+    host: torch.Tensor,
+    host_rows: torch.Tensor,
+    buffer: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    impl: str | Impl = "auto",
+    check_ids: bool = True,
+) -> None:
+    """HiSparse swap-in copy: ``buffer[slots[i]] = host[host_rows[i]]`` for all i.
+
+    host: ``[num_rows, entry_bytes] uint8``, the host mirror of one CSA layer (pinned
+    CPU memory on a GPU machine; the CUDA kernel reads it directly over UVA, one launch
+    for all rows) or a tensor on the buffer's device.
+    host_rows: ``[m] int64``, repeats allowed. buffer: ``[num_slots, entry_bytes] uint8``,
+    the device buffer. slots: ``[m] int64``, unique. Ids on the CPU or buffer's device.
+    """
+    impl = Impl.parse(impl)
+    _check_tensor("host", host, dtype=torch.uint8, ndim=2, shape_doc="[num_rows, entry_bytes]")
+    _check_tensor("buffer", buffer, dtype=torch.uint8, ndim=2, shape_doc="[num_slots, entry_bytes]")
+    device = buffer.device
+    if host.device not in _host_or(device):
+        raise ValueError(f"host: expected a tensor on cpu or {device} (the buffer's device), got {host.device}")
+    if host.shape[1] != buffer.shape[1]:
+        raise ValueError(
+            f"host: expected entry_bytes {buffer.shape[1]} like buffer, got shape {list(host.shape)}"
+        )
+    host_rows = _check_ids("host_rows", host_rows, devices=_host_or(device))
+    slots = _check_ids("slots", slots, devices=_host_or(device))
+    if host_rows.numel() != slots.numel():
+        raise ValueError(
+            f"slots: expected as many ids as host_rows ({host_rows.numel()}), got {slots.numel()}"
+        )
+    if check_ids:
+        _check_range("host_rows", host_rows, host.shape[0], "rows of host")
+        _check_range("slots", slots, buffer.shape[0], "slots of buffer")
+        _check_unique("slots", slots, "each slot is written by one row")
+    chosen = _select(impl, None if impl is Impl.TORCH else
+                     cuda_ops.unsupported_reason(host=host, buffer=buffer))
+    if host_rows.numel() == 0:
+        return
+    if chosen is Impl.CUDA:
+        cuda_ops.swap_in(host, host_rows, buffer, slots)
+    else:
+        torch_ops.swap_in(host, host_rows.to(host.device), buffer, slots.to(device))

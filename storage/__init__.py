@@ -1,0 +1,1 @@
+"""Disk tier: record format and block stores (installed as ``tiered_kv.storage``)."""
