@@ -1,0 +1,79 @@
+"""Chained prefix hashes of 128-token-aligned blocks (ARCHITECTURE §4).
+
+``h_i = sha256(h_{i-1} || token_ids of block i)`` with ``h_{-1} = sha256(namespace)``,
+where the namespace binds the model id, the layout fingerprint and a tenant salt. No
+seed and no Python ``hash()``: the same tokens give the same 32-byte hashes in every
+process and after restarts, while different tenants or layouts never share a hash.
+Token ids are hashed as little-endian uint32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from .layout import KVLayout
+
+__all__ = ["HASH_BYTES", "PrefixHasher", "token_digest", "tokens_to_bytes"]
+
+HASH_BYTES = 32
+_MAX_TOKEN = 2**32 - 1
+
+
+def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes; ids must lie in ``[0, 2**32)``."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token_ids: expected integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
+        raise ValueError(f"token_ids: expected ids in [0, 2**32), got min {arr.min()}, max {arr.max()}")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def token_digest(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """32-byte digest of a block's own token ids (stored in records, checked on read)."""
+    return hashlib.sha256(b"tokens\0" + tokens_to_bytes(token_ids)).digest()
+
+
+class PrefixHasher:
+    """Computes the chained block hashes of token sequences for one namespace.
+
+    >>> h = PrefixHasher(layout, model_id="deepseek-v4-flash", salt="tenant-a")
+    >>> hashes = h.block_hashes(token_ids)   # one 32-byte hash per *full* block
+    """
+
+    def __init__(self, layout: KVLayout, *, model_id: str | None = None, salt: str | bytes = b"") -> None:
+        self.layout = layout
+        self.model_id = model_id if model_id is not None else layout.name
+        salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
+        ns = b"\0".join([b"tiered_kv.prefix.v1", self.model_id.encode(), layout.fingerprint.encode(), salt_b])
+        #: ``h_{-1}``: the root every chain in this namespace starts from.
+        self.root: bytes = hashlib.sha256(ns).digest()
+
+    @staticmethod
+    def chain(parent: bytes, block_tokens: bytes) -> bytes:
+        """``H(parent || token bytes of one block)``."""
+        h = hashlib.sha256(parent)
+        h.update(block_tokens)
+        return h.digest()
+
+    def iter_block_hashes(self, token_ids: Sequence[int] | np.ndarray, *,
+                          parent: bytes | None = None) -> Iterator[bytes]:
+        """Yield the hash of each full block of ``token_ids``, lazily (stop early on a miss)."""
+        data = tokens_to_bytes(token_ids)
+        step = 4 * self.layout.block_tokens
+        h = self.root if parent is None else parent
+        for start in range(0, len(data) - step + 1, step):
+            h = self.chain(h, data[start:start + step])
+            yield h
+
+    def block_hashes(self, token_ids: Sequence[int] | np.ndarray, *,
+                     parent: bytes | None = None) -> list[bytes]:
+        """The hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
+        return list(self.iter_block_hashes(token_ids, parent=parent))
