@@ -1,0 +1,55 @@
+# Set-up, demo, tests and benchmarks. A fresh machine needs only `make demo` or `make test`:
+# both create .venv and install the project first.
+#
+# torch==2.13.0 is installed before the project: it resolves to the local CPU wheel, while a
+# looser torch requirement resolved first would pull a multi-GB CUDA build from PyPI.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+# The build backend of pyproject's [build-system], so that wheels build offline with
+# --no-build-isolation (tests/test_packaging.py). A fresh 3.11 venv has setuptools 65.
+BUILD_DEPS := "setuptools>=68" wheel
+PYTEST_ARGS ?=
+BENCHES := $(wildcard bench/*.py)
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-installs only when pyproject.toml changes (or the stamp is removed).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install $(TORCH) $(BUILD_DEPS)
+	$(BIN)/python -m pip install -e '.[test,bench]'
+	touch $@
+
+demo: venv
+	$(BIN)/tiered-kv plan --model deepseek-v4-flash --context 1M
+	$(BIN)/tiered-kv plan --model deepseek-v4-pro --context 1M
+	$(BIN)/python -m tiered_kv.demo
+
+# pytest exits 5 when it collects no tests: fine locally (e.g. PYTEST_ARGS='-k nothing'),
+# a failure in CI (CI set), where zero tests means the suite went missing.
+test: venv
+	@rc=0; $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then \
+		echo "make test: pytest collected no tests" >&2; \
+		if [ -n "$${CI:-}" ]; then exit 1; fi; \
+		rc=0; \
+	fi; \
+	exit $$rc
+
+bench: venv
+	@set -e; for b in $(BENCHES); do \
+		echo "== $$b --quick"; $(BIN)/python $$b --quick; \
+	done
+
+# Build outputs and caches; keeps .venv (remove it by hand for a fresh set-up).
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis .mypy_cache
+	find . -path ./$(VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

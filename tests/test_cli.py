@@ -1,0 +1,139 @@
+"""The ``tiered-kv`` command line: in-process through ``main`` and once as installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.cli import main
+from tiered_kv.cli.main import ExitCode, command_modules
+
+FLASH_1M_CLASSICAL = 4037279744
+PRO_BF16_1M_CLASSICAL = 10326376448
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_flash_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plan", "--model", "deepseek-v4-flash", "--context", "1048576")
+    assert code == 0 and err == ""
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    assert rows["classical_bytes"][:3] == [str(FLASH_1M_CLASSICAL), "3.76", "GiB"]
+    assert rows["model"] == ["deepseek-v4-flash"]
+    assert rows["num_blocks"] == ["8192"]
+    assert rows["max_requests"][0] == "21"
+    for part in ("csa_kv", "indexer", "hca_kv"):
+        assert part in rows
+
+
+def test_plan_default_context_is_1m(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "plan", "--model", "deepseek-v4-flash", "--json")
+    assert code == 0
+    assert json.loads(out)["context_tokens"] == 1 << 20
+
+
+def test_plan_pro_bf16_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plan", "--model", "deepseek-v4-pro", "--context", "1M",
+                             "--entry-format", "bf16", "--indexer-bytes", "256", "--json")
+    assert code == 0 and err == ""
+    p = json.loads(out)
+    assert p["classical_bytes"] == PRO_BF16_1M_CLASSICAL
+    assert p["entry_format"] == "bf16"
+    assert p["context_tokens"] == 1 << 20
+    assert sum(p["classical_bytes_by_part"].values()) == p["classical_bytes"]
+
+
+def test_plan_options_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "plan", "--model", "tiny", "--context", "1k", "--block-tokens",
+                           "256", "--entry-format", "bf16", "--hbm-gib", "0.5", "--json")
+    assert code == 0
+    p = json.loads(out)
+    assert (p["model"], p["entry_format"], p["block_tokens"]) == ("tiny", "bf16", 256)
+    assert p["num_blocks"] == 4
+    assert p["hbm_bytes"] == 1 << 29
+    assert p["max_requests"] == (1 << 29) // p["bytes_per_request"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "tiny", "--entry-format", "fp8"], "expected head_dim 512, got 16"),
+    (["plan", "--model", "deepseek-v4-flash", "--block-tokens", "100"], "multiple of"),
+    (["plan", "--model", "deepseek-v4-flash", "--context", "1.5M"], "argument --context"),
+    (["plan", "--model", "deepseek-v4-flash", "--context", "-5"], "argument --context"),
+    (["plan", "--model", "deepseek-v4-flash", "--hbm-gib", "0"], "argument --hbm-gib"),
+    (["plan", "--model", "deepseek-v4-flash", "--indexer-bytes", "x"], "argument --indexer-bytes"),
+    (["plan", "--model", "deepseek-v4-flash", "--entry-format", "fp16"], "invalid choice"),
+    (["plan", "--model", "llama"], "invalid choice"),
+    (["plan"], "--model"),
+    (["no-such-command"], "invalid choice"),
+    ([], "COMMAND"),
+])
+def test_bad_arguments_exit_2_with_message(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                           message: str) -> None:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == ExitCode.USAGE == 2
+    assert out == ""
+    assert message in err
+    assert "error:" in err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "plan", "--help")
+    assert code == 0
+    assert "--context" in out
+
+
+def test_every_command_module_is_registered() -> None:
+    names = [m.__name__.rsplit(".", 1)[1] for m in command_modules()]
+    assert "plan" in names
+    assert "main" not in names
+
+
+def _console_script() -> str:
+    """The installed ``tiered-kv`` next to this interpreter (the venv's), else on PATH."""
+    local = Path(sys.executable).parent / "tiered-kv"
+    found = str(local) if local.exists() else shutil.which("tiered-kv")
+    if found is None:
+        pytest.fail("the tiered-kv console script is not installed (pip install -e .)")
+    return found
+
+
+def test_console_script_json() -> None:
+    proc = subprocess.run(
+        [_console_script(), "plan", "--model", "deepseek-v4-flash", "--context", "1M", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout)
+    for key in ("model", "layout_fingerprint", "entry_format", "context_tokens", "block_tokens",
+                "num_blocks", "block_bytes", "classical_bytes", "classical_bytes_by_part",
+                "state_bytes", "snapshot_bytes", "bytes_per_request", "hbm_bytes", "max_requests"):
+        assert key in p
+    assert p["classical_bytes"] == FLASH_1M_CLASSICAL
+
+
+def test_console_script_bad_argument_exits_2() -> None:
+    proc = subprocess.run(
+        [_console_script(), "plan", "--model", "tiny", "--entry-format", "fp8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "tiered-kv plan: error:" in proc.stderr and "head_dim 512" in proc.stderr
+
+
+def test_python_dash_m() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiered_kv.cli", "plan", "--model", "tiny", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"] == "tiny"
