@@ -177,7 +177,7 @@ def gather_blocks(
         if chosen is Impl.CUDA:
             cuda_ops.gather_blocks(parts, block_ids, staging)
         else:
-            torch_ops.gather_blocks(parts, block_ids.to(device), staging)
+            torch_ops.gather_blocks(parts, torch_ops.ids_to(block_ids, device), staging)
         if staging is not out:
             out.copy_(staging, non_blocking=out.is_pinned())
     return out
@@ -221,7 +221,7 @@ def scatter_blocks(
     if chosen is Impl.CUDA:
         cuda_ops.scatter_blocks(records, block_ids, parts)
     else:
-        torch_ops.scatter_blocks(records, block_ids.to(device), parts)
+        torch_ops.scatter_blocks(records, torch_ops.ids_to(block_ids, device), parts)
 
 
 def swap_in(
@@ -237,20 +237,30 @@ def swap_in(
 
     host: ``[num_rows, entry_bytes] uint8``, the host mirror of one CSA layer (pinned
     CPU memory on a GPU machine; the CUDA kernel reads it directly over UVA, one launch
-    for all rows) or a tensor on the buffer's device.
+    for all rows) or a tensor on the buffer's device. It may also be a strided 3-D view
+    ``[num_blocks, rows_per_block, entry_bytes]`` (e.g. the CSA part of block-contiguous
+    host records, which cannot be flattened without a copy); row ``r`` is then
+    ``host[r // rows_per_block, r % rows_per_block]``.
     host_rows: ``[m] int64``, repeats allowed. buffer: ``[num_slots, entry_bytes] uint8``,
     the device buffer. slots: ``[m] int64``, unique. Ids on the CPU or buffer's device.
     """
     impl = Impl.parse(impl)
-    _check_tensor("host", host, dtype=torch.uint8, ndim=2, shape_doc="[num_rows, entry_bytes]")
+    if isinstance(host, torch.Tensor) and host.dim() == 3:
+        _check_tensor("host", host, dtype=torch.uint8, ndim=3,
+                      shape_doc="[num_blocks, rows_per_block, entry_bytes]")
+        if host.stride(2) != 1:
+            raise ValueError(f"host: expected contiguous entries (stride 1 in dim 2), got strides {host.stride()}")
+    else:
+        _check_tensor("host", host, dtype=torch.uint8, ndim=2, shape_doc="[num_rows, entry_bytes]")
     _check_tensor("buffer", buffer, dtype=torch.uint8, ndim=2, shape_doc="[num_slots, entry_bytes]")
     device = buffer.device
     if host.device not in _host_or(device):
         raise ValueError(f"host: expected a tensor on cpu or {device} (the buffer's device), got {host.device}")
-    if host.shape[1] != buffer.shape[1]:
+    if host.shape[-1] != buffer.shape[1]:
         raise ValueError(
             f"host: expected entry_bytes {buffer.shape[1]} like buffer, got shape {list(host.shape)}"
         )
+    num_rows = host.shape[0] * host.shape[1] if host.dim() == 3 else host.shape[0]
     host_rows = _check_ids("host_rows", host_rows, devices=_host_or(device))
     slots = _check_ids("slots", slots, devices=_host_or(device))
     if host_rows.numel() != slots.numel():
@@ -258,7 +268,7 @@ def swap_in(
             f"slots: expected as many ids as host_rows ({host_rows.numel()}), got {slots.numel()}"
         )
     if check_ids:
-        _check_range("host_rows", host_rows, host.shape[0], "rows of host")
+        _check_range("host_rows", host_rows, num_rows, "rows of host")
         _check_range("slots", slots, buffer.shape[0], "slots of buffer")
         _check_unique("slots", slots, "each slot is written by one row")
     chosen = _select(impl, None if impl is Impl.TORCH else
@@ -268,4 +278,5 @@ def swap_in(
     if chosen is Impl.CUDA:
         cuda_ops.swap_in(host, host_rows, buffer, slots)
     else:
-        torch_ops.swap_in(host, host_rows.to(host.device), buffer, slots.to(device))
+        torch_ops.swap_in(host, torch_ops.ids_to(host_rows, host.device), buffer,
+                           torch_ops.ids_to(slots, device))
