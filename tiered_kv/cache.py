@@ -35,11 +35,16 @@ import torch
 
 from .block_pool import BlockPool
 from .classical_pool import ClassicalPool
-from .device import resolve_device
+from .device import empty_host, resolve_device
+from .disk import DiskTier
 from .errors import CacheFullError
+from .hisparse import HiSparseBuffers, HiSparseConfig
+from .host import HostTier
+from .kernels import gather_blocks, scatter_blocks
 from .layout import KVLayout, LayerKind
-from .prefix import PrefixHasher, tokens_to_bytes
+from .prefix import PrefixHasher, token_digest, tokens_to_bytes
 from .state_pool import SnapshotPool, StatePool, StateView
+from .transfer import CopyEngine
 
 __all__ = ["Request", "TieredKVCache"]
 
@@ -62,6 +67,8 @@ class Request:
     closed: bool = False
     #: Private snapshots of the latest block boundaries: (num_blocks, snapshot id, hash).
     _pending: list[tuple[int, int, bytes]] = field(default_factory=list, repr=False)
+    #: HiSparse: a host record reserved for the CSA part of the block being filled.
+    _host_reserved: int | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -98,11 +105,22 @@ class TieredKVCache:
         snapshot_interval: register a shared snapshot every this many blocks.
         model_id, salt: the prefix-hash namespace (model id + layout fingerprint + tenant
             salt); requests of different salts never share blocks.
+        host_bytes: enable the host tier with this many bytes of (pinned) CPU memory: it
+            keeps blocks and snapshots evicted from the GPU, and the HiSparse mirror.
+        hisparse: enable HiSparse (needs ``host_bytes``): sealed blocks' CSA entries live
+            on the host, each request keeps ``device_buffer_entries`` of them per CSA
+            layer on the device.
+        store: enable the disk tier: a :class:`tiered_kv.storage.BlockStore` or a URL
+            (``"lmdb:///path"``, ``"zarr:///path"``). Full blocks and snapshots are
+            written behind the request; :meth:`flush` waits for them.
+        store_options: keyword options for :func:`tiered_kv.storage.open_store`.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
                  num_state_slots: int = 8, num_snapshots: int | None = None, snapshot_interval: int = 8,
-                 model_id: str | None = None, salt: str | bytes = b"") -> None:
+                 model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
+                 hisparse: HiSparseConfig | None = None, store: object | None = None,
+                 store_options: dict | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -115,17 +133,31 @@ class TieredKVCache:
         if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval <= 0:
             raise ValueError(f"snapshot_interval: expected a positive int, got {snapshot_interval!r}")
         self.snapshot_interval = snapshot_interval
+        if hisparse is not None and host_bytes is None:
+            raise ValueError("hisparse: expected host_bytes too (the CSA mirror lives in the host tier)")
+        if hisparse is not None and not isinstance(hisparse, HiSparseConfig):
+            raise TypeError(f"hisparse: expected a HiSparseConfig, got {type(hisparse).__name__}")
         self.hasher = PrefixHasher(layout, model_id=model_id, salt=salt)
-        self.blocks = BlockPool(num_blocks)
-        self.classical = ClassicalPool(layout, num_blocks, self.device)
+        self.copies = CopyEngine(self.device)
+        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict)
+        self.classical = ClassicalPool(layout, num_blocks, self.device,
+                                       csa_blocks=num_state_slots if hisparse is not None else None)
         self.states = StatePool(layout, num_state_slots, self.device)
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
+        self.snapshots.ids.on_evict = self._on_snapshot_evict
+        self.host = HostTier(layout, host_bytes, self.device) if host_bytes is not None else None
+        self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device)
+                         if hisparse is not None else None)
+        #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
+        self._host_of_block: dict[int, int] = {}
+        self.disk = DiskTier(store, layout, store_options=store_options) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
-             "snapshot_hits"], 0)
+             "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
+             "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
 
     # ---------------------------------------------------------------- checks
     def _live(self, request: Request) -> Request:
@@ -181,9 +213,10 @@ class TieredKVCache:
         """Start a request for ``token_ids`` (its prompt), reusing the longest cached prefix.
 
         The prefix must end at a resume point (a multiple of ``block_tokens``) that has a
-        state snapshot; at least one prompt token is always left to compute so the caller
-        gets logits (``max_cached_tokens`` lowers the bound further). The request then
-        stands at ``num_cached_tokens``; the caller runs the rest of the prompt.
+        state snapshot in some tier; blocks and the snapshot are looked up nearest first
+        (GPU, host, disk) and loaded up the tiers. At least one prompt token is always
+        left to compute so the caller gets logits (``max_cached_tokens`` lowers the bound
+        further). The request then stands at ``num_cached_tokens``.
 
         Raises :class:`CacheFullError` when no State slot is free.
         """
@@ -196,31 +229,14 @@ class TieredKVCache:
         slot = self.states.allocate()
         if slot is None:
             raise CacheFullError(f"open: no free state slot ({self.states.num_slots} in use); close a request first")
+        if self.hisparse is not None:
+            self.hisparse.reset(slot)
         bt = self.layout.block_tokens
-        matched: list[tuple[bytes, int]] = []
-        for h in self.hasher.iter_block_hashes(tokens[:limit - limit % bt]):
-            b = self.blocks.lookup(h)
-            if b is None:
-                break
-            matched.append((h, b))
-        num_blocks = 0
-        snap_id = None
-        for i in range(len(matched), 0, -1):
-            snap_id = self.snapshots.ids.lookup(matched[i - 1][0])
-            if snap_id is not None:
-                num_blocks = i
-                break
-        for _, b in matched[:num_blocks]:
-            self.blocks.incref(b)
-        if snap_id is not None:
-            self.snapshots.ids.incref(snap_id)  # refresh its LRU position
-            self.states.restore(slot, self.snapshots.data[snap_id])
-            self.snapshots.ids.free(snap_id)
-            self._counters["snapshot_hits"] += 1
+        hashes = self.hasher.block_hashes(tokens[:limit - limit % bt])
+        block_ids, num_blocks = self._match_prefix(slot, tokens, hashes)
         P = num_blocks * bt
-        req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P],
-                      block_ids=[b for _, b in matched[:num_blocks]],
-                      block_hashes=[h for h, _ in matched[:num_blocks]], num_cached_tokens=P)
+        req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
+                      block_hashes=hashes[:num_blocks], num_cached_tokens=P)
         self._requests[req.request_id] = req
         self._counters["requests_opened"] += 1
         self._counters["prompt_tokens"] += len(tokens)
@@ -230,16 +246,218 @@ class TieredKVCache:
     def close(self, request: Request) -> None:
         """End a request: free its State slot; its full blocks stay as cached prefix."""
         req = self._live(request)
-        for _, snap_id, h in req._pending:
-            self._register_snapshot(snap_id, h)
+        for k, snap_id, h in req._pending:
+            self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * self.layout.block_tokens:
+                                                              k * self.layout.block_tokens])
         req._pending = []
+        if req._host_reserved is not None:
+            assert self.host is not None
+            self.host.blocks.free(req._host_reserved)
+            req._host_reserved = None
         # Free the tail first so LRU eviction takes a prefix's end before its start.
         for b in reversed(req.block_ids):
-            self.blocks.free(b)
+            self._release_block(b)
         self.states.free(req.slot)
         req.closed = True
         del self._requests[req.request_id]
         self._counters["requests_closed"] += 1
+
+    def flush(self) -> None:
+        """Wait for every pending copy and disk write submitted so far."""
+        self.copies.synchronize()
+        if self.disk is not None:
+            self.disk.flush()
+
+    def shutdown(self) -> None:
+        """Flush and close the disk tier (a store opened from a URL is closed)."""
+        self.copies.synchronize()
+        if self.disk is not None:
+            self.disk.close()
+
+    def __enter__(self) -> TieredKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------- prefix matching
+    def _match_prefix(self, slot: int, tokens: list[int], hashes: list[bytes]) -> tuple[list[int], int]:
+        """Find, load and reference the longest resumable prefix; restore its State.
+
+        Returns (GPU block ids, each with a reference taken, number of blocks). Tries
+        shorter prefixes when a block or snapshot cannot be loaded (a corrupt disk record,
+        a full pool).
+        """
+        available = self._available_blocks(hashes)
+        while available > 0:
+            n = self._longest_snapshot(hashes[:available])
+            if n == 0:
+                break
+            got = self._acquire_blocks(tokens, hashes[:n])
+            if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n):
+                return got, n
+            for b in reversed(got):
+                self._release_block(b)
+            available = len(got) if len(got) < n else n - 1
+        return [], 0
+
+    def _available_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks some tier holds."""
+        for i, h in enumerate(hashes):
+            if self.blocks.lookup(h) is not None:
+                continue
+            if self.host is not None and self.host.blocks.lookup(h) is not None:
+                continue
+            if self.disk is not None and self.disk.contains(_key("block", h)):
+                continue
+            return i
+        return len(hashes)
+
+    def _longest_snapshot(self, hashes: list[bytes]) -> int:
+        for n in range(len(hashes), 0, -1):
+            h = hashes[n - 1]
+            if self.snapshots.ids.lookup(h) is not None:
+                return n
+            if self.host is not None and self.host.snapshots is not None and self.host.snapshots.lookup(h) is not None:
+                return n
+            if self.disk is not None and self.disk.contains(_key("snapshot", h)):
+                return n
+        return 0
+
+    def _acquire_blocks(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
+        """Take a reference on the GPU block of each hash, loading it from host or disk.
+
+        Stops at the first block that cannot be had; returns the blocks acquired.
+        """
+        bt = self.layout.block_tokens
+        got: list[int] = []
+        for i, h in enumerate(hashes):
+            b = self.blocks.lookup(h)
+            if b is not None:
+                self.blocks.incref(b)
+                got.append(b)
+                continue
+            fetched = self._fetch_record(h, tokens[i * bt:(i + 1) * bt])
+            b = self.blocks.allocate() if fetched is not None else None
+            if b is None:
+                if fetched is not None and fetched[1] is not None:
+                    self._drop_host_ref(fetched[1])
+                break
+            record, hid = fetched
+            bid = torch.tensor([b])
+            if self.hisparse is not None:
+                assert hid is not None
+                self.copies.load_blocks(record[:, self.layout.csa_kv_block_bytes:], bid,
+                                        self.classical.rest_parts).make_stream_wait()
+                self._host_of_block[b] = hid  # the GPU block keeps the host reference
+            else:
+                self.copies.load_blocks(record, bid, self.classical.parts).make_stream_wait()
+                if hid is not None:
+                    self._drop_host_ref(hid)
+            self.blocks.cache(b, h)
+            got.append(b)
+        return got
+
+    def _fetch_record(self, h: bytes, block_tokens: list[int]) -> tuple[torch.Tensor, int | None] | None:
+        """Block ``h``'s record ``[1, block_bytes]`` from the host tier, or read from disk.
+
+        With a host tier the record is a referenced host record (id returned; a disk read
+        lands there, promoting the block); without one, a temporary CPU tensor (id None).
+        None when no tier has a good copy.
+        """
+        host = self.host
+        if host is not None:
+            hid = host.blocks.lookup(h)
+            if hid is not None:
+                host.blocks.incref(hid)
+                self._counters["blocks_from_host"] += 1
+                return host.records[hid:hid + 1], hid
+        if self.disk is None:
+            return None
+        hid = None
+        if host is not None:
+            hid = host.blocks.allocate()
+            if hid is None:
+                return None
+            record = host.records[hid:hid + 1]
+        else:
+            record = torch.empty(1, self.layout.block_bytes, dtype=torch.uint8)
+        if not self.disk.read(_key("block", h), record[0], token_digest(block_tokens)):
+            if hid is not None:
+                self._drop_host_ref(hid)
+            self._counters["disk_read_failures"] += 1
+            return None
+        if hid is not None:
+            assert host is not None
+            host.blocks.cache(hid, h)
+        self._counters["blocks_from_disk"] += 1
+        return record, hid
+
+    def _drop_host_ref(self, hid: int) -> None:
+        assert self.host is not None
+        self.host.blocks.free(hid)
+
+    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int) -> bool:
+        """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``."""
+        ids = self.snapshots.ids
+        sid = ids.lookup(h)
+        if sid is not None:
+            ids.incref(sid)  # refresh its LRU position
+            self.states.restore(slot, self.snapshots.data[sid])
+            ids.free(sid)
+            self._counters["snapshot_hits"] += 1
+            return True
+        data = self.host.lookup_snapshot(h) if self.host is not None else None
+        if data is not None:
+            self._counters["snapshots_from_host"] += 1
+        elif self.disk is not None:
+            data = torch.empty(self.layout.snapshot_bytes, dtype=torch.uint8)
+            bt = self.layout.block_tokens
+            if not self.disk.read(_key("snapshot", h), data, token_digest(tokens[(n - 1) * bt:n * bt])):
+                self._counters["disk_read_failures"] += 1
+                return False
+            self._counters["snapshots_from_disk"] += 1
+        else:
+            return False
+        self.states.restore(slot, data.to(self.device))
+        self._counters["snapshot_hits"] += 1
+        # promote into the GPU snapshot pool so the next open hits it there
+        sid = ids.allocate()
+        if sid is not None:
+            self.snapshots.data[sid].copy_(data)
+            ids.cache(sid, h)
+            ids.free(sid)
+        return True
+
+    # ----------------------------------------------------- tier movements
+    def _release_block(self, b: int) -> None:
+        """Drop one reference on GPU block ``b`` (and its host record when it dies)."""
+        if self.blocks.refcount(b) == 1 and self.blocks.block_hash(b) is None:
+            hid = self._host_of_block.pop(b, None)
+            if hid is not None:
+                self._drop_host_ref(hid)
+        self.blocks.free(b)
+
+    def _on_block_evict(self, b: int, h: bytes) -> None:
+        """A cached GPU block is reused: keep its record in the host tier."""
+        hid = self._host_of_block.pop(b, None)
+        if hid is not None:  # HiSparse: the host already holds the record
+            self._drop_host_ref(hid)
+            return
+        if self.host is None or self.host.blocks.lookup(h) is not None:
+            return
+        hid = self.host.blocks.allocate()
+        if hid is None:
+            return
+        handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
+        handle.make_stream_wait()  # the block is overwritten only after the copy read it
+        self.host.blocks.cache(hid, h)
+        self.host.blocks.free(hid)
+        self._counters["blocks_offloaded"] += 1
+
+    def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
+        if self.host is not None:
+            self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
 
     # ------------------------------------------------------ engine interface
     def state(self, request: Request) -> StateView:
@@ -263,6 +481,17 @@ class TieredKVCache:
             raise CacheFullError(f"reserve: request {req.request_id} needs {need} more blocks, "
                                  f"{self.blocks.num_available} available of {self.blocks.num_blocks}")
         req.block_ids.extend(got)
+        if self.hisparse is not None and req._host_reserved is None:
+            req._host_reserved = self._reserve_host_record(req)
+
+    def _reserve_host_record(self, req: Request) -> int:
+        """HiSparse: a host record for the CSA part of the block the request fills."""
+        assert self.host is not None
+        hid = self.host.blocks.allocate()
+        if hid is None:
+            raise CacheFullError(f"request {req.request_id}: the host tier has no free record for a sealed "
+                                 f"block's CSA entries ({self.host.num_blocks} records, all referenced)")
+        return hid
 
     def write_csa(self, request: Request, layer: int, entry_ids: torch.Tensor,
                   kv: torch.Tensor, keys: torch.Tensor) -> None:
@@ -279,8 +508,15 @@ class TieredKVCache:
         self._check_bytes("keys", keys, (m, L.indexer_bytes))
         blk, off = self._locate(req, ids, L.csa_entries_per_block,
                                 num_entries=len(req.block_ids) * L.csa_entries_per_block, writable=True)
-        self.classical.csa_kv[c, blk, off] = kv
         self.classical.indexer[c, blk, off] = keys
+        if self.hisparse is None:
+            self.classical.csa_kv[c, blk, off] = kv
+            return
+        # HiSparse: entries are written to the request's open block, one per State slot
+        if m and int(ids.max()) >= (req.num_sealed_blocks + 1) * L.csa_entries_per_block:
+            raise ValueError(f"entry ids: with HiSparse only the open block {req.num_sealed_blocks} of request "
+                             f"{req.request_id} is writable, got entry {int(ids.max())}")
+        self.classical.csa_kv[c, req.slot, off] = kv
 
     def write_hca(self, request: Request, layer: int, entry_ids: torch.Tensor, kv: torch.Tensor) -> None:
         """Store completed HCA entries of HCA ``layer``: kv ``[m, entry_bytes]`` uint8."""
@@ -307,9 +543,50 @@ class TieredKVCache:
         req = self._live(request)
         c = self._layer_part(layer, LayerKind.CSA)
         ids = self._entry_ids("entry_ids", entry_ids)
-        blk, off = self._locate(req, ids, self.layout.csa_entries_per_block,
-                                num_entries=len(req.block_ids) * self.layout.csa_entries_per_block, writable=False)
-        return self.classical.csa_kv[c, blk, off]
+        E = self.layout.csa_entries_per_block
+        blk, off = self._locate(req, ids, E, num_entries=len(req.block_ids) * E, writable=False)
+        if self.hisparse is None:
+            return self.classical.csa_kv[c, blk, off]
+        out = torch.empty(ids.numel(), self.layout.entry_bytes, dtype=torch.uint8, device=self.device)
+        sealed = ids // E < req.num_sealed_blocks
+        if (~sealed).any():
+            out[~sealed] = self.classical.csa_kv[c, req.slot, off[~sealed]]
+        if sealed.any():
+            out[sealed] = self._swap_in(req, c, ids[sealed], blk[sealed], off[sealed])
+        return out
+
+    def swap_in(self, request: Request, layer: int, entry_ids: torch.Tensor) -> torch.Tensor:
+        """HiSparse: make CSA entries of sealed blocks resident in the request's device
+        buffer for CSA ``layer``; returns their buffer slots ``[k]`` int64.
+
+        entry_ids ``[k]`` int64, unique, ``k <= device_buffer_entries``, all in sealed
+        blocks. The bytes are then ``cache.hisparse.buffer[request.slot, part, slots]``.
+        """
+        req = self._live(request)
+        if self.hisparse is None:
+            raise ValueError("swap_in: HiSparse is not enabled (pass hisparse=HiSparseConfig(...))")
+        c = self._layer_part(layer, LayerKind.CSA)
+        ids = self._entry_ids("entry_ids", entry_ids)
+        E = self.layout.csa_entries_per_block
+        blk, off = self._locate(req, ids, E, num_entries=req.num_sealed_blocks * E, writable=False)
+        if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+            raise ValueError("entry_ids: expected unique ids")
+        return self.hisparse.swap_in(req.slot, c, ids, self._host_rows(c, blk, off), self.host.csa_rows())
+
+    def _host_rows(self, c: int, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """Flat rows of CSA entries (GPU block, offset) in the host mirror's row view."""
+        E = self.layout.csa_entries_per_block
+        hb = torch.tensor([self._host_of_block[int(b)] for b in blk], dtype=torch.int64)
+        return hb * (self.layout.num_csa_layers * E) + c * E + off
+
+    def _swap_in(self, req: Request, c: int, ids: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        assert self.hisparse is not None and self.host is not None
+        rows = self._host_rows(c, blk, off)
+        if ids.numel() <= self.hisparse.capacity:
+            slots = self.hisparse.swap_in(req.slot, c, ids, rows, self.host.csa_rows())
+            return self.hisparse.read(req.slot, c, slots)
+        # more entries than the buffer holds (a long prefill chunk): read the mirror directly
+        return self.hisparse.read_direct(rows, self.host.csa_rows())
 
     def read_hca(self, request: Request, layer: int, num_entries: int) -> torch.Tensor:
         """The first ``num_entries`` HCA entries of HCA ``layer``: ``[num_entries, entry_bytes]`` uint8."""
@@ -346,15 +623,47 @@ class TieredKVCache:
 
     # --------------------------------------------------------- seal/snapshot
     def _seal(self, req: Request) -> None:
+        """The request's open block is full: hash it, publish it, mirror and persist it."""
         bt = self.layout.block_tokens
         k = req.num_sealed_blocks
+        b = req.block_ids[k]
         parent = req.block_hashes[-1] if req.block_hashes else self.hasher.root
-        h = self.hasher.chain(parent, tokens_to_bytes(req.token_ids[k * bt:(k + 1) * bt]))
+        block_tokens = req.token_ids[k * bt:(k + 1) * bt]
+        h = self.hasher.chain(parent, tokens_to_bytes(block_tokens))
         req.block_hashes.append(h)
         self._counters["blocks_sealed"] += 1
-        if not self.blocks.cache(req.block_ids[k], h):
+        record = None
+        if self.hisparse is not None:
+            record = self._mirror_to_host(req, b, h)
+        if not self.blocks.cache(b, h):
             self._counters["blocks_duplicate"] += 1
+        if self.disk is not None:
+            if record is None:
+                record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
+                handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), record)
+                ready = handle.wait_event
+            else:
+                record, ready = record.clone(), None  # a private copy: the host record may be recycled
+            self.disk.submit(_key("block", h), parent, token_digest(block_tokens), record[0], ready)
         self._snapshot_at_boundary(req, h, k + 1)
+
+    def _mirror_to_host(self, req: Request, b: int, h: bytes) -> torch.Tensor:
+        """HiSparse: copy the sealed block's record (CSA part from the open block) to the
+        host; the GPU block keeps a reference on it. Returns the host record ``[1, B]``."""
+        assert self.host is not None
+        hid = req._host_reserved if req._host_reserved is not None else self._reserve_host_record(req)
+        req._host_reserved = None
+        cp = self.classical
+        parts = (cp.csa_kv[:, req.slot:req.slot + 1], cp.indexer[:, b:b + 1], cp.hca_kv[:, b:b + 1])
+        self.copies.offload_blocks(parts, torch.tensor([0]), self.host.records[hid:hid + 1]).wait()
+        if not self.host.blocks.cache(hid, h):  # the host already has this block: use that record
+            existing = self.host.blocks.lookup(h)
+            assert existing is not None
+            self.host.blocks.free(hid)
+            self.host.blocks.incref(existing)
+            hid = existing
+        self._host_of_block[b] = hid
+        return self.host.records[hid:hid + 1]
 
     def _snapshot_at_boundary(self, req: Request, h: bytes, num_blocks: int) -> None:
         """Snapshot the State at the boundary after block ``num_blocks``.
@@ -381,21 +690,26 @@ class TieredKVCache:
         self.states.snapshot(req.slot, out=self.snapshots.data[snap_id])
         self._counters["snapshots_taken"] += 1
         if num_blocks % self.snapshot_interval == 0:
-            self._register_snapshot(snap_id, h)
+            bt = self.layout.block_tokens
+            self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt])
         else:
             req._pending.append((num_blocks, snap_id, h))
 
-    def _register_snapshot(self, snap_id: int, h: bytes) -> None:
-        """Publish a private snapshot under ``h`` (unless one exists) and drop our reference."""
+    def _register_snapshot(self, snap_id: int, h: bytes, block_tokens: list[int]) -> None:
+        """Publish a private snapshot under ``h`` (unless one exists), persist it, drop our ref."""
         ids = self.snapshots.ids
         if ids.cache(snap_id, h):
             self._counters["snapshots_registered"] += 1
+            if self.disk is not None:
+                parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
+                self.disk.submit(_key("snapshot", h), parent, token_digest(block_tokens),
+                                 self.snapshots.data[snap_id].to("cpu", copy=True))
         ids.free(snap_id)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, int]:
-        """Counters and pool occupancy."""
-        return {
+        """Counters and pool occupancy of every tier."""
+        out = {
             **self._counters,
             "live_requests": len(self._requests),
             "blocks_total": self.blocks.num_blocks,
@@ -406,4 +720,19 @@ class TieredKVCache:
             "state_slots_free": self.states.num_free,
             "snapshots_cached": self.snapshots.ids.num_cached,
             "snapshots_evicted": self.snapshots.ids.evictions,
+            "copy_bytes_d2h": self.copies.bytes_d2h,
+            "copy_bytes_h2d": self.copies.bytes_h2d,
         }
+        if self.host is not None:
+            out.update(self.host.stats())
+        if self.hisparse is not None:
+            out.update(self.hisparse.stats())
+        if self.disk is not None:
+            out.update(self.disk.stats())
+        return out
+
+
+def _key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey
+    from .storage import RecordKey
+
+    return RecordKey.block(h) if kind == "block" else RecordKey.snapshot(h)

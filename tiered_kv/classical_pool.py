@@ -26,15 +26,19 @@ __all__ = ["ClassicalPool"]
 class ClassicalPool:
     """Device tensors of the Classical blocks of one layout."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, *,
+                 csa_blocks: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         L = layout
-        #: ``[num_csa_layers, num_blocks, csa_entries_per_block, entry_bytes]`` uint8
-        self.csa_kv = torch.zeros(L.num_csa_layers, num_blocks, L.csa_entries_per_block,
+        #: Blocks of the CSA KV part: ``num_blocks``, or with HiSparse one *open* block
+        #: per State slot (sealed blocks' CSA entries then live in the host tier).
+        self.csa_blocks = num_blocks if csa_blocks is None else csa_blocks
+        #: ``[num_csa_layers, csa_blocks, csa_entries_per_block, entry_bytes]`` uint8
+        self.csa_kv = torch.zeros(L.num_csa_layers, self.csa_blocks, L.csa_entries_per_block,
                                   L.entry_bytes, dtype=torch.uint8, device=device)
         #: ``[num_csa_layers, num_blocks, csa_entries_per_block, indexer_bytes]`` uint8
         self.indexer = torch.zeros(L.num_csa_layers, num_blocks, L.csa_entries_per_block,
@@ -46,11 +50,18 @@ class ClassicalPool:
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The parts in record order: ``(csa_kv, indexer, hca_kv)``."""
+        if self.csa_blocks != self.num_blocks:
+            raise ValueError("parts: the CSA part is per State slot (HiSparse); use rest_parts")
         return (self.csa_kv, self.indexer, self.hca_kv)
 
     @property
+    def rest_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts that follow the CSA part in a record: ``(indexer, hca_kv)``."""
+        return (self.indexer, self.hca_kv)
+
+    @property
     def nbytes(self) -> int:
-        return sum(p.numel() for p in self.parts)
+        return sum(p.numel() for p in (self.csa_kv, self.indexer, self.hca_kv))
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """One block as its record: ``[block_bytes]`` uint8 (a copy)."""
