@@ -1,0 +1,128 @@
+"""The cache's side of the disk tier: write-behind to a :class:`BlockStore`, reads on demand.
+
+Full blocks and registered snapshots are written *behind* the request by one background
+thread, so the request path never waits on disk; :meth:`DiskTier.flush` waits for every
+write submitted so far. A write that fails (full disk, full map, an I/O error) is
+counted and its message kept; the data stays in the GPU and host tiers and the cache
+keeps serving. Writes are bounded: past ``max_pending`` queued writes a submit waits
+for the oldest one (back-pressure, never a dropped record).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .layout import KVLayout
+
+__all__ = ["DiskTier"]
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """A :class:`tiered_kv.storage.BlockStore` behind a write-behind thread.
+
+    Args:
+        store: an open store, or a URL for :func:`tiered_kv.storage.open_store`
+            (``lmdb:///path``, ``zarr:///path``); a URL-opened store is closed by
+            :meth:`close`.
+        layout: the cache's layout (the store must have been created for it).
+        max_pending: queued writes before a submit waits for the oldest.
+    """
+
+    def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
+                 store_options: dict[str, Any] | None = None) -> None:
+        from .storage import BlockStore, open_store
+
+        self._owns_store = not isinstance(store, BlockStore)
+        if self._owns_store:
+            store = open_store(store, layout_fingerprint=layout.fingerprint, **(store_options or {}))
+        elif store.layout_fingerprint != layout.fingerprint:
+            from .storage import LayoutMismatchError
+            raise LayoutMismatchError(f"store: expected layout fingerprint {layout.fingerprint}, "
+                                      f"the store holds {store.layout_fingerprint}")
+        self.store = store
+        self.layout = layout
+        self.max_pending = max_pending
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-disk")
+        self._pending: deque[Future[None]] = deque()
+        self._lock = threading.Lock()
+        self.writes = 0
+        self.write_errors = 0
+        self.write_bytes = 0
+        self.last_write_error: str | None = None
+        self.reads = 0
+        self.read_hits = 0
+        self.read_bytes = 0
+
+    # ----------------------------------------------------------------- writes
+    def submit(self, key: Any, parent_hash: bytes, token_digest: bytes, payload: torch.Tensor,
+               ready: Callable[[], None] | None = None) -> None:
+        """Queue one record write. ``payload`` is a CPU uint8 tensor the caller no longer
+        changes; ``ready`` (e.g. a copy handle's ``wait``) is called on the writer thread
+        before the payload is read."""
+        from .storage import PutItem
+
+        item = PutItem(key=key, parent_hash=parent_hash, token_digest=token_digest, payload=payload)
+        while len(self._pending) >= self.max_pending:
+            self._pending.popleft().result()
+        self._pending.append(self._executor.submit(self._write, item, ready))
+
+    def _write(self, item: Any, ready: Callable[[], None] | None) -> None:
+        try:
+            if ready is not None:
+                ready()
+            written = self.store.put_many([item])[0]
+        except Exception as exc:  # counted and surfaced in stats; the data is still cached above
+            with self._lock:
+                self.write_errors += 1
+                self.last_write_error = f"{type(exc).__name__}: {exc}"
+            log.warning("disk write of %r failed: %s", item.key, exc)
+            return
+        if written:
+            with self._lock:
+                self.writes += 1
+                self.write_bytes += int(item.payload.numel())
+
+    def flush(self) -> None:
+        """Wait until every write submitted so far has finished (or failed and been counted)."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, key: Any) -> bool:
+        return bool(self.store.contains(key))
+
+    def read(self, key: Any, out: torch.Tensor, token_digest: bytes | None = None) -> bool:
+        """Read one record's payload into ``out`` (CPU uint8); False on a miss or a bad record."""
+        self.reads += 1
+        meta = self.store.get_many([key], [out], token_digests=[token_digest])[0]
+        if meta is None:
+            return False
+        self.read_hits += 1
+        self.read_bytes += out.numel()
+        return True
+
+    # ------------------------------------------------------------------ admin
+    def stats(self) -> dict[str, Any]:
+        store = self.store.stats()
+        return {
+            "disk_writes": self.writes, "disk_write_errors": self.write_errors,
+            "disk_write_bytes": self.write_bytes, "disk_reads": self.reads, "disk_read_hits": self.read_hits,
+            "disk_read_bytes": self.read_bytes, "disk_pending_writes": sum(not f.done() for f in self._pending),
+            **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))},
+        }
+
+    def close(self) -> None:
+        """Flush pending writes, stop the writer thread, close a store opened from a URL."""
+        self.flush()
+        self._executor.shutdown(wait=True)
+        if self._owns_store:
+            self.store.close()
