@@ -42,6 +42,8 @@ from .hisparse import HiSparseBuffers, HiSparseConfig
 from .host import HostTier
 from .kernels import gather_blocks, scatter_blocks
 from .layout import KVLayout, LayerKind
+from .metrics import MetricsSnapshot
+from .metrics import collect as collect_metrics
 from .prefix import PrefixHasher, token_digest, tokens_to_bytes
 from .state_pool import SnapshotPool, StatePool, StateView
 from .transfer import CopyEngine
@@ -707,6 +709,10 @@ class TieredKVCache:
         ids.free(snap_id)
 
     # ----------------------------------------------------------------- stats
+    def metrics(self) -> MetricsSnapshot:
+        """Counters and gauges per tier; ``.to_prometheus()`` renders the text format."""
+        return collect_metrics(self)
+
     def stats(self) -> dict[str, int]:
         """Counters and pool occupancy of every tier."""
         out = {

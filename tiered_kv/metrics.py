@@ -1,0 +1,171 @@
+"""Per-tier counters and gauges of a cache, exportable as Prometheus text.
+
+``cache.metrics()`` returns a :class:`MetricsSnapshot`; ``snapshot.to_prometheus()``
+renders the text exposition format (version 0.0.4) that a ``/metrics`` endpoint serves::
+
+    # HELP tiered_kv_bytes Bytes held by a tier.
+    # TYPE tiered_kv_bytes gauge
+    tiered_kv_bytes{tier="gpu"} 62720
+    tiered_kv_bytes{tier="host"} 12544
+    ...
+
+Metric families (label ``tier`` is one of gpu, host, disk; ``kind`` is block or
+snapshot where both exist):
+
+=================================  =======  ==================================================
+name                               type     meaning
+=================================  =======  ==================================================
+tiered_kv_bytes                    gauge    bytes held (cached or in use) by the tier
+tiered_kv_capacity_bytes           gauge    the tier's byte capacity
+tiered_kv_hits_total               counter  blocks / snapshots served from the tier
+tiered_kv_misses_total             counter  lookups the tier could not serve
+tiered_kv_evictions_total          counter  entries evicted for space
+tiered_kv_corrupt_total            counter  disk records that failed verification (dropped)
+tiered_kv_write_errors_total       counter  disk writes that failed (full disk, I/O error)
+tiered_kv_bytes_moved_total        counter  bytes moved, label ``direction`` (d2h, h2d, disk_write,
+                                            disk_read, hisparse_swap_in)
+tiered_kv_copy_latency_seconds     gauge    copy-engine latency, label ``stat`` (mean, max)
+tiered_kv_requests_total           counter  requests opened / closed, label ``event``
+tiered_kv_tokens_total             counter  prompt tokens and tokens served from cache, label ``kind``
+tiered_kv_live_requests            gauge    requests open now
+=================================  =======  ==================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cache import TieredKVCache
+
+__all__ = ["Metric", "MetricsSnapshot", "collect"]
+
+
+@dataclass
+class Metric:
+    """One metric family: name, type, help text and labelled samples."""
+
+    name: str
+    kind: str  # "counter" | "gauge"
+    help: str
+    samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+
+    def add(self, value: float, **labels: str) -> Metric:
+        self.samples.append((labels, float(value)))
+        return self
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+@dataclass
+class MetricsSnapshot:
+    """Metric families at one instant."""
+
+    metrics: list[Metric]
+
+    def get(self, name: str, **labels: str) -> float:
+        """The value of one sample (KeyError if absent)."""
+        for m in self.metrics:
+            if m.name == name:
+                for lab, v in m.samples:
+                    if lab == labels:
+                        return v
+        raise KeyError(f"{name}{labels}")
+
+    def as_dict(self) -> dict[str, float]:
+        """``{'name{label="v"}': value}`` for every sample."""
+        out = {}
+        for m in self.metrics:
+            for lab, v in m.samples:
+                out[m.name + _labels(lab)] = v
+        return out
+
+    def to_prometheus(self) -> str:
+        """The Prometheus text exposition format."""
+        lines = []
+        for m in self.metrics:
+            lines.append(f"# HELP {m.name} {m.help}")
+            lines.append(f"# TYPE {m.name} {m.kind}")
+            for lab, v in m.samples:
+                lines.append(f"{m.name}{_labels(lab)} {_fmt(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def collect(cache: TieredKVCache) -> MetricsSnapshot:
+    """Read every tier's counters from ``cache``."""
+    s = cache.stats()
+    L = cache.layout
+    held = Metric("tiered_kv_bytes", "gauge", "Bytes held (cached or in use) by a tier.")
+    cap = Metric("tiered_kv_capacity_bytes", "gauge", "Byte capacity of a tier.")
+    hits = Metric("tiered_kv_hits_total", "counter", "Blocks or snapshots served from a tier.")
+    misses = Metric("tiered_kv_misses_total", "counter", "Lookups a tier could not serve.")
+    evict = Metric("tiered_kv_evictions_total", "counter", "Entries evicted from a tier for space.")
+    corrupt = Metric("tiered_kv_corrupt_total", "counter", "Disk records that failed verification and were dropped.")
+    werr = Metric("tiered_kv_write_errors_total", "counter", "Disk writes that failed (full disk, I/O error).")
+    moved = Metric("tiered_kv_bytes_moved_total", "counter", "Bytes moved between tiers.")
+    lat = Metric("tiered_kv_copy_latency_seconds", "gauge", "Copy-engine latency per copy.")
+    reqs = Metric("tiered_kv_requests_total", "counter", "Requests opened and closed.")
+    toks = Metric("tiered_kv_tokens_total", "counter", "Prompt tokens seen and tokens served from cache.")
+    live = Metric("tiered_kv_live_requests", "gauge", "Requests open now.")
+
+    gpu_blocks = cache.blocks.num_used + cache.blocks.num_evictable
+    gpu_snaps = cache.snapshots.ids.num_used + cache.snapshots.ids.num_evictable
+    held.add(gpu_blocks * L.block_bytes + gpu_snaps * L.snapshot_bytes, tier="gpu")
+    cap.add(cache.classical.nbytes + cache.snapshots.data.numel() + cache.states.num_slots * L.state_bytes,
+            tier="gpu")
+    gpu_block_hits = s["cached_tokens"] // L.block_tokens - s["blocks_from_host"] - s["blocks_from_disk"]
+    hits.add(max(gpu_block_hits, 0), tier="gpu", kind="block")
+    hits.add(s["snapshot_hits"] - s["snapshots_from_host"] - s["snapshots_from_disk"], tier="gpu", kind="snapshot")
+    evict.add(s["blocks_evicted"], tier="gpu", kind="block")
+    evict.add(s["snapshots_evicted"], tier="gpu", kind="snapshot")
+    moved.add(s["copy_bytes_d2h"], direction="d2h")
+    moved.add(s["copy_bytes_h2d"], direction="h2d")
+    copy = cache.copies.stats()
+    lat.add(copy.latency_mean_s, stat="mean")
+    lat.add(copy.latency_max_s, stat="max")
+
+    if cache.host is not None:
+        h = cache.host
+        snaps = 0 if h.snapshots is None else h.snapshots.num_used + h.snapshots.num_evictable
+        held.add((h.blocks.num_used + h.blocks.num_evictable) * L.block_bytes + snaps * L.snapshot_bytes, tier="host")
+        cap.add(h.nbytes, tier="host")
+        hits.add(s["blocks_from_host"], tier="host", kind="block")
+        hits.add(s["snapshots_from_host"], tier="host", kind="snapshot")
+        evict.add(s["host_blocks_evicted"], tier="host", kind="block")
+        evict.add(s["host_snapshots_evicted"], tier="host", kind="snapshot")
+    if cache.hisparse is not None:
+        hits.add(s["hisparse_hits"], tier="hisparse_buffer", kind="csa_entry")
+        misses.add(s["hisparse_misses"], tier="hisparse_buffer", kind="csa_entry")
+        moved.add(s["hisparse_bytes_moved"], direction="hisparse_swap_in")
+    if cache.disk is not None:
+        held.add(s.get("store_bytes", 0), tier="disk")
+        if s.get("store_max_bytes"):
+            cap.add(s["store_max_bytes"], tier="disk")
+        hits.add(s["blocks_from_disk"], tier="disk", kind="block")
+        hits.add(s["snapshots_from_disk"], tier="disk", kind="snapshot")
+        misses.add(s["disk_reads"] - s["disk_read_hits"], tier="disk")
+        evict.add(s.get("store_evictions", 0), tier="disk")
+        corrupt.add(s.get("store_corrupt", 0), tier="disk")
+        werr.add(s["disk_write_errors"], tier="disk")
+        moved.add(s["disk_write_bytes"], direction="disk_write")
+        moved.add(s["disk_read_bytes"], direction="disk_read")
+    reqs.add(s["requests_opened"], event="opened")
+    reqs.add(s["requests_closed"], event="closed")
+    toks.add(s["prompt_tokens"], kind="prompt")
+    toks.add(s["cached_tokens"], kind="cached")
+    live.add(s["live_requests"])
+    families = [held, cap, hits, misses, evict, corrupt, werr, moved, lat, reqs, toks, live]
+    return MetricsSnapshot([m for m in families if m.samples])
