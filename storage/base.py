@@ -1,0 +1,310 @@
+"""The block-store interface every disk backend implements (in zarr-python's manner).
+
+A :class:`BlockStore` is a durable map ``RecordKey -> record`` bound to one layout
+fingerprint. It is small on purpose::
+
+    put_many(items)              -> list[bool]   write-once; True if written
+    get_many(keys, outs)         -> list[RecordMeta | None]   verified reads into caller buffers
+    contains / delete / iter / len / stats / close, and a context manager
+
+Contract (the conformance suite ``tests/storage/test_storage_conformance.py`` checks it
+for every backend):
+
+- **Write-once.** A key that holds a valid record is never overwritten; ``put_many``
+  returns False for it. A record is either fully present or absent after any crash.
+- **Verified reads.** Every read checks the checksum, the layout fingerprint, the key and
+  (when given) the token digest. A failed check is a miss, counted as ``corrupt``, and the
+  bad record is deleted, so a later put of the right record works.
+- **Bounded.** Records take at most ``max_bytes`` (header + payload + checksum); a put that
+  would exceed it first evicts the least recently accessed records (reads and writes
+  count as accesses; a single call larger than ``max_bytes`` evicts its own first
+  records). A full disk or map raises :class:`StoreFullError` and harms nothing.
+- **One layout.** The fingerprint is persisted when the store is created; opening it
+  with another raises :class:`LayoutMismatchError`.
+- **Owner-only.** Every file and directory a store creates is 0o600 / 0o700, whatever
+  the umask.
+- **Threads.** One open store object may be shared by the threads of a process.
+- **Processes.** Where ``supports_multiprocess`` is set, any number of processes may read
+  and write one store at once; ``supports_shared_writers`` says they need no coordination.
+
+Out buffers: see :mod:`tiered_kv.storage.record`. On a miss the contents of an out buffer
+are unspecified (a backend may have streamed bytes into it before a check failed).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..prefix import HASH_BYTES
+from .errors import StoreError, StoreLockedError
+from .record import RecordKey, RecordMeta, as_byte_array, record_parts
+
+__all__ = ["BlockStore", "PutItem", "StoreStats"]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class PutItem:
+    """One record to store.
+
+    ``payload``: the block or snapshot bytes: bytes-like, numpy array or CPU torch tensor
+    (C-contiguous; its raw bytes are stored). ``parent_hash``: the previous block's hash
+    (``h_{i-1}``); ``token_digest``: :func:`tiered_kv.prefix.token_digest` of the block's
+    own token ids. Both 32 bytes.
+    """
+
+    key: RecordKey
+    parent_hash: bytes
+    token_digest: bytes
+    payload: Any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, RecordKey):
+            raise TypeError(f"key: expected a RecordKey, got {type(self.key).__name__}")
+        for name in ("parent_hash", "token_digest"):
+            value = getattr(self, name)
+            if not isinstance(value, (bytes, bytearray)) or len(value) != HASH_BYTES:
+                got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else repr(value)
+                raise ValueError(f"{name}: expected {HASH_BYTES} bytes, got {got}")
+            object.__setattr__(self, name, bytes(value))
+        as_byte_array(self.payload, name="payload")  # validates type and contiguity
+
+    def parts(self, layout_fingerprint: str) -> tuple[bytes, Any, bytes]:
+        """``(header, payload view, checksum)`` of this item's record."""
+        return record_parts(key=self.key, parent_hash=self.parent_hash, token_digest=self.token_digest,
+                            layout_fingerprint=layout_fingerprint, payload=self.payload)
+
+
+@dataclass
+class StoreStats:
+    """Counters of one open store object (this process, since it was opened)."""
+
+    hits: int = 0
+    misses: int = 0       # every read that returned None, corrupt ones included
+    corrupt: int = 0      # records that failed a check and were removed
+    evictions: int = 0
+    puts: int = 0         # records written (put_many results that were True)
+    put_bytes: int = 0    # record bytes written
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt,
+                    "evictions": self.evictions, "puts": self.puts, "put_bytes": self.put_bytes}
+
+
+class BlockStore(abc.ABC):
+    """A durable, verified, write-once store of records bound to one layout fingerprint."""
+
+    #: Several processes may open the store at once (readers and writers).
+    supports_multiprocess: bool = False
+    #: Several writers may put into the store at once without coordinating.
+    supports_shared_writers: bool = False
+    #: Reads copy straight out of a memory map (no read() into a bounce buffer).
+    supports_mmap_reads: bool = False
+
+    layout_fingerprint: str
+    max_bytes: int | None
+    _closed: bool = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (every other call then raises StoreError)."""
+        return self._closed
+
+    # --------------------------------------------------------------- interface
+    @abc.abstractmethod
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        """Store each item unless a valid record already exists under its key.
+
+        Returns one bool per item: True if written, False if a valid record was already
+        there (it is kept, never overwritten; counts as an access). Raises
+        :class:`StoreFullError` when the disk or the map is full.
+        """
+
+    @abc.abstractmethod
+    def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
+                 token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
+        """Read each record's payload into the matching out buffer.
+
+        ``outs[i]``: writable buffer of exactly the stored payload size (else ValueError).
+        ``token_digests[i]``, when not None, must equal the record's token digest. Returns
+        the record's metadata, or None for a miss (absent or failed a check).
+        """
+
+    @abc.abstractmethod
+    def contains(self, key: RecordKey) -> bool:
+        """Whether a record is stored under ``key`` (not verified: a get may still miss)."""
+
+    @abc.abstractmethod
+    def delete(self, key: RecordKey) -> bool:
+        """Remove the record under ``key``; True if there was one."""
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[RecordKey]:
+        """The keys stored now (a snapshot taken when iteration starts)."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of records stored."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """At least: records, bytes, max_bytes, hits, misses, corrupt, evictions, puts,
+        put_bytes, oldest_access_ns, newest_access_ns (None when empty)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and release the store; further calls raise StoreError. Idempotent."""
+
+    # --------------------------------------------------------------- helpers
+    def put(self, item: PutItem) -> bool:
+        return self.put_many([item])[0]
+
+    def get(self, key: RecordKey, out: Any, *, token_digest: bytes | None = None) -> RecordMeta | None:
+        return self.get_many([key], [out], token_digests=[token_digest])[0]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, RecordKey) and self.contains(key)
+
+    def __enter__(self) -> BlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _check_put_items(items: Sequence[PutItem]) -> list[PutItem]:
+        items = list(items)
+        for i, item in enumerate(items):
+            if not isinstance(item, PutItem):
+                raise TypeError(f"items[{i}]: expected a PutItem, got {type(item).__name__}")
+        return items
+
+    @staticmethod
+    def _check_get_args(keys: Sequence[RecordKey], outs: Sequence[Any],
+                        token_digests: Sequence[bytes | None] | None) -> tuple[list[RecordKey], list[Any],
+                                                                                list[bytes | None]]:
+        keys = list(keys)
+        outs = [as_byte_array(o, writable=True, name=f"outs[{i}]") for i, o in enumerate(outs)]
+        if len(outs) != len(keys):
+            raise ValueError(f"outs: expected one buffer per key ({len(keys)}), got {len(outs)}")
+        for i, k in enumerate(keys):
+            if not isinstance(k, RecordKey):
+                raise TypeError(f"keys[{i}]: expected a RecordKey, got {type(k).__name__}")
+        digests: list[bytes | None] = [None] * len(keys) if token_digests is None else list(token_digests)
+        if len(digests) != len(keys):
+            raise ValueError(f"token_digests: expected one per key ({len(keys)}), got {len(digests)}")
+        for i, d in enumerate(digests):
+            if d is not None and (not isinstance(d, (bytes, bytearray)) or len(d) != HASH_BYTES):
+                raise ValueError(f"token_digests[{i}]: expected None or {HASH_BYTES} bytes, got {d!r}")
+        return keys, outs, digests
+
+
+# ------------------------------------------------------------------ shared machinery
+class SharedExclusiveLock:
+    """Many holders in ``shared()`` or one in ``exclusive()`` (e.g. LMDB map resizing)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._exclusive = True
+            self._cond.wait_for(lambda: self._shared == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class OpenRegistry:
+    """The store directories open in this process, by (st_dev, st_ino)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[tuple[int, int]] = set()
+
+    def claim(self, path: Path) -> tuple[int, int]:
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino)
+        with self._lock:
+            if ident in self._open:
+                raise StoreLockedError(f"{path}: this store is already open in this process; "
+                                       f"share the open store object instead of opening it twice")
+            self._open.add(ident)
+        return ident
+
+    def release(self, ident: tuple[int, int]) -> None:
+        with self._lock:
+            self._open.discard(ident)
+
+
+def mkdir_private(path: Path) -> bool:
+    """Create directory ``path`` (its parents too) as 0o700 whatever the umask.
+
+    Returns True if ``path`` was created here. Parents created here are 0o700 as well.
+    """
+    if path.is_dir():
+        return False
+    if not path.parent.is_dir():
+        mkdir_private(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return False
+    os.chmod(path, 0o700)
+    return True
+
+
+def create_private_file(path: Path) -> int | None:
+    """Create ``path`` exclusively as 0o600 and return its fd open for writing, or None
+    if it already exists."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return None
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_open(closed: bool, what: str) -> None:
+    if closed:
+        raise StoreError(f"{what}: store is closed")

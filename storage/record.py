@@ -1,0 +1,364 @@
+"""The on-disk record: one immutable block or state snapshot, self-describing and verified.
+
+One record is one contiguous byte string; every backend stores it unchanged::
+
+    offset  size  field                 (little-endian)
+    ------  ----  --------------------------------------------------------------------
+         0     4  magic                 b"TKVR"
+         4     2  format version        u16, = FORMAT_VERSION
+         6     1  record kind           u8, RecordKind (1 block, 2 snapshot)
+         7     1  flags                 u8, must be 0 (reserved)
+         8    32  layout fingerprint    ascii, zero-padded (KVLayout.fingerprint)
+        40    32  block hash            the chained prefix hash this record is keyed by
+        72    32  parent hash           the previous block's hash (h_{i-1})
+       104    32  token digest          prefix.token_digest(this block's token ids)
+       136     8  payload length        u64, = P
+       144     P  payload               the block / snapshot bytes
+     144+P    16  checksum              xxh3-128 of bytes [0, 144+P), canonical (big-endian)
+
+The payload starts at a 16-byte-aligned offset. Decoding checks, in this order: length
+(header present, payload within the buffer), magic, version, kind, flags, no trailing
+bytes, checksum, then the identity fields against what the caller expects (fingerprint,
+key, token digest). :func:`decode_record` checks a record held in one buffer (e.g. LMDB's
+zero-copy view); :func:`parse_header` + :func:`verify_record_parts` check one read in
+parts, e.g. a file streamed straight into the caller's buffer. Any failure raises :class:`CorruptRecordError` naming the check;
+nothing stored is ever executed or unpickled: the payload is copied as raw bytes.
+
+Buffers: a *payload* may be any C-contiguous bytes-like object, numpy array or CPU torch
+tensor (its bytes are taken as they are). An *out* buffer for a read is a writable
+C-contiguous bytearray, memoryview, numpy array or CPU torch tensor (pinned or not) whose
+size in bytes equals the payload length.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..prefix import HASH_BYTES
+from .errors import CorruptRecordError, RecordCheck
+
+__all__ = [
+    "CHECKSUM_BYTES",
+    "FINGERPRINT_BYTES",
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "KEY_BYTES",
+    "MAGIC",
+    "RecordHeader",
+    "RecordKey",
+    "RecordKind",
+    "RecordMeta",
+    "as_byte_array",
+    "decode_record",
+    "encode_record",
+    "encode_record_into",
+    "fingerprint_field",
+    "parse_header",
+    "record_parts",
+    "record_size",
+    "verify_record_parts",
+]
+
+MAGIC = b"TKVR"
+FORMAT_VERSION = 1
+FINGERPRINT_BYTES = 32
+CHECKSUM_BYTES = 16
+_HEADER = struct.Struct("<4sHBB32s32s32s32sQ")
+HEADER_BYTES = _HEADER.size  # 144
+#: Bytes of :meth:`RecordKey.to_bytes`: 1 kind byte + the 32-byte hash.
+KEY_BYTES = 1 + HASH_BYTES
+
+
+class RecordKind(enum.IntEnum):
+    """What a record holds."""
+
+    BLOCK = 1      # one Classical block: all layers' parts of ``block_tokens`` tokens
+    SNAPSHOT = 2   # the State at a resume point
+
+
+def _check_hash(name: str, value: object) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) != HASH_BYTES:
+        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray, memoryview)) else repr(value)
+        raise ValueError(f"{name}: expected {HASH_BYTES} bytes, got {got}")
+    return bytes(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordKey:
+    """Identity of a record: its kind and the chained prefix hash of its block."""
+
+    kind: RecordKind
+    block_hash: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, RecordKind):
+            raise ValueError(f"kind: expected a RecordKind, got {self.kind!r}")
+        object.__setattr__(self, "block_hash", _check_hash("block_hash", self.block_hash))
+
+    @classmethod
+    def block(cls, block_hash: bytes) -> RecordKey:
+        return cls(RecordKind.BLOCK, block_hash)
+
+    @classmethod
+    def snapshot(cls, block_hash: bytes) -> RecordKey:
+        return cls(RecordKind.SNAPSHOT, block_hash)
+
+    def to_bytes(self) -> bytes:
+        """``KEY_BYTES`` bytes: the kind byte, then the hash."""
+        return bytes((self.kind,)) + self.block_hash
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> RecordKey:
+        data = bytes(data)
+        if len(data) != KEY_BYTES:
+            raise ValueError(f"record key: expected {KEY_BYTES} bytes, got {len(data)}")
+        try:
+            kind = RecordKind(data[0])
+        except ValueError:
+            raise ValueError(f"record key: expected kind byte in {[int(k) for k in RecordKind]}, "
+                             f"got {data[0]}") from None
+        return cls(kind, data[1:])
+
+    def __repr__(self) -> str:
+        return f"RecordKey({self.kind.name}, {self.block_hash.hex()[:16]}…)"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMeta:
+    """What a verified record says about itself (returned by reads)."""
+
+    key: RecordKey
+    parent_hash: bytes
+    token_digest: bytes
+    layout_fingerprint: str
+    payload_bytes: int
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def record_bytes(self) -> int:
+        """Stored size: header + payload + checksum."""
+        return record_size(self.payload_bytes)
+
+
+def record_size(payload_bytes: int) -> int:
+    """Bytes of a record holding ``payload_bytes`` bytes of payload."""
+    return HEADER_BYTES + payload_bytes + CHECKSUM_BYTES
+
+
+def fingerprint_field(layout_fingerprint: str) -> bytes:
+    """The fixed-width header field for a fingerprint (ValueError if it does not fit)."""
+    if not isinstance(layout_fingerprint, str) or not layout_fingerprint:
+        raise ValueError(f"layout_fingerprint: expected a non-empty str, got {layout_fingerprint!r}")
+    try:
+        raw = layout_fingerprint.encode("ascii")
+    except UnicodeEncodeError:
+        raise ValueError(f"layout_fingerprint: expected ascii, got {layout_fingerprint!r}") from None
+    if len(raw) > FINGERPRINT_BYTES or b"\0" in raw:
+        raise ValueError(f"layout_fingerprint: expected at most {FINGERPRINT_BYTES} ascii characters "
+                         f"without NUL, got {len(raw)}: {layout_fingerprint!r}")
+    return raw.ljust(FINGERPRINT_BYTES, b"\0")
+
+
+# ------------------------------------------------------------------ buffers
+def _torch_tensor_bytes(t: Any, *, writable: bool, name: str) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
+    if writable and t.requires_grad:
+        raise ValueError(f"{name}: expected a tensor without requires_grad")
+    import torch  # already imported: t is a tensor
+
+    flat = t.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy()
+
+
+def as_byte_array(buf: Any, *, writable: bool = False, name: str = "buffer") -> np.ndarray:
+    """A 1-D uint8 numpy view of ``buf``'s bytes, sharing its memory (never a copy).
+
+    ``buf``: bytes-like, numpy array or CPU torch tensor, C-contiguous. With
+    ``writable=True`` the buffer must be writable (an *out* buffer for a read).
+    """
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and isinstance(buf, torch_mod.Tensor):
+        return _torch_tensor_bytes(buf, writable=writable, name=name)
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous numpy array, got strides {buf.strides}")
+        if writable and not buf.flags.writeable:
+            raise ValueError(f"{name}: expected a writable numpy array")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"{name}: expected a bytes-like object, numpy array or CPU torch tensor, "
+                        f"got {type(buf).__name__}") from None
+    if not mv.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous buffer")
+    if writable and mv.readonly:
+        raise ValueError(f"{name}: expected a writable buffer (bytearray, memoryview of one, numpy "
+                         f"array or torch tensor), got read-only {type(buf).__name__}")
+    return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+
+
+# ------------------------------------------------------------------ encoding
+def _pack_header(*, key: RecordKey, parent_hash: bytes, token_digest: bytes,
+                 layout_fingerprint: str, payload_bytes: int) -> bytes:
+    if not isinstance(key, RecordKey):
+        raise TypeError(f"key: expected a RecordKey, got {type(key).__name__}")
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, int(key.kind), 0, fingerprint_field(layout_fingerprint),
+                        key.block_hash, _check_hash("parent_hash", parent_hash),
+                        _check_hash("token_digest", token_digest), payload_bytes)
+
+
+def record_parts(*, key: RecordKey, parent_hash: bytes, token_digest: bytes, layout_fingerprint: str,
+                 payload: Any) -> tuple[bytes, np.ndarray, bytes]:
+    """The record as ``(header, payload bytes view, checksum)`` without copying the payload.
+
+    Writing the three parts back to back (e.g. ``os.writev``) gives the same bytes as
+    :func:`encode_record`.
+    """
+    body = as_byte_array(payload, name="payload")
+    header = _pack_header(key=key, parent_hash=parent_hash, token_digest=token_digest,
+                          layout_fingerprint=layout_fingerprint, payload_bytes=body.nbytes)
+    h = xxhash.xxh3_128(header)
+    h.update(body)
+    return header, body, h.digest()
+
+
+def encode_record_into(buf: Any, *, key: RecordKey, parent_hash: bytes, token_digest: bytes,
+                       layout_fingerprint: str, payload: Any) -> int:
+    """Write the record into the start of writable ``buf``; returns its size in bytes."""
+    header, body, checksum = record_parts(key=key, parent_hash=parent_hash, token_digest=token_digest,
+                                          layout_fingerprint=layout_fingerprint, payload=payload)
+    dst = as_byte_array(buf, writable=True, name="buf")
+    size = record_size(body.nbytes)
+    if dst.nbytes < size:
+        raise ValueError(f"buf: expected at least {size} bytes, got {dst.nbytes}")
+    end = HEADER_BYTES + body.nbytes
+    dst[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+    np.copyto(dst[HEADER_BYTES:end], body)
+    dst[end:size] = np.frombuffer(checksum, dtype=np.uint8)
+    return size
+
+
+def encode_record(*, key: RecordKey, parent_hash: bytes, token_digest: bytes, layout_fingerprint: str,
+                  payload: Any) -> bytearray:
+    """The record as one new contiguous buffer (one copy of the payload)."""
+    n = as_byte_array(payload, name="payload").nbytes
+    out = bytearray(record_size(n))
+    encode_record_into(out, key=key, parent_hash=parent_hash, token_digest=token_digest,
+                       layout_fingerprint=layout_fingerprint, payload=payload)
+    return out
+
+
+# ------------------------------------------------------------------ decoding
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """The fields of a header that passed the structural checks (not yet the checksum)."""
+
+    kind: RecordKind
+    fingerprint: bytes  # the padded field
+    block_hash: bytes
+    parent_hash: bytes
+    token_digest: bytes
+    payload_bytes: int
+
+
+def parse_header(header: Any, record_bytes: int) -> RecordHeader:
+    """Structural checks of a header, for a stored record ``record_bytes`` long.
+
+    ``header``: at least the first ``HEADER_BYTES`` bytes of the record. Checks length,
+    magic, version, kind, flags, and that the payload length agrees with ``record_bytes``.
+    """
+    if record_bytes < HEADER_BYTES + CHECKSUM_BYTES:
+        raise CorruptRecordError(RecordCheck.TRUNCATED,
+                                 f"{record_bytes} bytes, shorter than header + checksum "
+                                 f"({HEADER_BYTES + CHECKSUM_BYTES})")
+    magic, version, kind, flags, fp, bh, ph, td, plen = _HEADER.unpack_from(header, 0)
+    if magic != MAGIC:
+        raise CorruptRecordError(RecordCheck.MAGIC, f"expected {MAGIC!r}, got {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptRecordError(RecordCheck.VERSION, f"expected format version {FORMAT_VERSION}, got {version}")
+    try:
+        kind_e = RecordKind(kind)
+    except ValueError:
+        raise CorruptRecordError(RecordCheck.KIND, f"expected a kind in {[int(k) for k in RecordKind]}, "
+                                                   f"got {kind}") from None
+    if flags != 0:
+        raise CorruptRecordError(RecordCheck.FLAGS, f"expected flags 0, got {flags:#04x}")
+    expected = record_size(plen)
+    if expected > record_bytes:
+        raise CorruptRecordError(RecordCheck.TRUNCATED,
+                                 f"header says payload of {plen} bytes ({expected} in all), "
+                                 f"record has {record_bytes}")
+    if expected < record_bytes:
+        raise CorruptRecordError(RecordCheck.TRAILING_BYTES,
+                                 f"{record_bytes - expected} bytes after the checksum "
+                                 f"(payload {plen} bytes, record {record_bytes})")
+    return RecordHeader(kind_e, fp, bh, ph, td, plen)
+
+
+def verify_record_parts(header: Any, payload: Any, checksum: Any, *, parsed: RecordHeader,
+                        expect_key: RecordKey, expect_fingerprint: str,
+                        expect_token_digest: bytes | None = None) -> RecordMeta:
+    """Checksum and identity checks of a record read in parts (header, payload, checksum).
+
+    ``parsed`` is :func:`parse_header` of ``header``; ``payload`` is the payload as read
+    (possibly already in the caller's out buffer).
+    """
+    h = xxhash.xxh3_128(memoryview(header)[:HEADER_BYTES])
+    h.update(payload)
+    got = h.digest()
+    if got != bytes(checksum):
+        raise CorruptRecordError(RecordCheck.CHECKSUM,
+                                 f"stored xxh3-128 {bytes(checksum).hex()}, computed {got.hex()}")
+    if parsed.fingerprint != fingerprint_field(expect_fingerprint):
+        stored = parsed.fingerprint.rstrip(b"\0").decode("ascii", "replace")
+        raise CorruptRecordError(RecordCheck.FINGERPRINT,
+                                 f"expected layout {expect_fingerprint!r}, record has {stored!r}")
+    if parsed.kind is not expect_key.kind or parsed.block_hash != expect_key.block_hash:
+        raise CorruptRecordError(RecordCheck.KEY,
+                                 f"expected {expect_key!r}, record is "
+                                 f"{RecordKey(parsed.kind, parsed.block_hash)!r}")
+    if expect_token_digest is not None and parsed.token_digest != _check_hash(
+            "expect_token_digest", expect_token_digest):
+        raise CorruptRecordError(RecordCheck.TOKEN_DIGEST,
+                                 f"expected {bytes(expect_token_digest).hex()[:16]}…, "
+                                 f"record has {parsed.token_digest.hex()[:16]}…")
+    return RecordMeta(key=expect_key, parent_hash=parsed.parent_hash, token_digest=parsed.token_digest,
+                      layout_fingerprint=expect_fingerprint, payload_bytes=parsed.payload_bytes)
+
+
+def decode_record(buf: Any, *, expect_key: RecordKey, expect_fingerprint: str,
+                  expect_token_digest: bytes | None = None, out: Any = None) -> RecordMeta:
+    """Verify the record in ``buf`` and copy its payload into ``out`` (when given).
+
+    ``buf``: the whole stored record (bytes-like or numpy; e.g. LMDB's zero-copy buffer).
+    ``out``: writable buffer of exactly the payload size (see the module docstring); it is
+    written only after every check passed. Raises :class:`CorruptRecordError` (which
+    check failed) or ``ValueError`` if ``out`` has the wrong size for a valid record.
+    """
+    src = as_byte_array(buf, name="buf")
+    parsed = parse_header(src, src.nbytes)
+    end = HEADER_BYTES + parsed.payload_bytes
+    payload = src[HEADER_BYTES:end]
+    meta = verify_record_parts(src[:HEADER_BYTES], payload, src[end:], parsed=parsed,
+                               expect_key=expect_key, expect_fingerprint=expect_fingerprint,
+                               expect_token_digest=expect_token_digest)
+    if out is not None:
+        dst = as_byte_array(out, writable=True, name="out")
+        if dst.nbytes != parsed.payload_bytes:
+            raise ValueError(f"out: expected {parsed.payload_bytes} bytes (the stored payload of "
+                             f"{expect_key!r}), got {dst.nbytes}")
+        np.copyto(dst, payload)
+    return meta

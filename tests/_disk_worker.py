@@ -1,0 +1,35 @@
+"""A separate process for the disk-tier tests: ``python _disk_worker.py URL PHASE N``.
+
+PHASE ``a`` runs the reference model over the first N tokens and exits; ``b`` opens the
+same store, resumes the full sequence and prints the max |cached - naive| logit error
+and the number of cached tokens as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tiered_kv import TieredKVCache, presets
+from tiered_kv.reference import ReferenceModel
+
+from _util import random_tokens
+
+url, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+layout = presets.tiny()
+model = ReferenceModel(layout, seed=0)
+tokens = random_tokens(420, seed=4)
+with TieredKVCache(layout, num_blocks=16, num_state_slots=2, store=url) as cache:
+    if phase == "a":
+        req = cache.open(tokens[:n])
+        model.forward(cache, req, tokens[:n])
+        cache.close(req)
+        cache.flush()
+        print(json.dumps(cache.stats()))
+    else:
+        req = cache.open(tokens)
+        got = model.forward(cache, req, tokens[req.num_cached_tokens:])
+        want = model.naive_logits(tokens)[req.num_cached_tokens:]
+        cache.close(req)
+        print(json.dumps({"cached": req.num_cached_tokens, "err": float((got - want).abs().max()),
+                          **cache.stats()}))
