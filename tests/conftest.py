@@ -8,6 +8,9 @@ from tiered_kv import presets
 from tiered_kv.device import cuda_available
 from tiered_kv.reference import ReferenceModel
 
+#: the session-scoped ``seaweedfs`` fixture (one S3 server for every s3-marked test)
+pytest_plugins = ["seaweedfs"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if cuda_available():

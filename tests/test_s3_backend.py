@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("obstore", reason="obstore is not installed (pip install obstore)")
 
-from seaweedfs import SeaweedFS, seaweedfs  # noqa: E402,F401  (session fixture)
+from seaweedfs import SeaweedFS  # noqa: E402  (the session fixture comes from conftest's pytest_plugins)
 from tiered_kv.storage.errors import StoreError  # noqa: E402
 from tiered_kv.storage.s3 import (  # noqa: E402
     BucketNotFoundError,
