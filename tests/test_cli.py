@@ -63,7 +63,60 @@ def test_plan_options_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None
     assert p["max_requests"] == (1 << 29) // p["bytes_per_request"]
 
 
+def test_plan_hisparse_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plan", "--model", "deepseek-v4-flash", "--context", "1M",
+                             "--hisparse-buffer", "2048")
+    assert code == 0 and err == ""
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    assert rows["hisparse_buffer_entries"][0] == "2048"
+    assert rows["hbm_bytes_per_request"][:3] == ["863275264", "823.28", "MiB"]
+    assert rows["open_block_csa_kv"][0] == str(21 * 32 * 584)
+    assert rows["device_buffer"][0] == str(21 * 2048 * 584)
+    assert rows["max_requests"][0] == "21"
+    assert rows["max_requests_hisparse"][0] == "99"
+    assert rows["host_bytes_per_request"][0] == str(FLASH_1M_CLASSICAL)
+
+
+def test_plan_without_hisparse_has_no_hisparse_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "plan", "--model", "deepseek-v4-flash")
+    assert code == 0
+    assert "hisparse" not in out and "host_bytes_per_request" not in out
+
+
+@pytest.mark.parametrize("model, n, hbm, max_hisparse", [
+    ("deepseek-v4-flash", "2048", 863275264, 99),
+    ("deepseek-v4-pro", "4096", 1281991168, 67),
+])
+def test_plan_hisparse_json(capsys: pytest.CaptureFixture[str], model: str, n: str, hbm: int,
+                            max_hisparse: int) -> None:
+    code, out, err = run_cli(capsys, "plan", "--model", model, "--context", "1M",
+                             "--hisparse-buffer", n, "--json")
+    assert code == 0 and err == ""
+    p = json.loads(out)
+    assert p["hisparse_buffer_entries"] == int(n)
+    assert p["hbm_bytes_per_request"] == hbm
+    assert p["max_requests_hisparse"] == max_hisparse
+    assert p["host_bytes_per_request"] == p["classical_bytes"]
+    assert p["max_requests"] == p["hbm_bytes"] // p["bytes_per_request"]
+
+
+def test_plan_json_without_hisparse_has_null_values(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "plan", "--model", "deepseek-v4-flash", "--json")
+    assert code == 0
+    p = json.loads(out)
+    assert p["max_requests_hisparse"] is None and p["hisparse_buffer_entries"] is None
+    assert p["hbm_bytes_per_request"] == p["bytes_per_request"]
+    assert p["host_bytes_per_request"] == 0
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "deepseek-v4-flash", "--hisparse-buffer", "511"],
+     "--hisparse-buffer: expected at least the model's top-k = 512"),
+    (["plan", "--model", "deepseek-v4-pro", "--hisparse-buffer", "1000"],
+     "--hisparse-buffer: expected at least the model's top-k = 1024"),
+    (["plan", "--model", "deepseek-v4-flash", "--hisparse-buffer", "0"], "argument --hisparse-buffer"),
+    (["plan", "--model", "deepseek-v4-flash", "--hisparse-buffer", "4x"], "argument --hisparse-buffer"),
+
     (["plan", "--model", "tiny", "--entry-format", "fp8"], "expected head_dim 512, got 16"),
     (["plan", "--model", "deepseek-v4-flash", "--block-tokens", "100"], "multiple of"),
     (["plan", "--model", "deepseek-v4-flash", "--context", "1.5M"], "argument --context"),

@@ -10,6 +10,25 @@ What one request holds on the GPU without offload (ARCHITECTURE §2)::
                       + state_bytes                one State slot (SWA ring + tails)
     max_requests      = floor(hbm_bytes / bytes_per_request)
 
+With HiSparse (ARCHITECTURE §4; ``hisparse_buffer_entries`` = N CSA slots per request
+and CSA layer) the sealed blocks' CSA KV lives in the host mirror; the GPU keeps the
+rest of each block, the CSA part of the one open block (the block being filled), the
+State slot and the device buffer::
+
+    hbm_bytes_per_request  = classical_bytes - csa_kv           indexer keys + HCA entries
+                           + num_csa_layers * E * entry_bytes   the open block's CSA part
+                           + state_bytes                        one State slot
+                           + num_csa_layers * N * entry_bytes   the device buffer
+    max_requests_hisparse  = floor(hbm_bytes / hbm_bytes_per_request)
+    host_bytes_per_request = classical_bytes                    the host mirror keeps whole
+                                                                block records (all parts)
+
+    (E = csa_entries_per_block = block_tokens / csa_ratio)
+
+Without HiSparse ``hbm_bytes_per_request == bytes_per_request``,
+``host_bytes_per_request == 0`` and ``max_requests_hisparse`` is ``None`` (JSON ``null``:
+every plan has the same keys).
+
 ``hbm_bytes`` is the GPU memory given to the KV cache (weights and activations already
 taken off). ``snapshot_bytes`` is what each resume point costs in the host and disk tiers.
 """
@@ -22,7 +41,8 @@ from typing import Any
 
 from .layout import KVLayout
 
-__all__ = ["ClassicalParts", "GiB", "Plan", "build_plan", "format_bytes", "parse_size", "plan"]
+__all__ = ["ClassicalParts", "GiB", "HiSparseParts", "Plan", "build_plan", "format_bytes", "parse_size",
+           "plan"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -87,13 +107,35 @@ class ClassicalParts:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HiSparseParts:
+    """GPU bytes of one request's CSA KV with HiSparse, in place of ``ClassicalParts.csa_kv``.
+
+    ``open_block_csa_kv`` is ``[num_csa_layers, E, entry_bytes]`` (the block being filled
+    stays on the GPU until it is sealed and mirrored); ``device_buffer`` is
+    ``[num_csa_layers, buffer_entries, entry_bytes]``.
+    """
+
+    #: N, CSA entry slots per request and CSA layer on the device.
+    buffer_entries: int
+    open_block_csa_kv: int
+    device_buffer: int
+
+    @property
+    def total(self) -> int:
+        return self.open_block_csa_kv + self.device_buffer
+
+    def to_dict(self) -> dict[str, int]:
+        return {"open_block_csa_kv": self.open_block_csa_kv, "device_buffer": self.device_buffer}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """The memory plan of one layout at one context length.
 
     Fields are inputs or exact byte counts; the totals are derived properties, so a plan
     cannot disagree with itself. :meth:`to_dict` is the ``--json`` form: every field and
-    property, in table order. (Offload modes add optional sections; a plan without them
-    keeps the same keys.)
+    property, in table order. An offload mode is an optional section (``hisparse``); a
+    plan without it has the same keys, with ``null`` where a value needs the mode.
     """
 
     model: str
@@ -112,6 +154,8 @@ class Plan:
     state_bytes: int
     snapshot_bytes: int
     hbm_bytes: int
+    #: HiSparse (CSA offload to the host mirror), or None without it.
+    hisparse: HiSparseParts | None = None
 
     @property
     def classical_bytes(self) -> int:
@@ -127,6 +171,28 @@ class Plan:
     def max_requests(self) -> int:
         """Requests of ``context_tokens`` tokens whose KV fits in ``hbm_bytes``."""
         return self.hbm_bytes // self.bytes_per_request
+
+    @property
+    def hbm_bytes_per_request(self) -> int:
+        """GPU bytes of one request in the planned mode: :attr:`bytes_per_request` without
+        HiSparse; with it, the sealed blocks' CSA KV is replaced by the open block's CSA
+        part and the device buffer."""
+        if self.hisparse is None:
+            return self.bytes_per_request
+        return self.classical_bytes - self.classical_parts.csa_kv + self.hisparse.total + self.state_bytes
+
+    @property
+    def max_requests_hisparse(self) -> int | None:
+        """Requests that fit in ``hbm_bytes`` with HiSparse; None without HiSparse."""
+        if self.hisparse is None:
+            return None
+        return self.hbm_bytes // self.hbm_bytes_per_request
+
+    @property
+    def host_bytes_per_request(self) -> int:
+        """Pinned host bytes of one request: with HiSparse the mirror holds the context's
+        whole block records (``classical_bytes``); 0 without."""
+        return 0 if self.hisparse is None else self.classical_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +215,11 @@ class Plan:
             "bytes_per_request": self.bytes_per_request,
             "hbm_bytes": self.hbm_bytes,
             "max_requests": self.max_requests,
+            "hisparse_buffer_entries": None if self.hisparse is None else self.hisparse.buffer_entries,
+            "hisparse_bytes_by_part": None if self.hisparse is None else self.hisparse.to_dict(),
+            "hbm_bytes_per_request": self.hbm_bytes_per_request,
+            "max_requests_hisparse": self.max_requests_hisparse,
+            "host_bytes_per_request": self.host_bytes_per_request,
         }
 
 
@@ -158,11 +229,25 @@ def _non_negative_int(name: str, value: object) -> int:
     return value
 
 
-def build_plan(layout: KVLayout, context_tokens: int, *, hbm_bytes: int) -> Plan:
+def _hisparse_parts(layout: KVLayout, buffer_entries: object) -> HiSparseParts:
+    n = buffer_entries
+    if isinstance(n, bool) or not isinstance(n, int) or n < layout.top_k:
+        raise ValueError(f"hisparse_buffer_entries: expected an int >= top_k = {layout.top_k}, got {n!r}")
+    return HiSparseParts(
+        buffer_entries=n,
+        open_block_csa_kv=layout.csa_kv_block_bytes,
+        device_buffer=layout.num_csa_layers * n * layout.entry_bytes,
+    )
+
+
+def build_plan(layout: KVLayout, context_tokens: int, *, hbm_bytes: int,
+               hisparse_buffer_entries: int | None = None) -> Plan:
     """The memory plan of one request of ``context_tokens`` tokens under ``layout``.
 
     ``hbm_bytes`` is the GPU memory available to the KV cache; ``Plan.max_requests`` is
-    how many such requests it holds without offload.
+    how many such requests it holds without offload. ``hisparse_buffer_entries`` (N, at
+    least the layout's top-k, like :class:`tiered_kv.hisparse.HiSparseConfig`) adds the
+    HiSparse section: ``Plan.max_requests_hisparse`` is how many fit with it.
     """
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
@@ -186,9 +271,12 @@ def build_plan(layout: KVLayout, context_tokens: int, *, hbm_bytes: int) -> Plan
         state_bytes=layout.state_bytes,
         snapshot_bytes=layout.snapshot_bytes,
         hbm_bytes=hbm_bytes,
+        hisparse=None if hisparse_buffer_entries is None else _hisparse_parts(layout, hisparse_buffer_entries),
     )
 
 
-def plan(layout: KVLayout, context_tokens: int, *, hbm_bytes: int) -> dict[str, Any]:
+def plan(layout: KVLayout, context_tokens: int, *, hbm_bytes: int,
+         hisparse_buffer_entries: int | None = None) -> dict[str, Any]:
     """:func:`build_plan` as a plain JSON-able dict (:meth:`Plan.to_dict`)."""
-    return build_plan(layout, context_tokens, hbm_bytes=hbm_bytes).to_dict()
+    return build_plan(layout, context_tokens, hbm_bytes=hbm_bytes,
+                      hisparse_buffer_entries=hisparse_buffer_entries).to_dict()

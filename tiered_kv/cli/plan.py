@@ -4,9 +4,14 @@
 
     tiered-kv plan --model deepseek-v4-flash --context 1M
     tiered-kv plan --model deepseek-v4-pro --context 1M --entry-format bf16 --indexer-bytes 256 --json
+    tiered-kv plan --model deepseek-v4-flash --context 1M --hisparse-buffer 2048
 
 The table shows exact byte counts with binary units beside them; ``--json`` prints the
-plan as one JSON object (:meth:`tiered_kv.planner.Plan.to_dict`).
+plan as one JSON object (:meth:`tiered_kv.planner.Plan.to_dict`). ``--hisparse-buffer N``
+plans HiSparse (CSA offload, N device slots per request and CSA layer): GPU and host
+bytes per request and how many requests fit; without it the JSON's HiSparse values are
+``null`` (``hbm_bytes_per_request`` then equals ``bytes_per_request`` and
+``host_bytes_per_request`` is 0).
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hbm-gib", type=_gib_to_bytes, default=DEFAULT_HBM_GIB, metavar="G",
                    dest="hbm_bytes",
                    help="GPU memory given to the KV cache, GiB (default %(default)s)")
+    p.add_argument("--hisparse-buffer", type=_positive_int, default=None, metavar="N",
+                   dest="hisparse_buffer_entries",
+                   help="plan HiSparse: CSA entry slots per request per CSA layer on the device, "
+                        "at least the model's top-k (e.g. 4 x top-k)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return p
 
@@ -84,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
                             indexer_bytes=args.indexer_bytes, block_tokens=args.block_tokens)
     except ValueError as exc:  # e.g. fp8 needs head_dim 512; block_tokens not a multiple of 128
         raise UsageError(str(exc)) from None
-    result = build_plan(layout, args.context, hbm_bytes=args.hbm_bytes)
+    n = args.hisparse_buffer_entries
+    if n is not None and n < layout.top_k:
+        raise UsageError(f"--hisparse-buffer: expected at least the model's top-k = {layout.top_k} "
+                         f"(e.g. {4 * layout.top_k} = 4 x top-k), got {n}")
+    result = build_plan(layout, args.context, hbm_bytes=args.hbm_bytes, hisparse_buffer_entries=n)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -110,6 +123,7 @@ def format_table(p: Plan) -> str:
         ("bytes_per_request", *_bytes(p.bytes_per_request)),
         ("hbm_bytes", *_bytes(p.hbm_bytes)),
         ("max_requests", str(p.max_requests), "without offload"),
+        *_hisparse_rows(p),
     ]
     name_w = max(len(r[0]) for r in rows)
     # Right-align numbers; the fingerprint and names are wider and stay left-aligned.
@@ -119,6 +133,23 @@ def format_table(p: Plan) -> str:
         cell = value.rjust(num_w) if value.isdigit() else value.ljust(num_w)
         lines.append(f"{name.ljust(name_w)}  {cell}  {note}".rstrip())
     return "\n".join(lines)
+
+
+def _hisparse_rows(p: Plan) -> list[tuple[str, str, str]]:
+    """HiSparse rows of the table (none without ``--hisparse-buffer``)."""
+    hs = p.hisparse
+    if hs is None:
+        return []
+    return [
+        ("hisparse_buffer_entries", str(hs.buffer_entries), "CSA slots per request per CSA layer"),
+        ("hbm_bytes_per_request", *_bytes(p.hbm_bytes_per_request)),
+        ("  classical_no_csa_kv", *_bytes(p.classical_bytes - p.classical_parts.csa_kv)),
+        ("  open_block_csa_kv", *_bytes(hs.open_block_csa_kv)),
+        ("  device_buffer", *_bytes(hs.device_buffer)),
+        ("  state_bytes", *_bytes(p.state_bytes)),
+        ("max_requests_hisparse", str(p.max_requests_hisparse), "with HiSparse"),
+        ("host_bytes_per_request", *_bytes(p.host_bytes_per_request)),
+    ]
 
 
 def _bytes(n: int) -> tuple[str, str]:
