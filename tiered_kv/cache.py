@@ -378,7 +378,7 @@ class TieredKVCache:
             return None
         hid = None
         if host is not None:
-            hid = host.blocks.allocate()
+            hid = self._allocate_host_record()
             if hid is None:
                 return None
             record = host.records[hid:hid + 1]
@@ -394,6 +394,18 @@ class TieredKVCache:
             host.blocks.cache(hid, h)
         self._counters["blocks_from_disk"] += 1
         return record, hid
+
+    def _allocate_host_record(self) -> int | None:
+        """A host record id (refcount 1), evicting host LRU records as needed.
+
+        With HiSparse, records referenced only by cached-but-unused GPU blocks come free
+        by evicting those GPU blocks (their records stay cached on the host, evictable).
+        """
+        assert self.host is not None
+        hid = self.host.blocks.allocate()
+        while hid is None and self.hisparse is not None and self.blocks.evict_lru() is not None:
+            hid = self.host.blocks.allocate()
+        return hid
 
     def _drop_host_ref(self, hid: int) -> None:
         assert self.host is not None
@@ -488,8 +500,7 @@ class TieredKVCache:
 
     def _reserve_host_record(self, req: Request) -> int:
         """HiSparse: a host record for the CSA part of the block the request fills."""
-        assert self.host is not None
-        hid = self.host.blocks.allocate()
+        hid = self._allocate_host_record()
         if hid is None:
             raise CacheFullError(f"request {req.request_id}: the host tier has no free record for a sealed "
                                  f"block's CSA entries ({self.host.num_blocks} records, all referenced)")
