@@ -71,12 +71,14 @@ class ServingLoop:
         model, cache: the reference model and the cache it runs through.
         prefill_chunk: tokens per prefill step.
         max_running: admitted requests at once (at most the cache's State slots).
+        reuse: look prefixes up in the cache (False: recompute every prompt, a baseline).
     """
 
     def __init__(self, model: ReferenceModel, cache: TieredKVCache, *, prefill_chunk: int = 64,
-                 max_running: int | None = None) -> None:
+                 max_running: int | None = None, reuse: bool = True) -> None:
         self.model = model
         self.cache = cache
+        self.reuse = reuse
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running or cache.states.num_slots
         self.waiting: deque[ServeRequest] = deque()
@@ -84,6 +86,7 @@ class ServingLoop:
         self.finished: list[ServeRequest] = []
         self.steps = 0
         self.preemptions = 0
+        self.tokens_computed = 0
 
     def submit(self, request: ServeRequest) -> None:
         self.waiting.append(request)
@@ -93,7 +96,7 @@ class ServingLoop:
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             try:
-                r._req = self.cache.open(r.tokens)
+                r._req = self.cache.open(r.tokens, max_cached_tokens=None if self.reuse else 0)
             except CacheFullError:
                 return
             self.waiting.popleft()
@@ -125,6 +128,7 @@ class ServingLoop:
         assert r._req is not None
         start = r._req.num_tokens
         logits = self.model.forward(self.cache, r._req, tokens)
+        self.tokens_computed += len(tokens)
         if r.record:
             for i in range(logits.shape[0]):
                 r.logits[start + i] = logits[i]
