@@ -195,8 +195,13 @@ class TieredKVCache:
         return self.layout.part_index(layer)
 
     def _locate(self, request: Request, ids: torch.Tensor, per_block: int, *,
-                num_entries: int, writable: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entry ids -> (block ids, offsets) through the request's block table."""
+                writable: bool, num_entries: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entry ids -> (block ids, offsets) through the request's block table.
+
+        ``num_entries`` bounds the ids (default: every entry of the request's blocks).
+        """
+        if num_entries is None:
+            num_entries = len(request.block_ids) * per_block
         if ids.numel() == 0:
             return ids, ids
         lo, hi = int(ids.min()), int(ids.max())
@@ -519,8 +524,7 @@ class TieredKVCache:
         m, L = ids.numel(), self.layout
         self._check_bytes("kv", kv, (m, L.entry_bytes))
         self._check_bytes("keys", keys, (m, L.indexer_bytes))
-        blk, off = self._locate(req, ids, L.csa_entries_per_block,
-                                num_entries=len(req.block_ids) * L.csa_entries_per_block, writable=True)
+        blk, off = self._locate(req, ids, L.csa_entries_per_block, writable=True)
         self.classical.indexer[c, blk, off] = keys
         if self.hisparse is None:
             self.classical.csa_kv[c, blk, off] = kv
@@ -538,8 +542,7 @@ class TieredKVCache:
         ids = self._entry_ids("entry_ids", entry_ids)
         L = self.layout
         self._check_bytes("kv", kv, (ids.numel(), L.entry_bytes))
-        blk, off = self._locate(req, ids, L.hca_entries_per_block,
-                                num_entries=len(req.block_ids) * L.hca_entries_per_block, writable=True)
+        blk, off = self._locate(req, ids, L.hca_entries_per_block, writable=True)
         self.classical.hca_kv[h, blk, off] = kv
 
     def read_indexer_keys(self, request: Request, layer: int, num_entries: int) -> torch.Tensor:
@@ -547,8 +550,7 @@ class TieredKVCache:
         req = self._live(request)
         c = self._layer_part(layer, LayerKind.CSA)
         ids = torch.arange(num_entries)
-        blk, off = self._locate(req, ids, self.layout.csa_entries_per_block,
-                                num_entries=len(req.block_ids) * self.layout.csa_entries_per_block, writable=False)
+        blk, off = self._locate(req, ids, self.layout.csa_entries_per_block, writable=False)
         return self.classical.indexer[c, blk, off]
 
     def read_csa(self, request: Request, layer: int, entry_ids: torch.Tensor) -> torch.Tensor:
@@ -557,7 +559,7 @@ class TieredKVCache:
         c = self._layer_part(layer, LayerKind.CSA)
         ids = self._entry_ids("entry_ids", entry_ids)
         E = self.layout.csa_entries_per_block
-        blk, off = self._locate(req, ids, E, num_entries=len(req.block_ids) * E, writable=False)
+        blk, off = self._locate(req, ids, E, writable=False)
         if self.hisparse is None:
             return self.classical.csa_kv[c, blk, off]
         out = torch.empty(ids.numel(), self.layout.entry_bytes, dtype=torch.uint8, device=self.device)
@@ -606,8 +608,7 @@ class TieredKVCache:
         req = self._live(request)
         h = self._layer_part(layer, LayerKind.HCA)
         ids = torch.arange(num_entries)
-        blk, off = self._locate(req, ids, self.layout.hca_entries_per_block,
-                                num_entries=len(req.block_ids) * self.layout.hca_entries_per_block, writable=False)
+        blk, off = self._locate(req, ids, self.layout.hca_entries_per_block, writable=False)
         return self.classical.hca_kv[h, blk, off]
 
     def advance(self, request: Request, token_ids: Sequence[int]) -> None:
