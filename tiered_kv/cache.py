@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,61 +39,19 @@ from .disk import DiskTier
 from .errors import CacheFullError
 from .hisparse import HiSparseBuffers, HiSparseConfig
 from .host import HostTier
-from .kernels import gather_blocks, scatter_blocks
 from .layout import KVLayout, LayerKind
 from .metrics import MetricsSnapshot
 from .metrics import collect as collect_metrics
 from .prefix import PrefixHasher, token_digest, tokens_to_bytes
+from .request import Request, as_token_list
 from .state_pool import SnapshotPool, StatePool, StateView
+from .tiering import TierMoves, record_key
 from .transfer import CopyEngine
 
 __all__ = ["Request", "TieredKVCache"]
 
 
-@dataclass(eq=False)
-class Request:
-    """One sequence's view of the cache. Created by :meth:`TieredKVCache.open`."""
-
-    request_id: int
-    #: State slot index in the State pool.
-    slot: int
-    #: Tokens whose KV is in the cache (cached prefix + everything advanced since).
-    token_ids: list[int]
-    #: Block table: Classical block ids, one per started block.
-    block_ids: list[int]
-    #: Prefix hashes of the sealed (full) blocks, ``len(block_hashes) <= len(block_ids)``.
-    block_hashes: list[bytes]
-    #: Tokens served from the cache at open.
-    num_cached_tokens: int
-    closed: bool = False
-    #: Private snapshots of the latest block boundaries: (num_blocks, snapshot id, hash).
-    _pending: list[tuple[int, int, bytes]] = field(default_factory=list, repr=False)
-    #: HiSparse: a host record reserved for the CSA part of the block being filled.
-    _host_reserved: int | None = field(default=None, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_sealed_blocks(self) -> int:
-        return len(self.block_hashes)
-
-
-def _as_token_list(token_ids: Sequence[int] | np.ndarray | torch.Tensor, what: str = "token_ids") -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
-            raise ValueError(f"{what}: expected a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
-        token_ids = token_ids.tolist()
-    out = list(token_ids)
-    for t in out:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise ValueError(f"{what}: expected integer token ids, got {type(t).__name__}")
-    tokens_to_bytes(out)  # range check
-    return [int(t) for t in out]
-
-
-class TieredKVCache:
+class TieredKVCache(TierMoves):
     """The KV cache of one model, across tiers (this version: the GPU tier).
 
     Args:
@@ -227,7 +184,7 @@ class TieredKVCache:
 
         Raises :class:`CacheFullError` when no State slot is free.
         """
-        tokens = _as_token_list(token_ids)
+        tokens = as_token_list(token_ids)
         limit = max(0, len(tokens) - 1)
         if max_cached_tokens is not None:
             if max_cached_tokens < 0:
@@ -286,197 +243,6 @@ class TieredKVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    # ------------------------------------------------------- prefix matching
-    def _match_prefix(self, slot: int, tokens: list[int], hashes: list[bytes]) -> tuple[list[int], int]:
-        """Find, load and reference the longest resumable prefix; restore its State.
-
-        Returns (GPU block ids, each with a reference taken, number of blocks). Tries
-        shorter prefixes when a block or snapshot cannot be loaded (a corrupt disk record,
-        a full pool).
-        """
-        available = self._available_blocks(hashes)
-        while available > 0:
-            n = self._longest_snapshot(hashes[:available])
-            if n == 0:
-                break
-            got = self._acquire_blocks(tokens, hashes[:n])
-            if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n):
-                return got, n
-            for b in reversed(got):
-                self._release_block(b)
-            available = len(got) if len(got) < n else n - 1
-        return [], 0
-
-    def _available_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks some tier holds."""
-        for i, h in enumerate(hashes):
-            if self.blocks.lookup(h) is not None:
-                continue
-            if self.host is not None and self.host.blocks.lookup(h) is not None:
-                continue
-            if self.disk is not None and self.disk.contains(_key("block", h)):
-                continue
-            return i
-        return len(hashes)
-
-    def _longest_snapshot(self, hashes: list[bytes]) -> int:
-        for n in range(len(hashes), 0, -1):
-            h = hashes[n - 1]
-            if self.snapshots.ids.lookup(h) is not None:
-                return n
-            if self.host is not None and self.host.snapshots is not None and self.host.snapshots.lookup(h) is not None:
-                return n
-            if self.disk is not None and self.disk.contains(_key("snapshot", h)):
-                return n
-        return 0
-
-    def _acquire_blocks(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
-        """Take a reference on the GPU block of each hash, loading it from host or disk.
-
-        Stops at the first block that cannot be had; returns the blocks acquired.
-        """
-        bt = self.layout.block_tokens
-        got: list[int] = []
-        for i, h in enumerate(hashes):
-            b = self.blocks.lookup(h)
-            if b is not None:
-                self.blocks.incref(b)
-                got.append(b)
-                continue
-            fetched = self._fetch_record(h, tokens[i * bt:(i + 1) * bt])
-            b = self.blocks.allocate() if fetched is not None else None
-            if b is None:
-                if fetched is not None and fetched[1] is not None:
-                    self._drop_host_ref(fetched[1])
-                break
-            record, hid = fetched
-            bid = torch.tensor([b])
-            if self.hisparse is not None:
-                assert hid is not None
-                self.copies.load_blocks(record[:, self.layout.csa_kv_block_bytes:], bid,
-                                        self.classical.rest_parts).make_stream_wait()
-                self._host_of_block[b] = hid  # the GPU block keeps the host reference
-            else:
-                self.copies.load_blocks(record, bid, self.classical.parts).make_stream_wait()
-                if hid is not None:
-                    self._drop_host_ref(hid)
-            self.blocks.cache(b, h)
-            got.append(b)
-        return got
-
-    def _fetch_record(self, h: bytes, block_tokens: list[int]) -> tuple[torch.Tensor, int | None] | None:
-        """Block ``h``'s record ``[1, block_bytes]`` from the host tier, or read from disk.
-
-        With a host tier the record is a referenced host record (id returned; a disk read
-        lands there, promoting the block); without one, a temporary CPU tensor (id None).
-        None when no tier has a good copy.
-        """
-        host = self.host
-        if host is not None:
-            hid = host.blocks.lookup(h)
-            if hid is not None:
-                host.blocks.incref(hid)
-                self._counters["blocks_from_host"] += 1
-                return host.records[hid:hid + 1], hid
-        if self.disk is None:
-            return None
-        hid = None
-        if host is not None:
-            hid = self._allocate_host_record()
-            if hid is None:
-                return None
-            record = host.records[hid:hid + 1]
-        else:
-            record = torch.empty(1, self.layout.block_bytes, dtype=torch.uint8)
-        if not self.disk.read(_key("block", h), record[0], token_digest(block_tokens)):
-            if hid is not None:
-                self._drop_host_ref(hid)
-            self._counters["disk_read_failures"] += 1
-            return None
-        if hid is not None:
-            assert host is not None
-            host.blocks.cache(hid, h)
-        self._counters["blocks_from_disk"] += 1
-        return record, hid
-
-    def _allocate_host_record(self) -> int | None:
-        """A host record id (refcount 1), evicting host LRU records as needed.
-
-        With HiSparse, records referenced only by cached-but-unused GPU blocks come free
-        by evicting those GPU blocks (their records stay cached on the host, evictable).
-        """
-        assert self.host is not None
-        hid = self.host.blocks.allocate()
-        while hid is None and self.hisparse is not None and self.blocks.evict_lru() is not None:
-            hid = self.host.blocks.allocate()
-        return hid
-
-    def _drop_host_ref(self, hid: int) -> None:
-        assert self.host is not None
-        self.host.blocks.free(hid)
-
-    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int) -> bool:
-        """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``."""
-        ids = self.snapshots.ids
-        sid = ids.lookup(h)
-        if sid is not None:
-            ids.incref(sid)  # refresh its LRU position
-            self.states.restore(slot, self.snapshots.data[sid])
-            ids.free(sid)
-            self._counters["snapshot_hits"] += 1
-            return True
-        data = self.host.lookup_snapshot(h) if self.host is not None else None
-        if data is not None:
-            self._counters["snapshots_from_host"] += 1
-        elif self.disk is not None:
-            data = torch.empty(self.layout.snapshot_bytes, dtype=torch.uint8)
-            bt = self.layout.block_tokens
-            if not self.disk.read(_key("snapshot", h), data, token_digest(tokens[(n - 1) * bt:n * bt])):
-                self._counters["disk_read_failures"] += 1
-                return False
-            self._counters["snapshots_from_disk"] += 1
-        else:
-            return False
-        self.states.restore(slot, data.to(self.device))
-        self._counters["snapshot_hits"] += 1
-        # promote into the GPU snapshot pool so the next open hits it there
-        sid = ids.allocate()
-        if sid is not None:
-            self.snapshots.data[sid].copy_(data)
-            ids.cache(sid, h)
-            ids.free(sid)
-        return True
-
-    # ----------------------------------------------------- tier movements
-    def _release_block(self, b: int) -> None:
-        """Drop one reference on GPU block ``b`` (and its host record when it dies)."""
-        if self.blocks.refcount(b) == 1 and self.blocks.block_hash(b) is None:
-            hid = self._host_of_block.pop(b, None)
-            if hid is not None:
-                self._drop_host_ref(hid)
-        self.blocks.free(b)
-
-    def _on_block_evict(self, b: int, h: bytes) -> None:
-        """A cached GPU block is reused: keep its record in the host tier."""
-        hid = self._host_of_block.pop(b, None)
-        if hid is not None:  # HiSparse: the host already holds the record
-            self._drop_host_ref(hid)
-            return
-        if self.host is None or self.host.blocks.lookup(h) is not None:
-            return
-        hid = self.host.blocks.allocate()
-        if hid is None:
-            return
-        handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
-        handle.make_stream_wait()  # the block is overwritten only after the copy read it
-        self.host.blocks.cache(hid, h)
-        self.host.blocks.free(hid)
-        self._counters["blocks_offloaded"] += 1
-
-    def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
-        if self.host is not None:
-            self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
 
     # ------------------------------------------------------ engine interface
     def state(self, request: Request) -> StateView:
@@ -618,7 +384,7 @@ class TieredKVCache:
         boundary is what a snapshot needs), and their blocks must have been reserved.
         """
         req = self._live(request)
-        tokens = _as_token_list(token_ids)
+        tokens = as_token_list(token_ids)
         bt = self.layout.block_tokens
         n0 = req.num_tokens
         n1 = n0 + len(tokens)
@@ -658,7 +424,7 @@ class TieredKVCache:
                 ready = handle.wait_event
             else:
                 record, ready = record.clone(), None  # a private copy: the host record may be recycled
-            self.disk.submit(_key("block", h), parent, token_digest(block_tokens), record[0], ready)
+            self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0], ready)
         self._snapshot_at_boundary(req, h, k + 1)
 
     def _mirror_to_host(self, req: Request, b: int, h: bytes) -> torch.Tensor:
@@ -716,7 +482,7 @@ class TieredKVCache:
             self._counters["snapshots_registered"] += 1
             if self.disk is not None:
                 parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
-                self.disk.submit(_key("snapshot", h), parent, token_digest(block_tokens),
+                self.disk.submit(record_key("snapshot", h), parent, token_digest(block_tokens),
                                  self.snapshots.data[snap_id].to("cpu", copy=True))
         ids.free(snap_id)
 
@@ -748,9 +514,3 @@ class TieredKVCache:
         if self.disk is not None:
             out.update(self.disk.stats())
         return out
-
-
-def _key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey
-    from .storage import RecordKey
-
-    return RecordKey.block(h) if kind == "block" else RecordKey.snapshot(h)
