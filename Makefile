@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e '.[test,bench]'
 	touch $@
 
+# The memory plans of both presets, then the warm-start demo (tiered_kv/demo.py): on a fresh
+# LMDB store under .demo/, `tiered-kv warm-start` cold then warm, `stats` and `verify`.
 demo: venv
 	$(BIN)/tiered-kv plan --model deepseek-v4-flash --context 1M
 	$(BIN)/tiered-kv plan --model deepseek-v4-pro --context 1M

@@ -1,7 +1,7 @@
-"""The ``tiered-kv`` command line."""
+"""The ``tiered-kv`` command line (``tiered_kv.cli.main.main``)."""
+
 from __future__ import annotations
 
+from .main import main
 
-def main(argv: list[str] | None = None) -> int:
-    from .main import main as _main
-    return _main(argv)
+__all__ = ["main"]

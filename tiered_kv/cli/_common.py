@@ -1,0 +1,432 @@
+"""Helpers shared by the store commands (``warm-start``, ``stats``, ``verify``, ``gc``, ``ls``).
+
+* ``--store URL`` parsing (:func:`parse_store`): ``lmdb:///abs/path``, ``zarr:///abs/path`` or
+  a plain path (relative paths are resolved against the working directory; a plain path
+  that holds a Zarr store opens as Zarr, anything else as LMDB).
+* The layout options (:func:`add_layout_args`, :func:`layout_from_args`): ``--model`` plus
+  ``--entry-format`` / ``--indexer-bytes`` / ``--block-tokens`` overrides, as ``plan`` has.
+* Store errors -> documented exit codes (:func:`store_errors`, :func:`open_cli_store`,
+  :func:`run_guarded`): missing 3, foreign layout 4, locked 5, unreadable 1.
+* Prompt files (:func:`load_prompts`): JSONL of ``{"id", "tokens"}`` or ``{"id", "text"}``.
+* A small progress bar (:class:`Progress`) drawn on stderr when it is a terminal.
+
+Module-level imports stay light (no torch, no stores): every command module is imported
+on every ``tiered-kv`` invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ..presets import PRESETS, get_preset
+from .main import ExitCode, UsageError
+
+if TYPE_CHECKING:
+    from ..layout import KVLayout
+    from ..storage import BlockStore
+
+__all__ = [
+    "BUNDLED_PROMPTS",
+    "CommandFailed",
+    "Progress",
+    "Prompt",
+    "StoreLocation",
+    "add_layout_args",
+    "add_store_arg",
+    "iso_time",
+    "layout_from_args",
+    "load_prompts",
+    "open_cli_store",
+    "parse_store",
+    "print_json",
+    "run_guarded",
+    "store_errors",
+]
+
+#: ``--entry-format`` choices (``fp8`` is ``fp8_ds_mla``), as ``plan`` has them.
+ENTRY_FORMATS = ("fp8", "bf16", "fp32")
+#: ``--prompts`` value that selects the prompt set shipped with the package.
+BUNDLED_PROMPTS = "bundled"
+_MAX_TOKEN = 2**32 - 1
+
+
+# ---------------------------------------------------------------- failures
+class CommandFailed(Exception):
+    """A store command cannot go on; ``code`` is its :class:`ExitCode`."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def run_guarded(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]) -> int:
+    """Run ``body(args)``; a :class:`CommandFailed` is printed as ``<prog>: error: ...``
+    and becomes its exit code (a :class:`UsageError` goes on to ``main``: exit 2)."""
+    try:
+        return int(body(args))
+    except BrokenPipeError:  # stdout closed early (``tiered-kv stats | head``): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail
+        return int(ExitCode.FAILURE)
+    except CommandFailed as exc:
+        parser = getattr(args, "_parser", None)
+        prog = parser.prog if parser is not None else "tiered-kv"
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return int(exc.code)
+
+
+# ---------------------------------------------------------------- arguments
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def size_arg(text: str) -> int:
+    """argparse type: a byte count with an optional binary suffix (``512M``, ``2GiB``)."""
+    from ..planner import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_store_arg(p: argparse.ArgumentParser, *, creates: bool = False) -> None:
+    what = "created if missing" if creates else "must exist"
+    p.add_argument("--store", required=True, metavar="URL",
+                   help=f"the prefix-cache store ({what}): lmdb:///abs/path, zarr:///abs/path, or a "
+                        f"plain path (LMDB; relative paths are resolved)")
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` and the layout overrides: they select the layout fingerprint the store
+    must have been created with."""
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny",
+                   help="model preset whose KV layout the store holds (default %(default)s)")
+    p.add_argument("--entry-format", choices=ENTRY_FORMATS, default=None,
+                   help="CSA/HCA/SWA entry format (default: the preset's; fp8 = fp8_ds_mla)")
+    p.add_argument("--indexer-bytes", type=positive_int, default=None, metavar="B",
+                   help="bytes of one indexer key (default: the preset's)")
+    p.add_argument("--block-tokens", type=positive_int, default=None, metavar="T",
+                   help="tokens per Classical block, a multiple of 128 (default 128)")
+
+
+def layout_from_args(args: argparse.Namespace) -> KVLayout:
+    try:
+        return get_preset(args.model, entry_format=args.entry_format,
+                          indexer_bytes=args.indexer_bytes, block_tokens=args.block_tokens)
+    except ValueError as exc:  # e.g. fp8 needs head_dim 512; block_tokens not a multiple of 128
+        raise UsageError(str(exc)) from None
+
+
+def layout_options(layout: KVLayout) -> str:
+    """The command-line options that select ``layout``, e.g. ``--model tiny --entry-format bf16``."""
+    return _options_for(layout.fingerprint) or f"--model {layout.name}"
+
+
+def _options_for(fingerprint: str) -> str | None:
+    """Options of a preset layout with this fingerprint (None if no common variant has it)."""
+    variants = itertools.product(sorted(PRESETS), (None, *ENTRY_FORMATS), (None, 16, 32, 68, 132, 256),
+                                 (None, 256))
+    for name, fmt, ib, bt in variants:
+        try:
+            layout = get_preset(name, entry_format=fmt, indexer_bytes=ib, block_tokens=bt)
+        except ValueError:  # not a valid variant of this preset (e.g. tiny with fp8)
+            continue
+        if layout.fingerprint == fingerprint:
+            opts = [f"--model {name}"]
+            opts += [f"--entry-format {fmt}"] if fmt else []
+            opts += [f"--indexer-bytes {ib}"] if ib else []
+            opts += [f"--block-tokens {bt}"] if bt else []
+            return " ".join(opts)
+    return None
+
+
+# ---------------------------------------------------------------- store location
+class Backend(enum.Enum):
+    """A store backend, by its URL scheme."""
+
+    LMDB = "lmdb"
+    ZARR = "zarr"
+
+    @property
+    def marker(self) -> str:
+        """The file every store of this backend has at its root."""
+        return "data.mdb" if self is Backend.LMDB else "zarr.json"
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a store lives: its backend and absolute directory."""
+
+    backend: Backend
+    path: Path
+    #: what the user typed, for messages
+    given: str
+
+    @property
+    def url(self) -> str:
+        """The URL :func:`tiered_kv.storage.open_store` takes (``lmdb:///abs/path``)."""
+        return f"{self.backend.value}://{self.path}"
+
+    @property
+    def marker(self) -> str:
+        return self.backend.marker
+
+    def exists(self) -> bool:
+        """Whether a store of this backend is at :attr:`path` (its marker file is there)."""
+        return (self.path / self.marker).is_file()
+
+
+def parse_store(text: str) -> StoreLocation:
+    """``--store`` -> :class:`StoreLocation`; UsageError for an unknown scheme or a file."""
+    if not text:
+        raise UsageError("--store: expected lmdb:///abs/path, zarr:///abs/path or a path, got ''")
+    backend: Backend | None = None
+    rest = text
+    if "://" in text:
+        scheme, _, rest = text.partition("://")
+        try:
+            backend = Backend(scheme)
+        except ValueError:
+            accepted = ", ".join(f"{b.value}:///abs/path" for b in Backend)
+            raise UsageError(f"--store: expected {accepted} or a plain path, got scheme {scheme!r} "
+                             f"in {text!r}") from None
+        if not rest:
+            raise UsageError(f"--store: expected a path after {scheme}://, e.g. {scheme}:///var/cache/kv")
+    path = Path(os.path.abspath(os.path.expanduser(rest)))  # relative -> the working directory
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--store: expected a store directory, got the file {path}")
+    if backend is None:  # a plain path: whatever store is there, else a new LMDB one
+        backend = Backend.ZARR if (path / Backend.ZARR.marker).is_file() else Backend.LMDB
+    return StoreLocation(backend=backend, path=path, given=text)
+
+
+def missing_store(loc: StoreLocation) -> CommandFailed:
+    return CommandFailed(
+        ExitCode.STORE_MISSING,
+        f"no prefix-cache store at {loc.path} (no {loc.marker} there); check --store, or create "
+        f"and fill one with `tiered-kv warm-start --store {loc.given} --prompts FILE`")
+
+
+@contextmanager
+def store_errors(loc: StoreLocation, layout: KVLayout) -> Iterator[None]:
+    """Turn the errors of opening or using the store at ``loc`` into :class:`CommandFailed`
+    with the documented exit codes."""
+    import lmdb
+
+    from ..storage import LayoutMismatchError, StoreError, StoreLockedError
+
+    try:
+        yield
+    except LayoutMismatchError as exc:
+        stored = exc.stored or "another layout"
+        hint = _options_for(stored) if exc.stored else None
+        written = f" (written with {hint})" if hint else ""
+        raise CommandFailed(
+            ExitCode.FOREIGN_LAYOUT,
+            f"{loc.path}: the store holds layout fingerprint {stored}{written}, but the options "
+            f"select {layout.fingerprint} ({layout_options(layout)}); pass the options the store "
+            f"was created with, or use another --store for this layout") from None
+    except StoreLockedError as exc:
+        raise CommandFailed(ExitCode.STORE_LOCKED, f"{loc.path}: store is locked: {exc}") from None
+    except lmdb.LockError as exc:
+        raise CommandFailed(ExitCode.STORE_LOCKED,
+                            f"{loc.path}: store is locked by another process (LMDB: {exc}); "
+                            f"retry when it is done") from None
+    except FileNotFoundError:
+        raise missing_store(loc) from None
+    except BrokenPipeError:  # stdout closed (e.g. piped into head): not the store's fault
+        raise
+    except (StoreError, lmdb.Error, OSError) as exc:
+        raise CommandFailed(ExitCode.FAILURE, f"{loc.path}: cannot use the store: {exc}") from None
+
+
+@contextmanager
+def open_cli_store(loc: StoreLocation, layout: KVLayout, *, readonly: bool = False) -> Iterator[BlockStore]:
+    """Open the existing store at ``loc`` for ``layout`` (exit 3 when there is none).
+
+    ``readonly`` opens an LMDB store without writing (no access times recorded); other
+    backends ignore it.
+    """
+    from ..storage import open_store
+
+    if not loc.exists():
+        raise missing_store(loc)
+    options: dict[str, Any] = {"readonly": True} if readonly and loc.backend is Backend.LMDB else {}
+    with store_errors(loc, layout):
+        store = open_store(loc.url, layout_fingerprint=layout.fingerprint, **options)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+# ---------------------------------------------------------------- prompts
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a prompt file."""
+
+    id: str
+    tokens: list[int]
+
+
+def prompts_arg_help(what: str) -> str:
+    return (f"{what}: a JSONL file, one {{\"id\": ..., \"tokens\": [...]}} or {{\"id\": ..., "
+            f"\"text\": \"...\"}} per line (text is tokenized byte-level: UTF-8 bytes as ids); "
+            f"'{BUNDLED_PROMPTS}' for the demo set shipped with tiered_kv, '-' for stdin")
+
+
+def load_prompts(spec: str, *, vocab_size: int | None = None) -> list[Prompt]:
+    """Read the prompts of ``--prompts spec``; UsageError naming the line on bad input.
+
+    ``vocab_size``: token ids must be below it (the model's vocabulary), else any uint32.
+    """
+    from ..tokenizer import encode
+
+    name, text = _read_prompt_source(spec)
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"--prompts {name} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: expected a JSON object, got invalid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        pid = obj.get("id", f"#{n}")
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise UsageError(f"{where}: id: expected a string or integer, got {pid!r}")
+        pid = str(pid)
+        if pid in seen:
+            raise UsageError(f"{where}: duplicate id {pid!r}")
+        seen.add(pid)
+        has_tokens, has_text = "tokens" in obj, "text" in obj
+        if has_tokens == has_text:
+            raise UsageError(f"{where}: expected exactly one of \"tokens\" or \"text\", got "
+                             f"{'both' if has_tokens else 'neither'}")
+        if has_text:
+            if not isinstance(obj["text"], str):
+                raise UsageError(f"{where}: text: expected a string, got {type(obj['text']).__name__}")
+            tokens = encode(obj["text"])
+        else:
+            tokens = _check_tokens(where, obj["tokens"], vocab_size)
+        if not tokens:
+            raise UsageError(f"{where}: prompt {pid!r} is empty; expected at least one token")
+        prompts.append(Prompt(id=pid, tokens=tokens))
+    if not prompts:
+        raise UsageError(f"--prompts {name}: expected at least one prompt, the file has none")
+    return prompts
+
+
+def _read_prompt_source(spec: str) -> tuple[str, str]:
+    if spec == BUNDLED_PROMPTS:
+        from importlib.resources import files
+
+        return f"{BUNDLED_PROMPTS} (tiered_kv/data/prompts.jsonl)", \
+            files("tiered_kv").joinpath("data").joinpath("prompts.jsonl").read_text(encoding="utf-8")
+    if spec == "-":
+        return "<stdin>", sys.stdin.read()
+    path = Path(spec).expanduser()
+    try:
+        return spec, path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"--prompts: no such file {spec!r} (expected a JSONL file, "
+                         f"'{BUNDLED_PROMPTS}' or '-')") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompts: cannot read {spec!r}: {exc}") from None
+
+
+def _check_tokens(where: str, tokens: object, vocab_size: int | None) -> list[int]:
+    if not isinstance(tokens, list):
+        raise UsageError(f"{where}: tokens: expected a list of integers, got {type(tokens).__name__}")
+    hi = _MAX_TOKEN if vocab_size is None else vocab_size - 1
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= hi:
+            raise UsageError(f"{where}: tokens[{i}]: expected an integer id in [0, {hi + 1}), got {t!r}"
+                             + ("" if vocab_size is None else f" (the reference model's vocabulary is "
+                                                              f"{vocab_size}; use \"text\" for byte-level ids)"))
+    return tokens
+
+
+# ---------------------------------------------------------------- output
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+
+
+def iso_time(ns: int | None) -> str | None:
+    """Nanoseconds since the epoch -> ``2025-01-31T02:40:00Z`` (None stays None)."""
+    if ns is None:
+        return None
+    t = datetime.fromtimestamp(ns / 1e9, tz=timezone.utc)
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Progress:
+    """A one-line progress bar on ``stream`` (stderr) when it is a terminal; silent otherwise.
+
+    ``println`` prints a result line to stdout without tearing the bar (the bar is
+    cleared first and redrawn after).
+    """
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool | None = None,
+                 width: int = 28) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = _isatty(self.stream) if enabled is None else enabled
+        self.total = max(total, 1)
+        self.width = width
+        self._line = ""
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        filled = self.width * min(done, self.total) // self.total
+        bar = "#" * filled + "-" * (self.width - filled)
+        self._line = f"[{bar}] {100 * min(done, self.total) // self.total:3d}%  {note}"
+        self._draw()
+
+    def println(self, line: str) -> None:
+        if self.enabled:
+            self._clear()
+        print(line, flush=True)
+        if self.enabled and self._line:
+            self._draw()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._clear()
+        self._line = ""
+
+    def _draw(self) -> None:
+        self.stream.write("\r\x1b[K" + self._line)
+        self.stream.flush()
+
+    def _clear(self) -> None:
+        self.stream.write("\r\x1b[K")
+        self.stream.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

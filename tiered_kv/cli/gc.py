@@ -1,0 +1,65 @@
+"""``tiered-kv gc``: evict least recently used records until the store fits a byte bound.
+
+::
+
+    tiered-kv gc --store .demo/store --max-bytes 512k
+    tiered-kv gc --store lmdb:///var/cache/kv --max-bytes 200G --json
+
+``SIZE`` takes binary suffixes (``k``/``K``/``M``/``G``/``T``, ``KiB``...). Records are
+evicted oldest access first (:meth:`tiered_kv.storage.BlockStore.gc`); bytes count whole
+records (header + payload + checksum). The bound applies to this run only: to keep a
+store under it, give the same bound to the processes that write (``warm-start
+--max-bytes``, ``TieredKVCache(store_options={"max_bytes": ...})``).
+
+JSON: ``{"store", "model", "max_bytes", "evicted", "freed_bytes", "bytes", "records"}``
+(``bytes``/``records``: what is left).
+
+Exit codes: 0 ok, 2 bad arguments, 3 no store at ``--store``, 4 the store holds another
+layout, 5 the store is locked.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..planner import format_bytes
+from . import _common
+from .main import ExitCode
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "gc",
+        help="evict least recently used records down to a byte bound",
+        description="Evict the least recently used records of a prefix-cache store until its "
+                    "records take at most SIZE bytes.",
+        epilog="exit codes: 0 ok, 2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
+    )
+    _common.add_store_arg(p)
+    p.add_argument("--max-bytes", required=True, type=_common.size_arg, metavar="SIZE",
+                   help="bytes the records may take afterwards, e.g. 200G, 512M or 1048576 (binary units)")
+    _common.add_layout_args(p)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    return _common.run_guarded(args, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    layout = _common.layout_from_args(args)
+    loc = _common.parse_store(args.store)
+    with _common.open_cli_store(loc, layout) as store:
+        result = dict(store.gc(args.max_bytes))
+    out = {"store": loc.url, "model": layout.name, "max_bytes": args.max_bytes, **result}
+    if args.json:
+        _common.print_json(out)
+    else:
+        print(f"{loc.url}: evicted {out['evicted']} records, freed {out['freed_bytes']} bytes "
+              f"({format_bytes(out['freed_bytes'])}); {out['records']} records, {out['bytes']} bytes "
+              f"({format_bytes(out['bytes'])}) left, bound {format_bytes(args.max_bytes)}")
+    return ExitCode.OK

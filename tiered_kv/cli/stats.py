@@ -1,0 +1,97 @@
+"""``tiered-kv stats``: what a prefix-cache store holds.
+
+::
+
+    tiered-kv stats --store .demo/store
+    tiered-kv stats --store lmdb:///var/cache/kv --model deepseek-v4-flash --json
+
+Records (blocks and snapshots), bytes against the bound, the least and most recent
+access, and the store's hit / miss / corrupt / eviction counters. The counters are those
+of the open store object, which count since it was opened: a fresh ``tiered-kv stats``
+process opens the store itself, so they show this process's (zero) activity; a serving
+process reports its own through ``cache.metrics()``. An LMDB store is opened read-only.
+
+Exit codes: 0 ok, 2 bad arguments, 3 no store at ``--store``, 4 the store holds another
+layout (the message names both fingerprints), 5 the store is locked.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..planner import format_bytes
+from . import _common
+from .main import ExitCode
+
+__all__ = ["add_parser", "run", "store_summary"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "stats",
+        help="records, bytes, counters and access times of a store",
+        description="Records (blocks, snapshots), bytes, the hit / miss / corrupt / eviction "
+                    "counters and the oldest and newest access of a prefix-cache store.",
+        epilog="exit codes: 0 ok, 2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
+    )
+    _common.add_store_arg(p)
+    _common.add_layout_args(p)
+    p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    return _common.run_guarded(args, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    layout = _common.layout_from_args(args)
+    loc = _common.parse_store(args.store)
+    with _common.open_cli_store(loc, layout, readonly=True) as store:
+        summary = store_summary(store)
+    summary = {"store": loc.url, "model": layout.name, **summary}
+    if args.json:
+        _common.print_json(summary)
+    else:
+        print(format_table(summary))
+    return ExitCode.OK
+
+
+def store_summary(store: Any) -> dict[str, Any]:
+    """``store.stats()`` plus record counts by kind and ISO-8601 access times."""
+    from ..storage import RecordKind
+
+    stats = dict(store.stats())
+    kinds = [key.kind for key in store]
+    stats["blocks"] = sum(k is RecordKind.BLOCK for k in kinds)
+    stats["snapshots"] = sum(k is RecordKind.SNAPSHOT for k in kinds)
+    stats["oldest_access"] = _common.iso_time(stats.get("oldest_access_ns"))
+    stats["newest_access"] = _common.iso_time(stats.get("newest_access_ns"))
+    return stats
+
+
+def format_table(s: dict[str, Any]) -> str:
+    max_bytes = s.get("max_bytes")
+    rows: list[tuple[str, str, str]] = [
+        ("store", s["store"], ""),
+        ("layout_fingerprint", str(s.get("layout_fingerprint")), f"--model {s['model']}"),
+        ("records", str(s["records"]), f"{s['blocks']} blocks, {s['snapshots']} snapshots"),
+        ("bytes", str(s["bytes"]), format_bytes(s["bytes"])),
+        ("max_bytes", str(max_bytes) if max_bytes is not None else "none",
+         format_bytes(max_bytes) if max_bytes is not None else "unbounded"),
+        ("oldest_access", s["oldest_access"] or "-", "least recently used record (evicted first)"),
+        ("newest_access", s["newest_access"] or "-", ""),
+    ]
+    note = "since this process opened the store"
+    for name in ("hits", "misses", "corrupt", "evictions"):
+        if name in s:
+            rows.append((name, str(s[name]), note))
+            note = ""
+    name_w = max(len(r[0]) for r in rows)
+    num_w = max(len(r[1]) for r in rows if r[1].isdigit())
+    lines = []
+    for name, value, extra in rows:
+        cell = value.rjust(num_w) if value.isdigit() else value.ljust(num_w)
+        lines.append(f"{name.ljust(name_w)}  {cell}  {extra}".rstrip())
+    return "\n".join(lines)
