@@ -8,14 +8,15 @@ tested on CPU with tiny pools, asserting exact ids and eviction order.
 
 Every id is in exactly one of three states::
 
-                 allocate() / incref()              free() at refcount 0
-    free list ----------------------> referenced ----------------------> free list
-    (FIFO, uncached)                 (refcount>0)   (uncached)           (tail)
-        ^                              |    ^
-        |                       free() |    | incref() / allocate() on a hash hit
-        | evict_lru() / uncache()      v    |    (the caller looks the hash up)
-        +------------------------- evictable LRU
-                                   (cached, refcount 0, oldest first)
+                          allocate()
+    free list  -------------------------------->  referenced
+    (uncached,  <--------------------------------  (refcount > 0, cached or not)
+     FIFO)        free() to 0, if uncached           |          ^
+       ^                                 free() to 0 |          | incref(): a prefix-cache
+       |                                   if cached v          | hit found by lookup()
+       +-------- evict_lru() / uncache() ---------  evictable LRU
+                                                    (cached, refcount 0, oldest first;
+                                                     allocate() evicts from here too)
 
 ``allocate()`` takes the head of the free list, and only when that is empty evicts the
 least-recently-released cached block: a cached block is worth keeping because a later
