@@ -6,15 +6,25 @@
 >>> store.get_many([RecordKey.block(h)], [pinned_uint8_tensor])
 
 Backends: :class:`LmdbStore` (embedded default) and :class:`ZarrStore` (a Zarr v3 group
-on a directory or an object store). Both pass the same conformance suite.
+on a directory or an S3-compatible object store, ``zarr+s3://bucket/prefix?endpoint=...``).
+Both pass the same conformance suite. A list of URLs opens a :class:`StoreChain`: the
+first level local and synchronous, the others (e.g. a bucket shared by a fleet) behind it,
+read on a local miss and written in the background::
+
+    open_store(["lmdb:///var/cache/kv", "zarr+s3://kv-cache/v4?endpoint=https://s3.example"],
+               layout_fingerprint=layout.fingerprint, timeout_s=2.0,
+               level_options=[{"max_bytes": 512 << 30}, {}])
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from .base import BlockStore, PutItem
+from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
 from .errors import (
     CorruptRecordError,
     LayoutMismatchError,
@@ -39,15 +49,18 @@ from .zarr_store import ZarrStore
 __all__ = [
     "BlockStore",
     "CorruptRecordError",
+    "DeferredLevel",
     "FORMAT_VERSION",
     "LayoutMismatchError",
     "LmdbStore",
+    "OBJECT_STORE_SCHEMES",
     "PutItem",
     "RecordCheck",
     "RecordKey",
     "RecordKind",
     "RecordMeta",
     "SCHEMES",
+    "StoreChain",
     "StoreError",
     "StoreFullError",
     "StoreLockedError",
@@ -55,31 +68,106 @@ __all__ = [
     "decode_record",
     "encode_record",
     "encode_record_into",
+    "open_chain",
     "open_store",
     "record_size",
 ]
 
-#: URL schemes :func:`open_store` accepts, and the backend each selects.
+#: Local-path URL schemes (``scheme:///abs/path``) :func:`open_store` accepts, and the
+#: backend each selects.
 SCHEMES: dict[str, type[BlockStore]] = {"lmdb": LmdbStore, "zarr": ZarrStore}
+#: Object-store URL schemes (``scheme://bucket/prefix?...``) :func:`open_store` accepts.
+OBJECT_STORE_SCHEMES: dict[str, type[BlockStore]] = {"zarr+s3": ZarrStore}
+
+StoreSpec = str | os.PathLike[str] | BlockStore
 
 
-def open_store(url: str | os.PathLike[str], *, layout_fingerprint: str, **options: Any) -> BlockStore:
+def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str, **options: Any) -> BlockStore:
     """Open (creating if needed) the block store at ``url``.
 
     ``lmdb:///abs/path`` -> :class:`LmdbStore`, ``zarr:///abs/path`` -> :class:`ZarrStore`,
-    a plain path -> :class:`LmdbStore`. ``options`` go to the backend (e.g. ``max_bytes``).
+    a plain path -> :class:`LmdbStore`, ``zarr+s3://bucket/prefix?endpoint=...`` ->
+    :class:`ZarrStore` in the bucket (credentials from ``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY`` or the ``access_key_id`` / ``secret_access_key`` options).
+    ``options`` go to the backend (e.g. ``max_bytes``, ``timeout_s``).
+
+    A list (nearest first) opens a :class:`StoreChain` (see :func:`open_chain`).
     """
+    if isinstance(url, (list, tuple)):
+        return open_chain(url, layout_fingerprint=layout_fingerprint, **options)
+    if isinstance(url, BlockStore):
+        raise TypeError("url: expected a URL or path (an open BlockStore is used as it is)")
     s = os.fspath(url)
     if not isinstance(s, str):
         raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
     if "://" not in s:
         return LmdbStore(s, layout_fingerprint=layout_fingerprint, **options)
     scheme, _, rest = s.partition("://")
+    remote = OBJECT_STORE_SCHEMES.get(scheme)
+    if remote is not None:
+        return remote(s, layout_fingerprint=layout_fingerprint, **options)
     backend = SCHEMES.get(scheme)
     if backend is None:
-        accepted = ", ".join(f"{name}:///abs/path" for name in SCHEMES)
-        raise ValueError(f"url: expected one of {accepted} or a plain path, got scheme {scheme!r} in {s!r}")
+        accepted = ", ".join([f"{name}:///abs/path" for name in SCHEMES]
+                             + [f"{name}://bucket/prefix" for name in OBJECT_STORE_SCHEMES])
+        raise ValueError(f"url: expected one of {accepted} or a plain path, got scheme {scheme!r} in "
+                         f"{s.split('?', 1)[0]!r}")
     if not rest.startswith("/"):
         raise ValueError(f"url: expected an absolute path after {scheme}:// (e.g. {scheme}:///abs/path), "
                          f"got {s!r}")
     return backend(rest, layout_fingerprint=layout_fingerprint, **options)
+
+
+def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str,
+               level_options: Sequence[dict[str, Any] | None] | None = None, **chain_options: Any) -> StoreChain:
+    """Open a :class:`StoreChain` over ``levels`` (nearest first): URLs / paths, or open
+    stores (used as they are and not closed by the chain).
+
+    ``level_options[i]``: options of level ``i``'s :func:`open_store`; an object-store level
+    gets ``timeout_s`` = the chain's unless given. ``chain_options``: :class:`StoreChain`'s
+    (``timeout_s``, ``max_pending_uploads``, ``backoff_max_s``...). Level 0 must open;
+    a farther level that cannot be reached now (a ``ConnectionError``, e.g.
+    :class:`~tiered_kv.storage.s3.ObjectStoreUnavailable`) is opened later in the background,
+    while wrong credentials, a missing bucket or another layout raise here.
+    """
+    levels = list(levels)
+    if not levels:
+        raise ValueError("levels: expected at least one store URL")
+    opts_list = [None] * len(levels) if level_options is None else list(level_options)
+    if len(opts_list) != len(levels):
+        raise ValueError(f"level_options: expected one dict (or None) per level ({len(levels)}), "
+                         f"got {len(opts_list)}")
+    timeout_s = chain_options.get("timeout_s", DEFAULT_TIMEOUT_S)
+    opened: list[BlockStore | DeferredLevel] = []
+    owned: list[bool] = []
+    try:
+        for i, (spec, opts) in enumerate(zip(levels, opts_list)):
+            if opts is not None and not isinstance(opts, dict):
+                raise TypeError(f"level_options[{i}]: expected a dict or None, got {type(opts).__name__}")
+            if isinstance(spec, BlockStore):
+                if opts:
+                    raise ValueError(f"level_options[{i}]: expected none for an open store")
+                opened.append(spec)
+                owned.append(False)
+                continue
+            if isinstance(spec, (list, tuple)):
+                raise TypeError(f"levels[{i}]: expected a URL, path or open store, got a nested list")
+            url = os.fspath(spec)
+            kwargs = dict(opts or {})
+            if url.partition("://")[0] in OBJECT_STORE_SCHEMES:
+                kwargs.setdefault("timeout_s", timeout_s)
+            opener = functools.partial(open_store, url, layout_fingerprint=layout_fingerprint, **kwargs)
+            owned.append(True)
+            if i == 0:
+                opened.append(opener())
+                continue
+            try:
+                opened.append(opener())
+            except ConnectionError as e:  # unreachable now: the chain opens it when it answers
+                opened.append(DeferredLevel(where=url.split("?", 1)[0], opener=opener, error=str(e)))
+        return StoreChain(opened, owned=owned, **chain_options)
+    except BaseException:
+        for store, own in zip(opened, owned):
+            if own and isinstance(store, BlockStore):
+                store.close()
+        raise

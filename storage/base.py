@@ -6,6 +6,8 @@ fingerprint. It is small on purpose::
     put_many(items)              -> list[bool]   write-once; True if written
     get_many(keys, outs)         -> list[RecordMeta | None]   verified reads into caller buffers
     contains / delete / iter / len / stats / close, and a context manager
+    verify(repair=False)         -> dict         maintenance: check every record
+    gc(max_bytes)                -> dict         maintenance: LRU-evict down to a bound
 
 Contract (the conformance suite ``tests/storage/test_storage_conformance.py`` checks it
 for every backend):
@@ -168,6 +170,26 @@ class BlockStore(abc.ABC):
     def close(self) -> None:
         """Flush and release the store; further calls raise StoreError. Idempotent."""
 
+    # --------------------------------------------------------------- maintenance
+    @abc.abstractmethod
+    def verify(self, *, repair: bool = False) -> dict[str, Any]:
+        """Check every stored record: header, checksum, layout fingerprint and that it sits
+        under its own key (token digests are not known here).
+
+        Removes nothing unless ``repair`` is True; then the records that failed are deleted
+        (and counted as ``corrupt`` in :meth:`stats`). Returns at least ``{"checked": int,
+        "corrupt": int, "removed": int, "corrupt_keys": [str]}``; a corrupt key is
+        ``RecordKey.to_bytes().hex()`` (kind byte, then the hash), or the raw stored key in
+        hex where it is not a valid RecordKey.
+        """
+
+    @abc.abstractmethod
+    def gc(self, max_bytes: int) -> dict[str, Any]:
+        """Evict least recently accessed records until the stored records take at most
+        ``max_bytes`` (an int >= 0; 0 empties the store). Does not change the store's own
+        ``max_bytes``. Returns at least ``{"evicted": int, "freed_bytes": int, "bytes": int,
+        "records": int}`` (``bytes`` / ``records``: what is left)."""
+
     # --------------------------------------------------------------- helpers
     def put(self, item: PutItem) -> bool:
         return self.put_many([item])[0]
@@ -183,6 +205,12 @@ class BlockStore(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @staticmethod
+    def _check_gc_bound(max_bytes: object) -> int:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes: expected an int >= 0, got {max_bytes!r}")
+        return max_bytes
 
     @staticmethod
     def _check_put_items(items: Sequence[PutItem]) -> list[PutItem]:

@@ -299,10 +299,13 @@ class LmdbStore(BlockStore):
         raw = txn.get(_M_TOTAL, db=self._meta)
         return _U64.unpack(raw)[0] if raw is not None else 0
 
-    def _evict_for(self, txn: lmdb.Transaction, total: int, need: int) -> tuple[int, int]:
-        """Evict least recently accessed records until ``need`` more bytes fit."""
+    def _evict_for(self, txn: lmdb.Transaction, total: int, need: int, *, limit: int | None = None,
+                   max_records: int | None = None) -> tuple[int, int]:
+        """Evict least recently accessed records until ``need`` more bytes fit in ``limit``
+        (default ``max_bytes``), or ``max_records`` were evicted."""
+        bound = self.max_bytes if limit is None else limit
         evicted = 0
-        while total + need > self.max_bytes:
+        while total + need > bound and (max_records is None or evicted < max_records):
             cur = txn.cursor(db=self._lru)
             if not cur.first():
                 raise StoreError(f"{self.path}: accounting broken: {total} bytes recorded but no "
@@ -522,6 +525,92 @@ class LmdbStore(BlockStore):
             self._flush_access()
         except StoreFullError:
             pass  # hints stay queued (see _maybe_flush_access)
+
+    # ------------------------------------------------------------------ maintenance
+    def verify(self, *, repair: bool = False) -> dict[str, Any]:
+        """Check every record (see :meth:`BlockStore.verify`) in one read transaction; with
+        ``repair`` the bad ones are deleted in one write transaction, each checked again
+        there (another process may have replaced it meanwhile). Also reports
+        ``accounted_bytes`` (the store's running total) and ``actual_bytes`` (the sizes
+        of the records found); ``repair`` sets the total to the actual bytes."""
+        check_open(self._closed, str(self.path))
+        if repair:
+            self._check_writable()
+        fp = self.layout_fingerprint
+
+        def check(kb: bytes, rec: Any) -> bool:
+            try:
+                decode_record(rec, expect_key=RecordKey.from_bytes(kb), expect_fingerprint=fp)
+            except (CorruptRecordError, ValueError):  # ValueError: the stored key is not a RecordKey
+                return False
+            return True
+
+        def scan(txn: lmdb.Transaction) -> tuple[int, int, int, list[bytes]]:
+            checked = actual = 0
+            bad: list[bytes] = []
+            for kb, rec in txn.cursor(db=self._records):
+                kb = bytes(kb)
+                checked += 1
+                actual += len(rec)
+                if not check(kb, rec):
+                    bad.append(kb)
+            return checked, actual, self._get_total(txn), bad
+
+        checked, actual, accounted, bad = self._run(scan, write=False)
+        removed = 0
+        if repair:
+            def fix(txn: lmdb.Transaction) -> int:
+                gone = 0
+                for kb in bad:
+                    rec = txn.get(kb, db=self._records)
+                    if rec is not None and not check(kb, rec):
+                        self._remove(txn, kb)
+                        gone += 1
+                total = 0
+                for kb, rec in txn.cursor(db=self._records):
+                    kb = bytes(kb)
+                    total += len(rec)
+                    if txn.get(kb, db=self._atime) is None:  # not in the LRU index: add it
+                        self._touch(txn, kb, self._now_ns(), size=len(rec))
+                txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
+                return gone
+
+            removed = self._run(fix, write=True)
+            self._stats.add(corrupt=removed)
+        return {"checked": checked, "corrupt": len(bad), "removed": removed,
+                "corrupt_keys": [kb.hex() for kb in bad], "accounted_bytes": accounted,
+                "actual_bytes": actual}
+
+    def gc(self, max_bytes: int) -> dict[str, Any]:
+        """Evict least recently accessed records until at most ``max_bytes`` remain (see
+        :meth:`BlockStore.gc`); queued access times are applied first, so the order is
+        exact. Evicts in transactions of at most 4096 records."""
+        check_open(self._closed, str(self.path))
+        self._check_writable()
+        self._check_gc_bound(max_bytes)
+        evicted = freed = 0
+        while True:
+            taken = self._take_access()
+
+            def evict(txn: lmdb.Transaction, taken: dict[bytes, int] = taken) -> tuple[int, int, int]:
+                self._apply_access(txn, taken)
+                total = self._get_total(txn)
+                left, n = self._evict_for(txn, total, 0, limit=max_bytes, max_records=_ACCESS_QUEUE_MAX)
+                txn.put(_M_TOTAL, _U64.pack(left), db=self._meta)
+                return n, total - left, left
+
+            try:
+                n, gone, left = self._run(evict, write=True)
+            except BaseException:
+                self._restore_access(taken)
+                raise
+            evicted += n
+            freed += gone
+            if left <= max_bytes or n == 0:
+                break
+        self._stats.add(evictions=evicted)
+        records = self._run(lambda txn: txn.stat(self._records)["entries"], write=False)
+        return {"evicted": evicted, "freed_bytes": freed, "bytes": left, "records": records}
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -10,6 +10,11 @@ content-addressed, write-once record store needs::
     get_into(store, "blocks/ab/cdef...", pinned_uint8)          # bytes read, or None if absent
     exists(store, key); delete(store, key); list_keys(store, "blocks/")
 
+and, for the Zarr backend's records: :func:`stat` (one HEAD: size and last-modified time),
+:func:`list_objects` (the same for every key under a prefix), :func:`get_bytes` (a whole
+object) and :func:`get_parts_into` (an object scattered into several buffers, e.g. a
+record's header, the caller's payload buffer and the checksum).
+
 URL: ``zarr+s3://BUCKET[/PREFIX][?endpoint=URL&region=R&allow_http=true&OPTION=VALUE...]``
 (``s3://`` is accepted too). Each setting comes from, first to last: a keyword of
 :func:`parse_s3_url`, the URL's query, the standard AWS environment variable:
@@ -54,7 +59,7 @@ import enum
 import ipaddress
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -83,6 +88,7 @@ __all__ = [
     "CREDENTIAL_ENV_VARS",
     "SCHEMES",
     "BucketNotFoundError",
+    "ObjectInfo",
     "ObjectStoreAuthError",
     "ObjectStoreError",
     "ObjectStoreUnavailable",
@@ -90,11 +96,15 @@ __all__ = [
     "S3Location",
     "delete",
     "exists",
+    "get_bytes",
     "get_into",
+    "get_parts_into",
     "list_keys",
+    "list_objects",
     "open_object_store",
     "parse_s3_url",
     "put_create_only",
+    "stat",
 ]
 
 #: URL schemes :func:`parse_s3_url` accepts.
@@ -487,6 +497,119 @@ def get_into(store: S3Store, key: str, out: Any) -> int | None:
         raise ObjectStoreUnavailable(f"get {key!r}: transfer ended after {pos} of {size} bytes",
                                      op="get", key=key)
     return size
+
+
+def get_bytes(store: S3Store, key: str) -> memoryview | None:
+    """The whole object at ``key`` (a read-only buffer), or None if absent."""
+    _check_key(key)
+    try:
+        result = obstore.get(store, key)
+        data = result.bytes()
+    except FileNotFoundError as e:
+        if "NoSuchBucket" in str(e):
+            raise _bucket_missing(store, "get", key) from e
+        return None
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="get", key=key) from e
+    size = int(result.meta["size"])
+    if len(data) != size:
+        raise ObjectStoreUnavailable(f"get {key!r}: transfer ended after {len(data)} of {size} bytes",
+                                     op="get", key=key)
+    return memoryview(data)
+
+
+def get_parts_into(store: S3Store, key: str, outs: Sequence[Any]) -> int | None:
+    """Read the object at ``key`` into ``outs`` back to back; its size, or None if absent.
+
+    ``outs``: writable C-contiguous buffers (bytearray, numpy, CPU torch tensor...). They
+    are filled only when the object's size equals their total size; otherwise nothing is
+    read (the response is dropped) and the object's size is returned, so the caller can
+    tell "another size" from "absent". If the transfer fails part-way, the contents of
+    ``outs`` are unspecified.
+    """
+    _check_key(key)
+    dests = [as_byte_array(o, writable=True, name=f"outs[{i}]") for i, o in enumerate(outs)]
+    total = sum(d.nbytes for d in dests)
+    try:
+        result = obstore.get(store, key)
+    except FileNotFoundError as e:
+        if "NoSuchBucket" in str(e):
+            raise _bucket_missing(store, "get", key) from e
+        return None
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="get", key=key) from e
+    size = int(result.meta["size"])
+    if size != total:
+        return size
+    views = [d for d in dests if d.nbytes]
+    pos = 0  # offset in views[0]
+    got = 0
+    try:
+        for chunk in result.stream(min_chunk_size=1 << 20):
+            src = np.frombuffer(chunk, dtype=np.uint8)
+            if got + src.nbytes > size:
+                raise ObjectStoreError(f"get {key!r}: the store sent more than the {size} bytes it announced",
+                                       op="get", key=key)
+            got += src.nbytes
+            while src.nbytes:
+                dst = views[0]
+                n = min(src.nbytes, dst.nbytes - pos)
+                dst[pos:pos + n] = src[:n]
+                src = src[n:]
+                pos += n
+                if pos == dst.nbytes:
+                    views.pop(0)
+                    pos = 0
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="get", key=key) from e
+    if got != size:
+        raise ObjectStoreUnavailable(f"get {key!r}: transfer ended after {got} of {size} bytes",
+                                     op="get", key=key)
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a HEAD or a listing says about one object."""
+
+    key: str
+    size: int
+    #: last-modified time, ns since the epoch (the store's clock; S3: second or ms resolution)
+    last_modified_ns: int
+
+
+def _info(meta: Any) -> ObjectInfo:
+    lm = meta.get("last_modified")
+    ns = 0 if lm is None else int(lm.timestamp()) * 1_000_000_000 + lm.microsecond * 1000
+    return ObjectInfo(key=meta["path"], size=int(meta["size"]), last_modified_ns=ns)
+
+
+def stat(store: S3Store, key: str) -> ObjectInfo | None:
+    """Size and last-modified time of the object at ``key`` (one HEAD), or None if absent."""
+    _check_key(key)
+    try:
+        meta = obstore.head(store, key)
+    except FileNotFoundError:
+        return None
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="head", key=key) from e
+    return _info(meta)
+
+
+def list_objects(store: S3Store, prefix: str = "") -> Iterator[ObjectInfo]:
+    """:class:`ObjectInfo` of every object under ``prefix``, lazily (see :func:`list_keys`)."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+    try:
+        for batch in obstore.list(store, prefix.strip("/") or None, chunk_size=1000):
+            for meta in batch:
+                yield _info(meta)
+    except FileNotFoundError as e:
+        if "NoSuchBucket" in str(e):
+            raise _bucket_missing(store, "list", prefix) from e
+        return
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="list", key=prefix) from e
 
 
 def exists(store: S3Store, key: str) -> bool:

@@ -27,7 +27,24 @@ store) can share one group without coordinating. The records of one call are wri
   the next scan once older than ``stale_partial_s``. Files are 0o600, directories 0o700.
   This path uses plain POSIX calls on the same keys ``LocalStore`` uses, because
   ``LocalStore`` neither fsyncs nor sets modes nor reads into a caller's buffer.
-- **Any other zarr Store** (e.g. an object store, or ``MemoryStore`` in tests) goes through
+- **An S3-compatible object store** (``zarr+s3://bucket/prefix?endpoint=...``, an
+  :class:`~tiered_kv.storage.s3.S3Location`, an ``obstore`` ``S3Store``, or a
+  ``zarr.storage.ObjectStore`` over one): the same keys under the prefix. A record is
+  written by one HEAD (skip if present) and one single-part conditional PUT
+  (``If-None-Match: *``, :func:`~tiered_kv.storage.s3.put_create_only`), so of any number
+  of racing writers of a record (processes or hosts) exactly one creates it and nobody
+  overwrites it; ``zarr.json`` is created the same way. zarr's own ``ObjectStore`` is not
+  used for writes: its ``set_if_not_exists`` does not tell the caller whether it won, and
+  errors are not mapped to :mod:`~tiered_kv.storage.s3`'s classes (unavailable / auth /
+  no bucket); the bucket stays a plain Zarr group (``zarr.open_group(ObjectStore(s3))``
+  reads it). Reads stream the payload straight into the caller's buffer and verify it
+  there, as on a local disk. A put checks an existing record of the expected size by
+  that size (HEAD) only, not by a GET of its bytes (another size: read and verified); its
+  contents are checked by every read (a bad one is a miss and is deleted). Credentials
+  and client options are those of :func:`~tiered_kv.storage.s3.parse_s3_url`, plus
+  ``timeout_s`` / ``max_retries`` of :func:`~tiered_kv.storage.s3.open_object_store`;
+  failures raise its error classes.
+- **Any other zarr Store** (e.g. ``MemoryStore`` in tests) goes through
   the zarr Store API: ``set_if_not_exists`` and ``get``. Two racing writers of one key may
   both report True there (the store keeps one of the two, both valid).
 
@@ -37,7 +54,14 @@ every process without an index file; a scan rebuilds the in-memory LRU order fro
 scan runs at open, for ``len``/``iter``/``stats``, and before evicting once this process has
 written ``rescan_fraction * max_bytes`` since the last scan, so concurrent writers exceed
 ``max_bytes`` by at most that much each. Other zarr stores keep access times in memory
-only (a reopened store evicts in listing order until records are accessed again).
+only (a reopened store evicts in listing order until records are accessed again; on S3
+in last-modified order, i.e. oldest written first). On an object store a listing costs one
+request per 1000 records, so it is done at open only when ``max_bytes`` is set, and
+``stats()`` reports ``records``/``bytes`` as of the last listing (open, ``len``, ``iter``,
+``verify``, ``gc``) plus this handle's own writes, reads and evictions.
+
+Maintenance: :meth:`ZarrStore.verify` reads and checks every record (on S3: one GET
+each), :meth:`ZarrStore.gc` evicts least recently accessed records down to a bound.
 """
 
 from __future__ import annotations
@@ -59,6 +83,11 @@ import numpy as np
 
 from .base import BlockStore, PutItem, StoreStats, check_open, create_private_file, fsync_dir, mkdir_private
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
+
+try:  # the object-store path needs obstore (the ``s3`` extra)
+    from . import s3 as _s3
+except ImportError:  # pragma: no cover - obstore not installed
+    _s3 = None  # type: ignore[assignment]
 from .record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
@@ -149,6 +178,9 @@ class _Objects(abc.ABC):
     """Where the records of a ZarrStore live: raw objects under string keys."""
 
     local: bool
+    #: Listing costs requests (an object store): list at open only when bounded, and
+    #: check an existing record on put by its size, not by reading it.
+    remote: bool = False
 
     @abc.abstractmethod
     def read_meta(self) -> bytes | None: ...
@@ -171,6 +203,10 @@ class _Objects(abc.ABC):
 
     @abc.abstractmethod
     def exists(self, name: str) -> bool: ...
+
+    def size_of(self, name: str) -> int | None:
+        """Stored bytes of object ``name``, None if absent (used where ``remote``)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def remove(self, name: str) -> bool: ...
@@ -452,15 +488,127 @@ class _ZarrApiObjects(_Objects):
         return found
 
 
+class _S3Objects(_Objects):
+    """Records in an S3-compatible bucket under a prefix (obstore, create-only puts)."""
+
+    local = False
+    remote = True
+
+    def __init__(self, store: Any, where: str) -> None:
+        self.store = store  # obstore.store.S3Store, keys relative to its prefix
+        self.where = where
+
+    def read_meta(self) -> bytes | None:
+        data = _s3.get_bytes(self.store, _META_KEY)
+        return None if data is None else bytes(data)
+
+    def create_meta(self, data: bytes) -> None:
+        _s3.put_create_only(self.store, _META_KEY, data)  # False: another writer created it first
+
+    def write_new(self, name: str, parts: Sequence[Any]) -> bool:
+        # HEAD first: a present record is the common case when many nodes hold the same
+        # prefix, and a conditional PUT racing another writer of the key can wait seconds.
+        if _s3.exists(self.store, name):
+            return False
+        # One contiguous buffer: obstore sends iterables as multipart uploads, which are
+        # not create-only.
+        body = np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
+        return _s3.put_create_only(self.store, name, body)
+
+    def read_whole(self, name: str) -> np.ndarray | None:
+        data = _s3.get_bytes(self.store, name)
+        return None if data is None else np.frombuffer(data, dtype=np.uint8)
+
+    def read_into(self, name: str, key: RecordKey, fingerprint: str, digest: bytes | None,
+                  out: np.ndarray) -> RecordMeta | None:
+        header, checksum = bytearray(HEADER_BYTES), bytearray(CHECKSUM_BYTES)
+        size = _s3.get_parts_into(self.store, name, [header, out, checksum])
+        if size is None:
+            return None
+        if size != record_size(out.nbytes):
+            # Corrupt, or the caller's buffer has the wrong size: decide on the whole record.
+            whole = self.read_whole(name)
+            if whole is None:
+                return None  # deleted meanwhile
+            decode_record(whole, expect_key=key, expect_fingerprint=fingerprint, expect_token_digest=digest)
+            raise ValueError(f"out: expected {whole.nbytes - record_size(0)} bytes (the stored payload of "
+                             f"{key!r}), got {out.nbytes}")
+        parsed = parse_header(header, size)
+        return verify_record_parts(header, out, checksum, parsed=parsed, expect_key=key,
+                                   expect_fingerprint=fingerprint, expect_token_digest=digest)
+
+    def exists(self, name: str) -> bool:
+        return _s3.exists(self.store, name)
+
+    def size_of(self, name: str) -> int | None:
+        info = _s3.stat(self.store, name)
+        return None if info is None else info.size
+
+    def remove(self, name: str) -> bool:
+        if not _s3.exists(self.store, name):
+            return False
+        _s3.delete(self.store, name)
+        return True
+
+    def touch(self, name: str, ns: int) -> None:
+        pass  # objects are immutable and have no access time: the in-memory index keeps it
+
+    def scan(self) -> list[tuple[RecordKey, int, int]]:
+        found = []
+        for kind_dir in _DIR_KINDS:
+            for info in _s3.list_objects(self.store, kind_dir + "/"):
+                parts = info.key.split("/")
+                key = _key_of(*parts) if len(parts) == 3 else None
+                if key is not None:
+                    found.append((key, info.size, info.last_modified_ns))
+        return found
+
+
+def _s3_objects(target: Any, options: dict[str, Any]) -> _S3Objects:
+    """``target``: a ``zarr+s3://`` URL, an S3Location or an obstore S3Store."""
+    if _s3 is None:
+        raise TypeError("url_or_path: an S3 store needs obstore installed (pip install 'tiered-kv[s3]')")
+    client = {k: options.pop(k) for k in ("timeout_s", "max_retries") if k in options}
+    if isinstance(target, str):
+        target = _s3.parse_s3_url(target, **options)
+        options = {}
+    if isinstance(target, _s3.S3Location):
+        if options:
+            raise ValueError(f"options {sorted(options)}: expected none besides timeout_s / max_retries "
+                             f"with an S3Location (they are part of the location)")
+        return _S3Objects(_s3.open_object_store(target, **client), target.url())
+    if options or client:
+        raise ValueError(f"options {sorted(options) + sorted(client)}: an open S3Store is already configured; "
+                         f"pass a zarr+s3:// URL or an S3Location to set them")
+    cfg = target.config
+    where = f"zarr+s3://{cfg.get('bucket')}/{target.prefix or ''}".rstrip("/")
+    if cfg.get("endpoint"):
+        where += f"?endpoint={cfg['endpoint']}"
+    return _S3Objects(target, where)
+
+
 class ZarrStore(BlockStore):
     """Block store in a Zarr v3 group (see the module docstring for the layout).
 
-    ``url_or_path``: a local directory (path, ``file://`` URL or ``zarr.storage.LocalStore``)
-    or any other ``zarr.abc.store.Store`` instance. ``max_bytes``: bound on the stored
-    records (None: unbounded), LRU-evicted. ``io_threads``: records of one ``put_many`` /
-    ``get_many`` are written / read concurrently by this many threads (their fsyncs and
-    reads overlap). ``stale_partial_s``: age after which a scan removes a temporary file
-    left by a killed writer. ``rescan_fraction``: see the module docstring.
+    ``url_or_path``: a local directory (path, ``file://`` URL or ``zarr.storage.LocalStore``);
+    an S3-compatible bucket prefix (``zarr+s3://bucket/prefix?endpoint=...&region=...``, an
+    :class:`~tiered_kv.storage.s3.S3Location`, an obstore ``S3Store`` or a
+    ``zarr.storage.ObjectStore`` over one); or any other ``zarr.abc.store.Store`` instance.
+    ``max_bytes``: bound on the stored records (None: unbounded), LRU-evicted.
+    ``io_threads``: records of one ``put_many`` / ``get_many`` are written / read
+    concurrently by this many threads (their fsyncs, reads or requests overlap).
+    ``stale_partial_s``: age after which a scan removes a temporary file left by a killed
+    writer. ``rescan_fraction``: see the module docstring.
+
+    ``s3_options`` (object stores only): ``timeout_s`` (default 5) and ``max_retries``
+    (default 2) of :func:`~tiered_kv.storage.s3.open_object_store`, and with a URL the
+    keywords of :func:`~tiered_kv.storage.s3.parse_s3_url` (``access_key_id``,
+    ``secret_access_key``, ``session_token``, ``endpoint``, ``region``, ``allow_http``...;
+    credentials default to ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``). Opening
+    reads (or creates, create-only) ``zarr.json``, so a bad endpoint, bucket or credentials
+    fail here with :class:`~tiered_kv.storage.s3.ObjectStoreUnavailable`,
+    :class:`~tiered_kv.storage.s3.BucketNotFoundError` or
+    :class:`~tiered_kv.storage.s3.ObjectStoreAuthError`.
     """
 
     supports_multiprocess = True
@@ -468,7 +616,8 @@ class ZarrStore(BlockStore):
     supports_mmap_reads = False
 
     def __init__(self, url_or_path: Any, *, layout_fingerprint: str, max_bytes: int | None = None,
-                 io_threads: int = 8, stale_partial_s: float = 3600.0, rescan_fraction: float = 0.1) -> None:
+                 io_threads: int = 8, stale_partial_s: float = 3600.0, rescan_fraction: float = 0.1,
+                 **s3_options: Any) -> None:
         fingerprint_field(layout_fingerprint)
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes <= 0):
@@ -479,31 +628,41 @@ class ZarrStore(BlockStore):
         self.max_bytes = max_bytes
         self._rescan_bytes = None if max_bytes is None else max(1, int(rescan_fraction * max_bytes))
         self._io = _IoPool(io_threads)
-        self._objects = self._make_objects(url_or_path, stale_partial_s, self._io)
+        self._objects = self._make_objects(url_or_path, stale_partial_s, self._io, dict(s3_options))
         self.path: Path | None = getattr(self._objects, "root", None)
-        self.supports_multiprocess = self._objects.local
+        self.supports_multiprocess = self._objects.local or self._objects.remote
         self.supports_shared_writers = True
-        self.where = str(self.path) if self.path is not None else repr(url_or_path)
+        self.where = (str(self.path) if self.path is not None
+                      else getattr(self._objects, "where", None) or repr(url_or_path))
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[RecordKey, tuple[int, int]] = OrderedDict()  # LRU first: (bytes, ns)
         self._total = 0
         self._written_since_scan = 0
         self._last_ns = 0
+        self._scanned_ns: int | None = None
         self._closed = True
         self._open_meta()
-        self._rescan()
+        if not self._objects.remote or max_bytes is not None:
+            self._rescan()
         self._closed = False
 
     @staticmethod
-    def _make_objects(url_or_path: Any, stale_partial_s: float, io: _IoPool) -> _Objects:
+    def _make_objects(url_or_path: Any, stale_partial_s: float, io: _IoPool,
+                      s3_options: dict[str, Any]) -> _Objects:
+        objects = ZarrStore._object_store(url_or_path, s3_options)
+        if objects is not None:
+            return objects
+        if s3_options:
+            raise ValueError(f"options {sorted(s3_options)}: expected only with an object store "
+                             f"(zarr+s3:// URL, S3Location or S3Store), got {url_or_path!r}")
         if isinstance(url_or_path, (str, os.PathLike)):
             s = os.fspath(url_or_path)
             if "://" in s:
                 scheme, _, rest = s.partition("://")
                 if scheme != "file":
-                    raise ValueError(f"url_or_path: expected a local path or file:// URL (pass a zarr "
-                                     f"Store instance for other stores), got {s!r}")
+                    raise ValueError(f"url_or_path: expected a local path, file:// URL or zarr+s3:// URL "
+                                     f"(pass a zarr Store instance for other stores), got {s!r}")
                 s = rest
             return _LocalObjects(Path(os.path.abspath(s)), stale_partial_s=stale_partial_s, io=io)
         try:
@@ -517,6 +676,20 @@ class ZarrStore(BlockStore):
             return _ZarrApiObjects(url_or_path)
         raise TypeError(f"url_or_path: expected a path, file:// URL or zarr Store, got "
                         f"{type(url_or_path).__name__}")
+
+    @staticmethod
+    def _object_store(target: Any, s3_options: dict[str, Any]) -> _Objects | None:
+        """The S3 objects of ``target`` if it names an S3 bucket prefix, else None."""
+        if isinstance(target, str) and target.startswith("zarr+s3://"):
+            return _s3_objects(target, s3_options)
+        if _s3 is None:
+            return None
+        if isinstance(target, _s3.S3Location | _s3.S3Store):
+            return _s3_objects(target, s3_options)
+        inner = getattr(target, "store", None)  # zarr.storage.ObjectStore over an obstore store
+        if isinstance(inner, _s3.S3Store) and type(target).__name__ == "ObjectStore":
+            return _s3_objects(inner, s3_options)
+        return None
 
     def _open_meta(self) -> None:
         raw = self._objects.read_meta()
@@ -553,6 +726,7 @@ class ZarrStore(BlockStore):
             self._index = OrderedDict(sorted(index.items(), key=lambda kv: kv[1][1]))
             self._total = sum(size for size, _ in index.values())
             self._written_since_scan = 0
+            self._scanned_ns = time.time_ns()
 
     def _now_ns(self) -> int:
         with self._lock:
@@ -589,21 +763,35 @@ class ZarrStore(BlockStore):
         return sum(self._objects.remove(_object_name(key)) for key in victims)
 
     # ------------------------------------------------------------------ writes
-    def _existing_is_valid(self, key: RecordKey) -> bool | None:
-        """Verify the record stored under ``key``: True valid, False corrupt (and removed),
-        None absent."""
+    def _existing_is_valid(self, key: RecordKey, size: int) -> bool | None:
+        """Check the record stored under ``key`` (``size``: the record bytes a put would
+        write): True valid, False corrupt (and removed), None absent.
+
+        Local stores verify the whole record. Object stores first compare its size (one
+        HEAD): the same size is taken as valid without a GET (reads verify the contents
+        anyway); another size is verified in full (a valid record of another payload size
+        is kept: write-once).
+        """
         name = _object_name(key)
+        if self._objects.remote:
+            stored = self._objects.size_of(name)
+            if stored is None:
+                return None
+            if stored == size:
+                return True
         data = self._objects.read_whole(name)
         if data is None:
             return None
         try:
             decode_record(data, expect_key=key, expect_fingerprint=self.layout_fingerprint)
+            valid = True
         except CorruptRecordError:
+            valid = False
+        if not valid:
             self._objects.remove(name)
             self._forget(key)
             self._stats.add(corrupt=1)
-            return False
-        return True
+        return valid
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         check_open(self._closed, self.where)
@@ -625,7 +813,7 @@ class ZarrStore(BlockStore):
             first[key] = i
             with self._lock:
                 known = key in self._index
-            if known and self._existing_is_valid(key):
+            if known and self._existing_is_valid(key, size):
                 self._accessed(key, size)  # write-once: keep it, count the access
             else:
                 todo.append(i)
@@ -656,7 +844,7 @@ class ZarrStore(BlockStore):
         """``key`` already existed when we tried to create it (another writer got there
         first, or it was not in our index): keep it if valid, else write ours."""
         for _ in range(3):
-            if self._existing_is_valid(key):
+            if self._existing_is_valid(key, size):
                 return False
             # corrupt (now removed) or gone meanwhile (deleted, evicted): write it
             self._stats.add(evictions=self._make_room(size))
@@ -713,18 +901,81 @@ class ZarrStore(BlockStore):
             return len(self._index)
 
     def stats(self) -> dict[str, Any]:
+        """See :meth:`BlockStore.stats`. On an object store no request is made: ``records``
+        and ``bytes`` are as of the last listing (``listed_ns``, None if never) plus this
+        handle's own writes, reads and evictions."""
         check_open(self._closed, self.where)
-        self._rescan()
+        if not self._objects.remote:
+            self._rescan()
         with self._lock:
             times = [ns for _, ns in self._index.values()]
             out: dict[str, Any] = {
-                "backend": "zarr", "path": self.where, "layout_fingerprint": self.layout_fingerprint,
+                "backend": "zarr+s3" if self._objects.remote else "zarr", "path": self.where,
+                "layout_fingerprint": self.layout_fingerprint,
                 "records": len(self._index), "bytes": self._total, "max_bytes": self.max_bytes,
                 "oldest_access_ns": min(times) if times else None,
                 "newest_access_ns": max(times) if times else None,
+                "listed_ns": self._scanned_ns,
             }
         out.update(self._stats.as_dict())
         return out
+
+    # ------------------------------------------------------------------ maintenance
+    def verify(self, *, repair: bool = False) -> dict[str, Any]:
+        """Read every record and check it (see :meth:`BlockStore.verify`); on an object
+        store one GET per record, ``io_threads`` at a time."""
+        check_open(self._closed, self.where)
+        self._rescan()
+        with self._lock:
+            keys = list(self._index)
+        fp = self.layout_fingerprint
+
+        def check(key: RecordKey) -> CorruptRecordError | bool:
+            data = self._objects.read_whole(_object_name(key))
+            if data is None:
+                return False  # removed meanwhile (evicted or deleted by another process)
+            try:
+                decode_record(data, expect_key=key, expect_fingerprint=fp)
+            except CorruptRecordError as e:
+                return e
+            return True
+
+        checked = removed = 0
+        corrupt: list[str] = []
+        for start in range(0, len(keys), 256):  # bounded fan-out, whatever the store's size
+            chunk = keys[start:start + 256]
+            for key, outcome in zip(chunk, self._io.map(check, chunk)):
+                if isinstance(outcome, CorruptRecordError):
+                    corrupt.append(key.to_bytes().hex())
+                    if repair:
+                        removed += self._objects.remove(_object_name(key))
+                        self._forget(key)
+                        self._stats.add(corrupt=1)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                checked += outcome is not False
+        return {"checked": checked, "corrupt": len(corrupt), "removed": removed, "corrupt_keys": corrupt}
+
+    def gc(self, max_bytes: int) -> dict[str, Any]:
+        """Evict least recently accessed records until at most ``max_bytes`` remain (see
+        :meth:`BlockStore.gc`). Access order: this handle's accesses, then the stored one
+        (local: the files' atime; object store: last-modified, i.e. write order)."""
+        check_open(self._closed, self.where)
+        self._check_gc_bound(max_bytes)
+        self._rescan()
+        victims: list[tuple[RecordKey, int]] = []
+        with self._lock:
+            while self._total > max_bytes and self._index:
+                key, (size, _) = self._index.popitem(last=False)
+                self._total -= size
+                victims.append((key, size))
+        removed = self._io.map(lambda v: self._objects.remove(_object_name(v[0])), victims)
+        _raise_first(removed)
+        evicted = sum(1 for r in removed if r)
+        freed = sum(size for (_, size), r in zip(victims, removed) if r)
+        self._stats.add(evictions=evicted)
+        with self._lock:
+            return {"evicted": evicted, "freed_bytes": freed, "bytes": self._total, "records": len(self._index)}
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -31,10 +31,16 @@ class DiskTier:
 
     Args:
         store: an open store, or a URL for :func:`tiered_kv.storage.open_store`
-            (``lmdb:///path``, ``zarr:///path``); a URL-opened store is closed by
-            :meth:`close`.
+            (``lmdb:///path``, ``zarr:///path``, ``zarr+s3://bucket/prefix?endpoint=...``),
+            or a list of them, nearest first (``["lmdb:///local", "zarr+s3://..."]``): a
+            :class:`tiered_kv.storage.StoreChain` whose first level is written here and
+            the farther ones in the chain's background (see ``docs/shared-store.md``). A
+            store opened here is closed by :meth:`close`.
         layout: the cache's layout (the store must have been created for it).
         max_pending: queued writes before a submit waits for the oldest.
+        store_options: options of :func:`~tiered_kv.storage.open_store`; for a list, the
+            chain's (``timeout_s``, ``backoff_max_s``, ...) and ``level_options``, one
+            dict per level.
     """
 
     def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
