@@ -275,3 +275,28 @@ def test_commands_are_registered_and_have_help(capsys: pytest.CaptureFixture[str
     for command in ("warm-start", *STORE_COMMANDS):
         code, out, _ = run_cli(capsys, command, "--help")
         assert code == 0 and "--store" in out and "exit codes" in out
+
+
+@pytest.mark.s3
+def test_operator_commands_on_a_bucket(seaweedfs, monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
+    """warm-start, stats, verify, gc and ls take a zarr+s3:// URL too."""
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    seaweedfs.make_bucket("cli-ops")
+    url = seaweedfs.url("cli-ops", "fleet-a")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "tokens": list(range(200))}) + "\n")
+    code, _, err = run_cli(capsys, "stats", "--store", url)
+    assert code == ExitCode.STORE_MISSING, err
+    first = run_json(capsys, "warm-start", "--store", url, "--prompts", str(prompts), "--json")
+    assert first["prompts"][0]["cached_tokens"] == 0
+    stats = run_json(capsys, "stats", "--store", url, "--json")
+    assert stats["records"] >= 2
+    verify = run_json(capsys, "verify", "--store", url, "--json")
+    assert verify["checked"] == stats["records"] and verify["corrupt"] == 0
+    ls = run_json(capsys, "ls", "--store", url, "--prompts", str(prompts), "--json")
+    assert ls["prompts"][0]["cached_tokens"] == 128
+    gc = run_json(capsys, "gc", "--store", url, "--max-bytes", "0", "--json")
+    assert gc["records"] == 0
+    code, _, err = run_cli(capsys, "stats", "--store", "zarr+s3://cli-ops/x?endpoint=ftp://nope")
+    assert code == ExitCode.USAGE and "--store" in err

@@ -164,25 +164,34 @@ class Backend(enum.Enum):
 
     LMDB = "lmdb"
     ZARR = "zarr"
+    #: a Zarr group on an S3-compatible object store (``zarr+s3://bucket/prefix?...``)
+    ZARR_S3 = "zarr+s3"
 
     @property
     def marker(self) -> str:
-        """The file every store of this backend has at its root."""
+        """The file (or object) every store of this backend has at its root."""
         return "data.mdb" if self is Backend.LMDB else "zarr.json"
+
+    @property
+    def remote(self) -> bool:
+        return self is Backend.ZARR_S3
 
 
 @dataclass(frozen=True)
 class StoreLocation:
-    """Where a store lives: its backend and absolute directory."""
+    """Where a store lives: its backend and absolute directory (or, for an object store,
+    its URL; :attr:`path` then shows the bucket and prefix in messages)."""
 
     backend: Backend
-    path: Path
+    path: Path | str
     #: what the user typed, for messages
     given: str
 
     @property
     def url(self) -> str:
         """The URL :func:`tiered_kv.storage.open_store` takes (``lmdb:///abs/path``)."""
+        if self.backend.remote:
+            return self.given
         return f"{self.backend.value}://{self.path}"
 
     @property
@@ -190,8 +199,14 @@ class StoreLocation:
         return self.backend.marker
 
     def exists(self) -> bool:
-        """Whether a store of this backend is at :attr:`path` (its marker file is there)."""
-        return (self.path / self.marker).is_file()
+        """Whether a store of this backend is there (its marker file or object)."""
+        if not self.backend.remote:
+            return (Path(self.path) / self.marker).is_file()
+        from ..storage import s3
+
+        with _object_store_errors(self):
+            objects = s3.open_object_store(s3.parse_s3_url(self.given))
+            return s3.exists(objects, self.marker)
 
 
 def parse_store(text: str) -> StoreLocation:
@@ -202,10 +217,20 @@ def parse_store(text: str) -> StoreLocation:
     rest = text
     if "://" in text:
         scheme, _, rest = text.partition("://")
+        if scheme == Backend.ZARR_S3.value:
+            from ..storage import s3
+
+            try:
+                where = s3.parse_s3_url(text)
+            except ValueError as exc:
+                raise UsageError(f"--store: {exc}") from None
+            shown = f"s3://{where.bucket}/{where.prefix}".rstrip("/")
+            return StoreLocation(backend=Backend.ZARR_S3, path=shown, given=text)
         try:
             backend = Backend(scheme)
         except ValueError:
-            accepted = ", ".join(f"{b.value}:///abs/path" for b in Backend)
+            accepted = ", ".join([f"{b.value}:///abs/path" for b in Backend if not b.remote]
+                                 + ["zarr+s3://bucket/prefix?endpoint=URL"])
             raise UsageError(f"--store: expected {accepted} or a plain path, got scheme {scheme!r} "
                              f"in {text!r}") from None
         if not rest:
@@ -216,6 +241,21 @@ def parse_store(text: str) -> StoreLocation:
     if backend is None:  # a plain path: whatever store is there, else a new LMDB one
         backend = Backend.ZARR if (path / Backend.ZARR.marker).is_file() else Backend.LMDB
     return StoreLocation(backend=backend, path=path, given=text)
+
+
+@contextmanager
+def _object_store_errors(loc: StoreLocation) -> Iterator[None]:
+    """Object-store failures as a command failure naming what to check (no secrets)."""
+    from ..storage.s3 import BucketNotFoundError, ObjectStoreAuthError, ObjectStoreUnavailable
+
+    try:
+        yield
+    except BucketNotFoundError as exc:
+        raise CommandFailed(ExitCode.STORE_MISSING, f"{loc.path}: {exc}") from None
+    except ObjectStoreAuthError as exc:
+        raise CommandFailed(ExitCode.FAILURE, f"{loc.path}: credentials refused: {exc}") from None
+    except ObjectStoreUnavailable as exc:
+        raise CommandFailed(ExitCode.FAILURE, f"{loc.path}: object store unreachable: {exc}") from None
 
 
 def missing_store(loc: StoreLocation) -> CommandFailed:
@@ -232,9 +272,13 @@ def store_errors(loc: StoreLocation, layout: KVLayout) -> Iterator[None]:
     import lmdb
 
     from ..storage import LayoutMismatchError, StoreError, StoreLockedError
+    from ..storage.s3 import ObjectStoreError
 
     try:
-        yield
+        with _object_store_errors(loc):
+            yield
+    except ObjectStoreError as exc:
+        raise CommandFailed(ExitCode.FAILURE, f"{loc.path}: object store error: {exc}") from None
     except LayoutMismatchError as exc:
         stored = exc.stored or "another layout"
         hint = _options_for(stored) if exc.stored else None

@@ -62,8 +62,8 @@ def store_summary(store: Any) -> dict[str, Any]:
     """``store.stats()`` plus record counts by kind and ISO-8601 access times."""
     from ..storage import RecordKind
 
+    kinds = [key.kind for key in store]  # first: on an object store this lists the bucket
     stats = dict(store.stats())
-    kinds = [key.kind for key in store]
     stats["blocks"] = sum(k is RecordKind.BLOCK for k in kinds)
     stats["snapshots"] = sum(k is RecordKind.SNAPSHOT for k in kinds)
     stats["oldest_access"] = _common.iso_time(stats.get("oldest_access_ns"))
