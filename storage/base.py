@@ -149,6 +149,11 @@ class BlockStore(abc.ABC):
     def contains(self, key: RecordKey) -> bool:
         """Whether a record is stored under ``key`` (not verified: a get may still miss)."""
 
+    def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
+        """:meth:`contains` of each key; backends with per-request latency (object
+        stores) answer them concurrently."""
+        return [self.contains(k) for k in keys]
+
     @abc.abstractmethod
     def delete(self, key: RecordKey) -> bool:
         """Remove the record under ``key``; True if there was one."""

@@ -372,6 +372,22 @@ class StoreChain(BlockStore):
             return True
         return any(self._call_far(level, "contains", lambda s: s.contains(key)) is True for level in self._far)
 
+    def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
+        """Nearest level first; the keys it lacks go to each farther level in one batch,
+        bounded by ``timeout_s`` per level (a level that is down answers False)."""
+        check_open(self._closed, self.where)
+        found = self._near.contains_many(keys)
+        for level in self._far:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            answer = self._call_far(level, "contains", lambda s: s.contains_many([keys[i] for i in todo]))
+            if answer is _SKIPPED:
+                continue
+            for i, f in zip(todo, answer):
+                found[i] = bool(f)
+        return found
+
     # ------------------------------------------------------------------ admin
     def delete(self, key: RecordKey) -> bool:
         """Delete ``key`` from every level (and its queued uploads). An admin operation:

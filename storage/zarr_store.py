@@ -888,6 +888,13 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         return self._objects.exists(_object_name(key))
 
+    def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
+        """One HEAD (or stat) per key, ``io_threads`` at a time."""
+        check_open(self._closed, self.where)
+        outcomes = self._io.map(lambda k: self._objects.exists(_object_name(k)), list(keys))
+        _raise_first(outcomes)
+        return [bool(o) for o in outcomes]
+
     def __iter__(self) -> Iterator[RecordKey]:
         check_open(self._closed, self.where)
         self._rescan()

@@ -395,25 +395,12 @@ class TestZarrS3Store(StoreConformance):
 
         obstore.put(self._raw(where), self._name(key), data)  # a plain overwrite, as a bad writer would
 
+    #: a bucket keeps no access times: a reopened store evicts in write order
+    #: (see test_reopened_bucket_evicts_oldest_written)
+    persists_access_order = False
+
     def test_full_disk(self) -> None:  # type: ignore[override]
         pytest.skip("an object store has no local disk to fill")
-
-    def test_lru_eviction_order(self, where: Any) -> None:
-        """As the suite's, without the restart: a bucket keeps no access times (a reopened
-        store evicts in write order; see test_reopened_bucket_evicts_oldest_written)."""
-        n = 1000
-        one = record_size(n)
-        with self.open(where, max_bytes=4 * one) as store:
-            a, b, c, d, e, f = (make_key(i) for i in range(6))
-            store.put_many([item_for(k, n) for k in (a, b, c, d)])
-            assert store.get(a, np.empty(n, np.uint8)) is not None
-            assert store.put_many([item_for(b, n)]) == [False]
-            assert store.put_many([item_for(e, n)]) == [True]          # evicts c
-            assert [store.contains(k) for k in (a, b, c, d, e)] == [True, True, False, True, True]
-            store.put_many([item_for(f, n)])                           # evicts d
-            assert set(store) == {a, b, e, f}
-            s = store.stats()
-            assert s["evictions"] == 2 and s["records"] == 4 and s["bytes"] == 4 * one
 
     def test_group_is_plain_zarr_and_keys_match_the_local_layout(self, where: Any) -> None:
         import zarr

@@ -106,6 +106,10 @@ class DiskTier:
     def contains(self, key: Any) -> bool:
         return bool(self.store.contains(key))
 
+    def contains_many(self, keys: list[Any]) -> list[bool]:
+        """Presence of each key, asked in one batch (concurrent on object stores)."""
+        return [bool(f) for f in self.store.contains_many(keys)] if keys else []
+
     def read(self, key: Any, out: torch.Tensor, token_digest: bytes | None = None) -> bool:
         """Read one record's payload into ``out`` (CPU uint8); False on a miss or a bad record."""
         self.reads += 1

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 __all__ = ["TierMoves", "record_key"]
 
+#: Blocks whose presence on disk is asked in one ``contains_many`` batch.
+_DISK_BATCH = 64
+
 
 class TierMoves:
     """Prefix matching and data movement across tiers (a base of ``TieredKVCache``)."""
@@ -70,27 +73,50 @@ class TierMoves:
         return [], 0
 
     def _available_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks some tier holds."""
-        for i, h in enumerate(hashes):
-            if self.blocks.lookup(h) is not None:
+        """How many leading blocks some tier holds (the disk is asked in batches)."""
+        n = 0
+        while n < len(hashes):
+            h = hashes[n]
+            if self.blocks.lookup(h) is not None or (
+                    self.host is not None and self.host.blocks.lookup(h) is not None):
+                n += 1
                 continue
-            if self.host is not None and self.host.blocks.lookup(h) is not None:
-                continue
-            if self.disk is not None and self.disk.contains(record_key("block", h)):
-                continue
-            return i
-        return len(hashes)
+            if self.disk is None:
+                return n
+            batch = hashes[n:n + _DISK_BATCH]
+            found = self.disk.contains_many([record_key("block", x) for x in batch])
+            run = next((i for i, f in enumerate(found) if not f), len(found))
+            n += run
+            if run < len(batch):
+                return n
+        return n
 
     def _longest_snapshot(self, hashes: list[bytes]) -> int:
-        for n in range(len(hashes), 0, -1):
-            h = hashes[n - 1]
-            if self.snapshots.ids.lookup(h) is not None:
-                return n
-            if self.host is not None and self.host.snapshots is not None and self.host.snapshots.lookup(h) is not None:
-                return n
-            if self.disk is not None and self.disk.contains(record_key("snapshot", h)):
-                return n
+        """The longest prefix (in blocks) whose end has a snapshot in some tier.
+
+        Scans from the longest down, asking the disk in batches so a long prompt costs a
+        few concurrent round trips, not one per block.
+        """
+        n = len(hashes)
+        while n > 0:
+            batch = list(range(n, max(0, n - _DISK_BATCH), -1))  # n, n-1, ... (longest first)
+            near = next((m for m in batch if self._snapshot_above_disk(hashes[m - 1])), None)
+            longer = batch if near is None else batch[:batch.index(near)]  # only these can beat it
+            if self.disk is not None and longer:
+                found = self.disk.contains_many([record_key("snapshot", hashes[m - 1]) for m in longer])
+                hit = next((m for m, f in zip(longer, found) if f), None)
+                if hit is not None:
+                    return hit
+            if near is not None:
+                return near
+            n = batch[-1] - 1
         return 0
+
+    def _snapshot_above_disk(self, h: bytes) -> bool:
+        if self.snapshots.ids.lookup(h) is not None:
+            return True
+        return bool(self.host is not None and self.host.snapshots is not None
+                    and self.host.snapshots.lookup(h) is not None)
 
     def _acquire_blocks(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
         """Take a reference on the GPU block of each hash, loading it from host or disk.
