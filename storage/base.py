@@ -100,10 +100,28 @@ class StoreStats:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
 
+    _flushed: dict[str, int] = field(default_factory=dict, repr=False)
+
+    #: the counters, in the order a store persists them
+    NAMES = ("hits", "misses", "corrupt", "evictions", "puts", "put_bytes")
+
     def as_dict(self) -> dict[str, int]:
         with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt,
-                    "evictions": self.evictions, "puts": self.puts, "put_bytes": self.put_bytes}
+            return {name: getattr(self, name) for name in self.NAMES}
+
+    def take_deltas(self) -> dict[str, int]:
+        """What changed since the last call (for a store that persists lifetime counters)."""
+        with self._lock:
+            now = {name: getattr(self, name) for name in self.NAMES}
+            delta = {k: v - self._flushed.get(k, 0) for k, v in now.items()}
+            self._flushed = now
+            return delta
+
+    def restore_deltas(self, delta: dict[str, int]) -> None:
+        """Undo :meth:`take_deltas` (the write that would have persisted them failed)."""
+        with self._lock:
+            for k, v in delta.items():
+                self._flushed[k] = self._flushed.get(k, 0) - v
 
 
 class BlockStore(abc.ABC):

@@ -91,6 +91,8 @@ _M_FORMAT = b"format_version"
 _M_RECORD_FORMAT = b"record_format_version"
 _M_FINGERPRINT = b"layout_fingerprint"
 _M_TOTAL = b"record_bytes"
+#: lifetime counters of every process that used the store: u64 LE each, StoreStats.NAMES order
+_M_COUNTERS = b"counters"
 
 _REGISTRY = OpenRegistry()
 T = TypeVar("T")
@@ -332,15 +334,32 @@ class LmdbStore(BlockStore):
             self._touch(txn, kb, ns)
 
     def _flush_access(self) -> None:
-        """Write the queued access times (one transaction). Raises StoreFullError."""
+        """Write the queued access times and this handle's counter deltas into the lifetime
+        counters (one transaction). Raises StoreFullError."""
         taken = self._take_access()
-        if not taken:
+        delta = self._stats.take_deltas()
+        if not taken and not any(delta.values()):
             return
+
+        def write(txn: lmdb.Transaction) -> None:
+            self._apply_access(txn, taken)
+            if any(delta.values()):
+                totals = self._get_counters(txn)
+                txn.put(_M_COUNTERS, b"".join(_U64.pack(max(0, totals[k] + delta[k])) for k in StoreStats.NAMES),
+                        db=self._meta)
+
         try:
-            self._run(lambda txn: self._apply_access(txn, taken), write=True)
+            self._run(write, write=True)
         except BaseException:
             self._restore_access(taken)
+            self._stats.restore_deltas(delta)
             raise
+
+    def _get_counters(self, txn: lmdb.Transaction) -> dict[str, int]:
+        raw = txn.get(_M_COUNTERS, db=self._meta)
+        if raw is None or len(raw) != 8 * len(StoreStats.NAMES):
+            return dict.fromkeys(StoreStats.NAMES, 0)
+        return {k: _U64.unpack_from(raw, 8 * i)[0] for i, k in enumerate(StoreStats.NAMES)}
 
     def _maybe_flush_access(self) -> None:
         with self._access_lock:
@@ -509,8 +528,9 @@ class LmdbStore(BlockStore):
             cur = txn.cursor(db=self._lru)
             oldest = _LRU_NS.unpack(bytes(cur.key()[:8]))[0] if cur.first() else None
             newest = _LRU_NS.unpack(bytes(cur.key()[:8]))[0] if cur.last() else None
+            lifetime = {f"lifetime_{k}": v for k, v in self._get_counters(txn).items()}
             return {"records": txn.stat(self._records)["entries"], "bytes": self._get_total(txn),
-                    "oldest_access_ns": oldest, "newest_access_ns": newest}
+                    "oldest_access_ns": oldest, "newest_access_ns": newest, **lifetime}
 
         out: dict[str, Any] = {"backend": "lmdb", "path": str(self.path),
                                "layout_fingerprint": self.layout_fingerprint, "max_bytes": self.max_bytes}

@@ -6,10 +6,11 @@
     tiered-kv stats --store lmdb:///var/cache/kv --model deepseek-v4-flash --json
 
 Records (blocks and snapshots), bytes against the bound, the least and most recent
-access, and the store's hit / miss / corrupt / eviction counters. The counters are those
-of the open store object, which count since it was opened: a fresh ``tiered-kv stats``
-process opens the store itself, so they show this process's (zero) activity; a serving
-process reports its own through ``cache.metrics()``. An LMDB store is opened read-only.
+access, and the store's hit / miss / corrupt / eviction counters. An LMDB store keeps
+lifetime counters, summed over every process that used it (each flushes its counts with
+its access times and at close), and the table shows those; other backends count only
+for the open store object, so a fresh ``tiered-kv stats`` shows zeros there (a serving
+process reports its own through ``cache.metrics()``). An LMDB store is opened read-only.
 
 Exit codes: 0 ok, 2 bad arguments, 3 no store at ``--store``, 4 the store holds another
 layout (the message names both fingerprints), 5 the store is locked.
@@ -83,10 +84,12 @@ def format_table(s: dict[str, Any]) -> str:
         ("oldest_access", s["oldest_access"] or "-", "least recently used record (evicted first)"),
         ("newest_access", s["newest_access"] or "-", ""),
     ]
-    note = "since this process opened the store"
+    lifetime = "lifetime_hits" in s  # LMDB persists counters across processes
+    note = "since the store was created, all processes" if lifetime else "since this process opened the store"
     for name in ("hits", "misses", "corrupt", "evictions"):
-        if name in s:
-            rows.append((name, str(s[name]), note))
+        key = f"lifetime_{name}" if lifetime else name
+        if key in s:
+            rows.append((name, str(s[key]), note))
             note = ""
     name_w = max(len(r[0]) for r in rows)
     num_w = max(len(r[1]) for r in rows if r[1].isdigit())
