@@ -309,10 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda (default); cpu = a small dry run of the same code")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median; "
+                        "default 20, 5 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (what `make bench` runs)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu.json, else "
                         "bench/results/gpu.json)")
     args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 5 if args.quick else 20
     if args.repeats < 1:
         parser.error("--repeats: expected a positive int")
     if args.device == "cuda" and not cuda_available():
