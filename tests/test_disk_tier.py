@@ -15,7 +15,7 @@ import torch
 from tiered_kv import TieredKVCache, presets
 from tiered_kv.storage import LayoutMismatchError, RecordKey, open_store
 
-from _util import random_tokens
+from _util import FLASH_MINI, random_tokens
 
 HERE = Path(__file__).parent
 
@@ -147,4 +147,28 @@ def test_hisparse_loads_disk_blocks_into_the_host_mirror(tmp_path: Path, tiny_la
         got = tiny_model.forward(cache, req, tokens[384:])
         assert torch.equal(got, want)  # bit-identical, via disk -> host mirror -> swap-in
         assert cache.stats()["blocks_from_disk"] == 3
+        cache.close(req)
+
+
+def test_fp8_flash_entries_through_every_tier_are_bit_identical(tmp_path: Path) -> None:
+    """DeepSeek's fp8_ds_mla bytes: GPU -> LMDB, then a new cache resumes through disk ->
+    host mirror -> HiSparse swap-in, and gives exactly the logits of a run without tiers."""
+    from tiered_kv.hisparse import HiSparseConfig
+    from tiered_kv.reference import ReferenceModel
+
+    model = ReferenceModel(FLASH_MINI, seed=2)
+    tokens = random_tokens(300, seed=13)
+    plain = TieredKVCache(FLASH_MINI, num_blocks=4, num_state_slots=1)
+    r = plain.open(tokens)
+    want = model.forward(plain, r, tokens)[256:]
+    url = f"lmdb://{tmp_path / 's'}"
+    with TieredKVCache(FLASH_MINI, num_blocks=4, num_state_slots=1, store=url) as cache:
+        _fill(cache, model, tokens[:290])
+    with TieredKVCache(FLASH_MINI, num_blocks=4, num_state_slots=1, store=url, host_bytes=1 << 20,
+                       hisparse=HiSparseConfig(device_buffer_entries=16)) as cache:
+        req = cache.open(tokens)
+        assert req.num_cached_tokens == 256 and cache.stats()["blocks_from_disk"] == 2
+        got = model.forward(cache, req, tokens[256:])
+        assert torch.equal(got, want)
+        assert cache.stats()["hisparse_misses"] > 0
         cache.close(req)

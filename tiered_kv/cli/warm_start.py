@@ -21,8 +21,9 @@ The store is created if missing. With ``--json`` it prints one object::
                 "records_written", "write_errors", "last_write_error"}}
 
 Exit codes: 0 ok; 1 some records could not be written (the message says why); 2 bad
-arguments or prompts, or a model the reference model cannot run (only ``tiny``: it runs
-fp32/bf16 layouts); 4 the store holds another layout; 5 the store is locked.
+arguments or prompts, or a model other than ``tiny`` (the reference model's weights are
+random: KV for a real model's layout must come from that model); 4 the store holds another
+layout; 5 the store is locked.
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def _run(args: argparse.Namespace) -> int:
     layout = _common.layout_from_args(args)
     if layout.name != "tiny":
         raise UsageError(
-            f"--model {args.model}: the reference model runs only fp32/bf16 layouts, i.e. --model tiny; "
-            f"the {args.model} layout can be planned (tiered-kv plan) and its stores inspected "
-            f"(stats, verify, gc, ls), but warming it needs the real model in a serving engine")
+            f"--model {args.model}: warm-start computes KV with the reference model, whose weights are "
+            f"random, so it runs only the demo layout, --model tiny; KV for {args.model} must come from "
+            f"the real model in a serving engine. Its stores can be planned (tiered-kv plan) and "
+            f"inspected (stats, verify, gc, ls)")
     if args.max_bytes == 0:
         raise UsageError("--max-bytes: expected a positive size, e.g. 8G, got 0")
     loc = _common.parse_store(args.store)

@@ -29,7 +29,8 @@ import torch
 
 from ..layout import KVLayout, LayerKind
 from . import ops
-from .ops import COMPUTE_DTYPE, EntryCodec, attend, csa_pool, indexer_scores, pool, rmsnorm, round_fp32
+from .codecs import entry_codec, key_codec
+from .ops import COMPUTE_DTYPE, attend, csa_pool, indexer_scores, pool, rmsnorm, round_fp32
 
 if TYPE_CHECKING:
     from ..cache import Request, TieredKVCache
@@ -66,10 +67,13 @@ class _Layer:
 
 
 class ReferenceModel:
-    """Random-weight V4-style attention stack over ``layout`` (fp32 or bf16 entries).
+    """Random-weight V4-style attention stack over ``layout``.
+
+    Entries are stored in the layout's format (fp32, bf16, or DeepSeek's fp8_ds_mla with
+    fp8 indexer keys; see :mod:`.codecs`).
 
     Args:
-        layout: the KV layout; its entry format must be fp32 or bf16.
+        layout: the KV layout (fp32, bf16 or fp8_ds_mla entries).
         seed: weights are drawn from ``torch.Generator().manual_seed(seed)``.
         vocab_size: size of the token embedding and the output head.
         num_heads: query heads of the MQA attention.
@@ -82,8 +86,8 @@ class ReferenceModel:
         self.vocab_size = vocab_size
         self.num_heads = num_heads
         self.num_index_heads = num_index_heads
-        self.codec = EntryCodec(layout.entry_format, layout.head_dim, layout.entry_bytes, "entry")
-        self.key_codec = EntryCodec(layout.entry_format, layout.indexer_dim, layout.indexer_bytes, "indexer key")
+        self.codec = entry_codec(layout.entry_format, layout.head_dim, layout.entry_bytes)
+        self.key_codec = key_codec(layout.entry_format, layout.indexer_dim, layout.indexer_bytes)
         d, di, H = layout.head_dim, layout.indexer_dim, 2 * layout.head_dim
         self.hidden = H
         g = torch.Generator().manual_seed(seed)

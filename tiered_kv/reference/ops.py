@@ -13,40 +13,10 @@ import math
 
 import torch
 
-from ..layout import EntryFormat
 
-__all__ = ["EntryCodec", "attend", "pool", "rmsnorm", "round_fp32", "select_topk"]
+__all__ = ["attend", "pool", "rmsnorm", "round_fp32", "select_topk"]
 
 COMPUTE_DTYPE = torch.float64
-
-
-class EntryCodec:
-    """Encodes ``[..., dim]`` float vectors to their stored bytes ``[..., nbytes]`` uint8."""
-
-    _DTYPES = {EntryFormat.FP32: torch.float32, EntryFormat.BF16: torch.bfloat16}
-
-    def __init__(self, fmt: EntryFormat, dim: int, nbytes: int, what: str) -> None:
-        if fmt not in self._DTYPES:
-            raise ValueError(f"{what}: the reference model supports entry formats fp32 and bf16, got {fmt.value}")
-        self.dtype = self._DTYPES[fmt]
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        if nbytes != dim * itemsize:
-            raise ValueError(f"{what}: expected {dim} x {itemsize} = {dim * itemsize} bytes per {fmt.value} "
-                             f"vector, got {nbytes}")
-        self.dim = dim
-        self.nbytes = nbytes
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., dim]`` float -> ``[..., nbytes]`` uint8."""
-        return x.to(self.dtype).contiguous().view(torch.uint8)
-
-    def decode(self, raw: torch.Tensor) -> torch.Tensor:
-        """``[..., nbytes]`` uint8 -> ``[..., dim]`` float64 (the stored, rounded values)."""
-        return raw.contiguous().view(self.dtype).to(COMPUTE_DTYPE)
-
-    def round(self, x: torch.Tensor) -> torch.Tensor:
-        """What a store-then-load of ``x`` gives back."""
-        return x.to(self.dtype).to(COMPUTE_DTYPE)
 
 
 def round_fp32(x: torch.Tensor) -> torch.Tensor:
