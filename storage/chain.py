@@ -51,7 +51,8 @@ record evicted from level 0 before its upload is skipped (``uploads_skipped``).
 
 Pending uploads live in memory: :meth:`StoreChain.close` writes the pending promotions,
 keeps uploading for up to ``close_timeout_s`` (a level that is down is not waited for) and
-logs what was left (``abandoned_uploads``); those records stay in level 0.
+logs what was left (``abandoned_uploads``); those records stay in level 0, and
+:meth:`StoreChain.resync` (``tiered-kv sync``) queues them again after a restart.
 :meth:`StoreChain.wait_uploads` waits until the promotion and upload queues are empty.
 """
 
@@ -425,6 +426,36 @@ class StoreChain(BlockStore):
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending_promotions and not any(
                 level.pending or level.inflight for level in self._far), timeout=timeout_s)
+
+    def resync(self, payload_bytes: dict[RecordKind, int]) -> dict[str, int]:
+        """Queue for upload every level-0 record that a farther level lacks.
+
+        ``payload_bytes``: the payload size of each record kind (a store holds one layout:
+        ``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); an upload reads
+        the record back from level 0 into a buffer of that size.
+
+        Uploads pending when a process stopped live only in memory; after a restart, call
+        this once (``tiered-kv sync`` does) to re-send them. Each far level is listed once
+        (one request per 1000 keys on S3) and level 0 once; the uploads then run in the
+        background like any other (:meth:`wait_uploads` waits for them). A level that is
+        down is skipped and counted in ``levels_skipped``.
+        """
+        check_open(self._closed, self.where)
+        local = list(self._near)
+        out = {"local_records": len(local), "queued": 0, "present": 0, "levels_skipped": 0}
+        for level in self._far:
+            listed = self._call_far(level, "list", lambda s: set(s))
+            if listed is _SKIPPED:
+                out["levels_skipped"] += 1
+                continue
+            with self._cond:
+                for key in local:
+                    if key in listed:
+                        out["present"] += 1
+                    else:
+                        self._enqueue(level, key, payload_bytes[key.kind])
+                        out["queued"] += 1
+        return out
 
     def levels(self) -> list[BlockStore | None]:
         """The levels' stores, nearest first (None: a deferred level not opened yet)."""

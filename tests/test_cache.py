@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiered_kv import CacheFullError, TieredKVCache, presets
+from tiered_kv import CacheFullError, TieredKVCache
 from tiered_kv.layout import LayerKind
 
 from _util import random_tokens

@@ -300,3 +300,19 @@ def test_operator_commands_on_a_bucket(seaweedfs, monkeypatch: pytest.MonkeyPatc
     assert gc["records"] == 0
     code, _, err = run_cli(capsys, "stats", "--store", "zarr+s3://cli-ops/x?endpoint=ftp://nope")
     assert code == ExitCode.USAGE and "--store" in err
+
+
+def test_sync_uploads_what_the_shared_store_lacks(capsys, tmp_path: Path) -> None:
+    """sync lists both stores and uploads the local records the shared one lacks."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "tokens": [i % 256 for i in range(300)]}) + "\n")
+    local, shared = tmp_path / "local", f"zarr://{tmp_path / 'shared'}"
+    run_json(capsys, "warm-start", "--store", str(local), "--prompts", str(prompts))
+    records = run_json(capsys, "stats", "--store", str(local))["records"]
+    first = run_json(capsys, "sync", "--store", str(local), "--shared", shared)
+    assert first["local_records"] == records and first["queued"] == records and first["done"]
+    assert run_json(capsys, "stats", "--store", shared)["records"] == records
+    again = run_json(capsys, "sync", "--store", str(local), "--shared", shared)
+    assert (again["queued"], again["present"]) == (0, records)
+    code, _, err = run_cli(capsys, "sync", "--store", str(tmp_path / "nope"), "--shared", shared)
+    assert code == ExitCode.STORE_MISSING

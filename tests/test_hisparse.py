@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiered_kv import CacheFullError, TieredKVCache, presets
+from tiered_kv import CacheFullError, TieredKVCache
 from tiered_kv.hisparse import HiSparseConfig
-from tiered_kv.reference import ReferenceModel
 
 from _util import random_tokens
 

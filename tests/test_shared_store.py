@@ -35,6 +35,7 @@ from storage_helpers import FP, OTHER_FP, digest_for, item_for, make_key, payloa
 from test_storage_conformance import StoreConformance  # noqa: E402
 from tiered_kv import TieredKVCache, presets  # noqa: E402
 from tiered_kv.storage import (  # noqa: E402
+    RecordKind,
     BlockStore,
     DeferredLevel,
     LayoutMismatchError,
@@ -277,6 +278,21 @@ def test_deferred_level_is_opened_in_the_background(near: LmdbStore, tmp_path: P
         assert chain.wait_uploads(10)
         assert len(attempts) == 3 and chain.levels()[1] is not None
         assert chain.get(make_key(1), _out()) is not None
+
+
+def test_resync_re_sends_what_a_stopped_process_never_uploaded(near: LmdbStore, far: Faulty) -> None:
+    keys = [make_key(i, salt=b"resync") for i in range(6)]
+    near.put_many([item_for(k, N) for k in keys[:4]])        # written while no chain uploaded them
+    far.inner.put_many([item_for(keys[0], N)])               # one of them reached the bucket anyway
+    far.inner.put_many([item_for(keys[5], N)])               # and the bucket has one of its own
+    with _chain(near, far) as chain:
+        sizes = {RecordKind.BLOCK: N, RecordKind.SNAPSHOT: N}
+        out = chain.resync(sizes)
+        assert out == {"local_records": 4, "queued": 3, "present": 1, "levels_skipped": 0}
+        assert chain.wait_uploads(10)
+        assert {k for k in far.inner} == {keys[0], keys[1], keys[2], keys[3], keys[5]}
+        far.fail = ConnectionError("down")                   # a level that is down is skipped
+        assert chain.resync(sizes)["levels_skipped"] == 1
 
 
 def test_chain_of_other_layouts_is_refused(near: LmdbStore, tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""``tiered-kv sync``: send a node's local records that the shared store lacks.
+
+::
+
+    tiered-kv sync --store lmdb:///var/cache/kv --shared "zarr+s3://kv-cache/v4?endpoint=https://..."
+
+A cache with a store chain uploads behind the request; uploads still queued when its
+process stopped are lost from memory (the records stay local). ``sync`` lists both
+stores, queues every local record the shared one lacks
+(:meth:`tiered_kv.storage.StoreChain.resync`) and waits up to ``--timeout`` seconds for
+the uploads. Records already in the shared store are left alone (write-once).
+
+JSON: ``{"store", "shared", "local_records", "queued", "present", "uploaded", "pending",
+"failed", "levels_skipped", "done"}``.
+
+Exit codes: 0 everything is in the shared store; 1 uploads still pending or failed at the
+timeout, or the shared store unreachable; 2 bad arguments; 3 no local store at
+``--store``; 4 a store holds another layout; 5 the local store is locked.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import _common
+from .main import ExitCode
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "sync",
+        help="upload the local records a shared store lacks",
+        description="List a local store and a shared store, and upload every local record the "
+                    "shared one lacks (uploads lost when a serving process stopped).",
+        epilog="exit codes: 0 all uploaded, 1 uploads pending or failed, 2 bad arguments, "
+               "3 store missing, 4 foreign-layout store, 5 store locked",
+    )
+    _common.add_store_arg(p)
+    p.add_argument("--shared", required=True, metavar="URL",
+                   help="the shared store: zarr+s3://bucket/prefix?endpoint=..., or any store URL")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds to wait for the uploads (default 600)")
+    _common.add_layout_args(p)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    return _common.run_guarded(args, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..storage import RecordKind, open_store
+
+    layout = _common.layout_from_args(args)
+    loc = _common.parse_store(args.store)
+    shared = _common.parse_store(args.shared)
+    if not loc.exists():
+        raise _common.missing_store(loc)
+    with _common.store_errors(loc, layout):
+        chain = open_store([loc.url, shared.url], layout_fingerprint=layout.fingerprint)
+        try:
+            result = chain.resync({RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes})
+            done = chain.wait_uploads(args.timeout)
+            s = chain.stats()
+        finally:
+            chain.close()
+    uploaded = s.get("level1_uploads", 0) + s.get("level1_uploads_existing", 0)
+    out = {"store": loc.url, "shared": shared.url, **result, "uploaded": uploaded,
+           "pending": s.get("pending_uploads", 0), "failed": s.get("level1_failed_uploads", 0),
+           "done": bool(done and not result["levels_skipped"])}
+    if args.json:
+        _common.print_json(out)
+    else:
+        print(f"{loc.url} -> {shared.url}: {out['local_records']} local records, {out['present']} already "
+              f"shared, {out['queued']} queued, {out['uploaded']} uploaded, {out['pending']} pending")
+    return ExitCode.OK if out["done"] and not out["failed"] else ExitCode.FAILURE
