@@ -103,9 +103,6 @@ class DiskTier:
             self._pending.popleft().result()
 
     # ------------------------------------------------------------------ reads
-    def contains(self, key: Any) -> bool:
-        return bool(self.store.contains(key))
-
     def contains_many(self, keys: list[Any]) -> list[bool]:
         """Presence of each key, asked in one batch (concurrent on object stores)."""
         return [bool(f) for f in self.store.contains_many(keys)] if keys else []

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..planner import GiB, Plan, build_plan, format_bytes, parse_size
 from ..presets import PRESETS, get_preset
+from . import _common
 from .main import ExitCode, UsageError
 
 __all__ = ["add_parser", "format_table", "run"]
@@ -30,23 +31,6 @@ __all__ = ["add_parser", "format_table", "run"]
 #: ``--entry-format`` choices (``fp8`` is ``fp8_ds_mla``); see ``EntryFormat.parse``.
 ENTRY_FORMATS = ("fp8", "bf16", "fp32")
 DEFAULT_HBM_GIB = "80"
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _gib_to_bytes(text: str) -> int:
@@ -68,18 +52,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "and how many requests fit in the GPU memory given to the cache.",
     )
     p.add_argument("--model", required=True, choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--context", type=_size, default=parse_size("1M"), metavar="N",
+    p.add_argument("--context", type=_common.size_arg, default=parse_size("1M"), metavar="N",
                    help="context length in tokens; suffixes k/K/M/G are binary (default 1M)")
     p.add_argument("--entry-format", choices=ENTRY_FORMATS, default=None,
                    help="CSA/HCA/SWA entry format (default: the preset's; fp8 = fp8_ds_mla)")
-    p.add_argument("--indexer-bytes", type=_positive_int, default=None, metavar="B",
+    p.add_argument("--indexer-bytes", type=_common.positive_int, default=None, metavar="B",
                    help="bytes of one indexer key (default: the preset's, 132 = fp8)")
-    p.add_argument("--block-tokens", type=_positive_int, default=None, metavar="T",
+    p.add_argument("--block-tokens", type=_common.positive_int, default=None, metavar="T",
                    help="tokens per Classical block, a multiple of 128 (default 128)")
     p.add_argument("--hbm-gib", type=_gib_to_bytes, default=DEFAULT_HBM_GIB, metavar="G",
                    dest="hbm_bytes",
                    help="GPU memory given to the KV cache, GiB (default %(default)s)")
-    p.add_argument("--hisparse-buffer", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--hisparse-buffer", type=_common.positive_int, default=None, metavar="N",
                    dest="hisparse_buffer_entries",
                    help="plan HiSparse: CSA entry slots per request per CSA layer on the device, "
                         "at least the model's top-k (e.g. 4 x top-k)")
