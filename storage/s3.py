@@ -461,6 +461,19 @@ def put_create_only(store: S3Store, key: str, data: Any) -> bool:
     return True
 
 
+def _get(store: S3Store, key: str) -> Any:
+    """Start a GET of ``key`` (an ``obstore.GetResult``), or None if there is no such
+    object; a missing bucket and other failures raise their mapped errors."""
+    try:
+        return obstore.get(store, key)
+    except FileNotFoundError as e:
+        if "NoSuchBucket" in str(e):
+            raise _bucket_missing(store, "get", key) from e
+        return None
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="get", key=key) from e
+
+
 def get_into(store: S3Store, key: str, out: Any) -> int | None:
     """Read the object at ``key`` into ``out``; its size in bytes, or None if absent.
 
@@ -471,14 +484,9 @@ def get_into(store: S3Store, key: str, out: Any) -> int | None:
     """
     _check_key(key)
     dest = as_byte_array(out, writable=True, name="out")
-    try:
-        result = obstore.get(store, key)
-    except FileNotFoundError as e:
-        if "NoSuchBucket" in str(e):
-            raise _bucket_missing(store, "get", key) from e
+    result = _get(store, key)
+    if result is None:
         return None
-    except (BaseError, OSError) as e:
-        raise _translate(e, store, op="get", key=key) from e
     size = int(result.meta["size"])
     if size > dest.nbytes:
         raise ValueError(f"out: expected at least {size} bytes for object {key!r}, got {dest.nbytes}")
@@ -502,13 +510,11 @@ def get_into(store: S3Store, key: str, out: Any) -> int | None:
 def get_bytes(store: S3Store, key: str) -> memoryview | None:
     """The whole object at ``key`` (a read-only buffer), or None if absent."""
     _check_key(key)
-    try:
-        result = obstore.get(store, key)
-        data = result.bytes()
-    except FileNotFoundError as e:
-        if "NoSuchBucket" in str(e):
-            raise _bucket_missing(store, "get", key) from e
+    result = _get(store, key)
+    if result is None:
         return None
+    try:
+        data = result.bytes()
     except (BaseError, OSError) as e:
         raise _translate(e, store, op="get", key=key) from e
     size = int(result.meta["size"])
@@ -530,14 +536,9 @@ def get_parts_into(store: S3Store, key: str, outs: Sequence[Any]) -> int | None:
     _check_key(key)
     dests = [as_byte_array(o, writable=True, name=f"outs[{i}]") for i, o in enumerate(outs)]
     total = sum(d.nbytes for d in dests)
-    try:
-        result = obstore.get(store, key)
-    except FileNotFoundError as e:
-        if "NoSuchBucket" in str(e):
-            raise _bucket_missing(store, "get", key) from e
+    result = _get(store, key)
+    if result is None:
         return None
-    except (BaseError, OSError) as e:
-        raise _translate(e, store, op="get", key=key) from e
     size = int(result.meta["size"])
     if size != total:
         return size
