@@ -1,0 +1,161 @@
+"""``tiered-kv serve-reference``: the reference model behind an OpenAI-compatible endpoint.
+
+::
+
+    tiered-kv serve-reference --store .demo/store                # http://127.0.0.1:8000
+    tiered-kv serve-reference --store lmdb:///tmp/kv --port 0    # a free port
+
+It serves ``POST /v1/completions`` (``prompt`` a string, tokenized byte-level, or a list
+of token ids; ``max_tokens``; ``stream``), ``GET /v1/models``, ``GET /metrics``
+(Prometheus text: the cache's metrics and the server's) and ``GET /health``, with a
+:class:`~tiered_kv.TieredKVCache` whose disk tier is ``--store`` (created if missing; the
+``tiny`` layout, as ``warm-start`` writes it). See :mod:`tiered_kv.reference.openai_server`.
+It exists so that ``tiered-kv warm-start --endpoint`` and its tests run against a real
+HTTP server on any machine.
+
+Once listening it prints one line on stdout, for people and scripts alike::
+
+    listening on http://127.0.0.1:43127 model tiered-kv-reference-tiny store lmdb:///tmp/kv
+
+SIGTERM or SIGINT stop it cleanly: no new connections, requests in flight finish, the
+store's pending writes are flushed and it is closed; then a summary goes to stderr and
+it exits 0.
+
+Exit codes: 0 stopped cleanly; 1 the address is in use or cannot be bound, or the store
+cannot be used; 2 bad arguments; 4 the store holds another layout; 5 the store is locked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from . import _common
+from ._common import CommandFailed
+from .main import ExitCode, UsageError
+
+__all__ = ["add_parser", "run"]
+
+#: the name ``/v1/models`` lists by default
+DEFAULT_SERVED_MODEL = "tiered-kv-reference-tiny"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve-reference",
+        help="serve the reference model over an OpenAI-compatible completions endpoint",
+        description="Serve the reference model (tiny layout) behind POST /v1/completions, GET /v1/models, "
+                    "GET /metrics and GET /health, with a TieredKVCache whose disk tier is --store. "
+                    "Prints 'listening on URL ...' once ready; SIGTERM/SIGINT flush the store and stop.",
+        epilog="exit codes: 0 stopped cleanly, 1 cannot bind or use the store, 2 bad arguments, "
+               "4 foreign-layout store, 5 store locked",
+    )
+    _common.add_store_arg(p, creates=True)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default %(default)s: this machine only)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="TCP port; 0 picks a free one (default %(default)s)")
+    p.add_argument("--served-model-name", default=DEFAULT_SERVED_MODEL, metavar="NAME",
+                   help="the model name /v1/models lists and requests name (default %(default)s)")
+    p.add_argument("--num-blocks", type=_common.positive_int, default=1024, metavar="N",
+                   help="Classical blocks of the GPU pool; a request holds at most N x 128 tokens "
+                        "(default %(default)s)")
+    p.add_argument("--num-snapshots", type=_snapshots, default=256, metavar="N",
+                   help="state-snapshot slots of the GPU pool (default %(default)s)")
+    p.add_argument("--snapshot-interval", type=_common.positive_int, default=1, metavar="N",
+                   help="store a state snapshot every N blocks (default %(default)s, as warm-start)")
+    p.add_argument("--salt", default="", metavar="S", help="tenant salt of the prefix hash (default: none)")
+    p.add_argument("--max-bytes", type=_common.size_arg, default=None, metavar="SIZE",
+                   help="bound of the store's records (LRU-evicted), e.g. 8G (default: the backend's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default %(default)s)")
+    p.add_argument("--threads", type=_common.positive_int, default=1, metavar="N",
+                   help="torch intra-op threads (default %(default)s)")
+    p.add_argument("--log-requests", action="store_true", help="log one line per HTTP request on stderr")
+    return p
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {port}")
+    return port
+
+
+def _snapshots(text: str) -> int:
+    n = _common.positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 (one request's + one shared), got {n}")
+    return n
+
+
+def run(args: argparse.Namespace) -> int:
+    return _common.run_guarded(args, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .. import presets
+    from ..device import resolve_device
+    from ..reference.openai_server import ReferenceEngine, make_server
+    from .warm_start import MODEL_SEED, _warm_up
+
+    if args.max_bytes == 0:
+        raise UsageError("--max-bytes: expected a positive size, e.g. 8G, got 0")
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
+    layout = presets.tiny()
+    loc = _common.parse_store(args.store)
+    torch.set_num_threads(args.threads)  # this process is the server's
+    store_options = {} if args.max_bytes is None else {"max_bytes": args.max_bytes}
+    with _common.store_errors(loc, layout):
+        engine = ReferenceEngine(layout, store=loc.url, served_model=args.served_model_name, seed=MODEL_SEED,
+                                 num_blocks=args.num_blocks, num_snapshots=args.num_snapshots,
+                                 snapshot_interval=args.snapshot_interval, salt=args.salt, device=device,
+                                 store_options=store_options)
+        try:
+            _warm_up(engine.model, layout, device)  # the first request should not pay torch's start-up
+            try:
+                server = make_server(engine, args.host, args.port, log=_log if args.log_requests else None)
+            except OSError as exc:
+                raise CommandFailed(ExitCode.FAILURE, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+                                    + (" (pick another --port, or 0 for a free one)" if exc.errno == 98 else "")
+                                    ) from None
+            _serve(server, loc.url)
+            counts = engine.metrics()
+            stats = engine.store_stats()
+        finally:
+            engine.close()  # flushes the store's pending writes and counters, closes it
+    print(f"serve-reference: stopped; {int(counts.get('tiered_kv_server_requests_total', outcome='ok'))} "
+          f"completions, store {stats['records']} records, {stats.get('hits', 0)} hits this run",
+          file=sys.stderr, flush=True)
+    return ExitCode.OK
+
+
+def _serve(server: Any, store_url: str) -> None:
+    """Serve until SIGTERM or SIGINT; then stop accepting, wait for requests in flight."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.serve_forever, name="serve-reference", daemon=True)
+    thread.start()
+    try:
+        print(f"listening on {server.url} model {server.engine.served_model} store {store_url}", flush=True)
+        stop.wait()
+    finally:
+        server.shutdown()  # serve_forever returns
+        server.server_close()  # and the handler threads in flight are joined
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _log(line: str) -> None:
+    print(f"serve-reference: {line}", file=sys.stderr, flush=True)
