@@ -107,11 +107,12 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_store_arg(p: argparse.ArgumentParser, *, creates: bool = False) -> None:
+def add_store_arg(p: argparse.ArgumentParser, *, creates: bool = False, required: bool = True,
+                  note: str = "") -> None:
     what = "created if missing" if creates else "must exist"
-    p.add_argument("--store", required=True, metavar="URL",
+    p.add_argument("--store", required=required, metavar="URL",
                    help=f"the prefix-cache store ({what}): lmdb:///abs/path, zarr:///abs/path, or a "
-                        f"plain path (LMDB; relative paths are resolved)")
+                        f"plain path (LMDB; relative paths are resolved){note}")
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -329,6 +330,9 @@ class Prompt:
 
     id: str
     tokens: list[int]
+    #: the line's ``text`` (``tokens`` are its bytes); None for a line of ``tokens``. What
+    #: ``warm-start --endpoint`` sends, so the server tokenizes it with its own tokenizer.
+    text: str | None = None
 
 
 def prompts_arg_help(what: str) -> str:
@@ -376,7 +380,7 @@ def load_prompts(spec: str, *, vocab_size: int | None = None) -> list[Prompt]:
             tokens = _check_tokens(where, obj["tokens"], vocab_size)
         if not tokens:
             raise UsageError(f"{where}: prompt {pid!r} is empty; expected at least one token")
-        prompts.append(Prompt(id=pid, tokens=tokens))
+        prompts.append(Prompt(id=pid, tokens=tokens, text=obj["text"] if has_text else None))
     if not prompts:
         raise UsageError(f"--prompts {name}: expected at least one prompt, the file has none")
     return prompts

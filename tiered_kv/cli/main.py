@@ -11,6 +11,7 @@ Exit codes (:class:`ExitCode`)::
     3  store missing: no prefix-cache store at the given path           (reserved)
     4  foreign layout: the store was written for another KV layout      (reserved)
     5  store locked: another process holds the store's writer lock      (reserved)
+    6  endpoint unreachable: no connection to a server's URL (``warm-start --endpoint``)
 
 Adding a command: create one module ``tiered_kv/cli/<name>.py`` that defines
 
@@ -51,6 +52,7 @@ class ExitCode(enum.IntEnum):
     STORE_MISSING = 3
     FOREIGN_LAYOUT = 4
     STORE_LOCKED = 5
+    ENDPOINT_UNREACHABLE = 6
 
 
 class UsageError(Exception):
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Tiered KV-cache memory for DeepSeek-V4-style attention.",
         epilog="exit codes: 0 ok, 1 problem found, 2 bad arguments, 3 store missing, "
-               "4 foreign-layout store, 5 store locked",
+               "4 foreign-layout store, 5 store locked, 6 endpoint unreachable",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -24,6 +24,13 @@ Exit codes: 0 ok; 1 some records could not be written (the message says why); 2 
 arguments or prompts, or a model other than ``tiny`` (the reference model's weights are
 random: KV for a real model's layout must come from that model); 4 the store holds another
 layout; 5 the store is locked.
+
+With ``--endpoint URL`` it warms a live OpenAI-compatible server instead (vLLM, SGLang,
+``tiered-kv serve-reference``): each prompt is sent as a ``max_tokens=1`` completion,
+``--passes N`` times, and the time to its first token is reported per pass, with the
+store's counters when ``--store`` names the server's store (see :mod:`._warm_endpoint`).
+Exit codes there: 0 ok; 1 an HTTP error or a malformed answer (the message names the URL);
+2 bad arguments or prompts; 3 no store at ``--store``; 6 the endpoint is unreachable.
 """
 
 from __future__ import annotations
@@ -61,10 +68,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "model, write full blocks and state snapshots to the store, and report tokens, "
                     "cached tokens and time to first token per prompt. The store is created if "
                     "missing; a second run resumes every prompt from it.",
-        epilog="exit codes: 0 ok, 1 some records were not written, 2 bad arguments, "
-               "4 foreign-layout store, 5 store locked",
+        epilog="exit codes: 0 ok, 1 some records were not written (with --endpoint: an HTTP error), "
+               "2 bad arguments, 3 store missing (--endpoint), 4 foreign-layout store, 5 store locked, "
+               "6 endpoint unreachable",
     )
-    _common.add_store_arg(p, creates=True)
+    _common.add_store_arg(p, creates=True, required=False,
+                          note="; required, unless --endpoint: then optional, the server's store, whose "
+                               "counters each pass reports (read-only)")
     p.add_argument("--prompts", required=True, metavar="FILE", help=_common.prompts_arg_help("prompts"))
     _common.add_layout_args(p)
     p.add_argument("--salt", default="", metavar="S",
@@ -82,14 +92,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="torch intra-op threads for the reference model (default %(default)s: its "
                         "matrices are tiny, and more threads mostly add synchronisation)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    live = p.add_argument_group("live endpoint", "warm an OpenAI-compatible server (vLLM, SGLang, "
+                                                 "tiered-kv serve-reference) instead of the reference model")
+    live.add_argument("--endpoint", metavar="URL", default=None,
+                      help="the server, http://host:port (or .../v1): each prompt is sent as a max_tokens=1 "
+                           "completion and its time to first token measured")
+    live.add_argument("--served-model", metavar="NAME", default=None,
+                      help="the request's model field (default: the first model GET /v1/models lists)")
+    live.add_argument("--passes", type=_common.positive_int, default=1, metavar="N",
+                      help="send the prompt set N times; the report compares the first pass (cold) with "
+                           "the last (warm) (default %(default)s)")
+    live.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+                      help="seconds to wait to connect and for each answer (default %(default)s)")
     return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     return _common.run_guarded(args, _run)
 
 
+#: options of the local warm-start that a live endpoint's own configuration decides
+_LOCAL_ONLY = {"salt": "", "snapshot_interval": 1, "max_bytes": None, "device": "cpu", "threads": 1}
+#: options of --endpoint only
+_ENDPOINT_ONLY = {"served_model": None, "passes": 1, "timeout": 300.0}
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.endpoint is not None:
+        return _run_endpoint(args)
+    given = [name for name, default in _ENDPOINT_ONLY.items() if getattr(args, name) != default]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')}: expected together with --endpoint URL")
+    if args.store is None:
+        raise UsageError("--store: expected a store URL (required unless --endpoint)")
     layout = _common.layout_from_args(args)
     if layout.name != "tiny":
         raise UsageError(
@@ -121,6 +166,23 @@ def _run(args: argparse.Namespace) -> int:
                             f"{totals['write_errors']} records could not be written to {loc.path} "
                             f"(last error: {totals['last_write_error']}); the prompts were served, "
                             f"but a later run will recompute what is missing")
+    return ExitCode.OK
+
+
+def _run_endpoint(args: argparse.Namespace) -> int:
+    from ._warm_endpoint import warm_endpoint
+
+    given = [name for name, default in _LOCAL_ONLY.items() if getattr(args, name) != default]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')}: applies to the reference model's warm-start; "
+                         f"with --endpoint the server's own configuration decides it")
+    layout = _common.layout_from_args(args)  # only to open --store (whatever layout it holds)
+    loc = _common.parse_store(args.store) if args.store is not None else None
+    prompts = _common.load_prompts(args.prompts)  # the server checks token ids against its vocabulary
+    report = warm_endpoint(args.endpoint, prompts, model=args.served_model, passes=args.passes, store=loc,
+                           layout=layout, timeout_s=args.timeout, verbose=not args.json)
+    if args.json:
+        _common.print_json(report)
     return ExitCode.OK
 
 

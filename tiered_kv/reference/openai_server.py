@@ -21,7 +21,8 @@ lock (:attr:`ReferenceEngine.lock`) serializes every use of the model and the ca
 ``/health`` and ``/v1/models`` do not take it. After each completion the engine waits
 for the request's store writes and persists the store's counters
 (:meth:`ReferenceEngine.sync_store`), so ``tiered-kv stats`` and ``warm-start --store``
-see them at once; this happens after the response is sent.
+see them as soon as the answer ends: a stream does it before its final ``data: [DONE]``,
+a plain answer right after it is sent (so that its time stays the first token's).
 """
 
 from __future__ import annotations
@@ -333,7 +334,8 @@ class _Handler(BaseHTTPRequestHandler):
                                           kind="InternalServerError"))
             return
         engine.count("ok")
-        engine.sync_store()
+        if not request.stream:
+            engine.sync_store()  # after the answer, which is the first token's time
 
     def _read_json(self) -> object:
         try:
@@ -388,6 +390,9 @@ class _Handler(BaseHTTPRequestHandler):
         chunk([{"index": 0, "text": tail, "token_ids": [], "logprobs": None, "finish_reason": "length"}])
         if request.include_usage:
             chunk([], _usage(done))
+        # before the stream ends, so a client that reads the store's counters next sees this
+        # request's (the first token went out long ago)
+        engine.sync_store()
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
