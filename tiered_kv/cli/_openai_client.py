@@ -71,12 +71,12 @@ class OpenAIClient:
     def __init__(self, url: str, *, timeout_s: float = 300.0) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"endpoint: expected http://host:port or https://host:port (optionally with /v1), "
+            raise ValueError(f"url: expected http://host:port or https://host:port (optionally with /v1), "
                              f"got {url!r}")
         try:
             port = parts.port
         except ValueError:
-            raise ValueError(f"endpoint: expected a port number in {url!r}") from None
+            raise ValueError(f"url: expected a port number in {url!r}") from None
         self.scheme = parts.scheme
         self.host = parts.hostname
         self.port = port

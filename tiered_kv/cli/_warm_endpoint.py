@@ -62,7 +62,7 @@ def warm_endpoint(url: str, prompts: list[Prompt], *, model: str | None = None, 
     try:
         client = OpenAIClient(url, timeout_s=timeout_s)
     except ValueError as exc:
-        raise UsageError(f"--endpoint: {exc}") from None
+        raise UsageError(f"--endpoint: {str(exc).removeprefix('url: ')}") from None
     try:
         if model is None:
             model = _served_model(client)
