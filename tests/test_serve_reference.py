@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,19 @@ def test_closed_engine_answers_503(tmp_path: Path) -> None:
         assert got == 503 and "shutting down" in json.loads(raw)["error"]["message"]
     finally:
         s.stop()
+
+
+def test_port_in_use_exits_1_and_closes_the_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered_kv.cli.main import main
+    from tiered_kv.storage import open_store
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve-reference", "--store", str(tmp_path / "store"), "--port", str(port),
+                     "--num-blocks", "8", "--num-snapshots", "4"])
+    err = capsys.readouterr().err
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    # the store was closed: this process can open it again
+    open_store(f"lmdb://{tmp_path / 'store'}", layout_fingerprint=presets.tiny().fingerprint).close()

@@ -61,8 +61,14 @@ class ServerProcess:
                "--num-blocks", "64", "--num-snapshots", "32", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.first_line = self._read_first_line()
-        assert self.first_line.startswith("listening on http://127.0.0.1:"), self.first_line
-        self.url = self.first_line.split()[2]
+        if "--json" in extra:
+            info = json.loads(self.first_line)
+            assert info["model"] == "tiered-kv-reference-tiny" and info["store"] == f"lmdb://{store}"
+            self.url = info["url"]
+        else:
+            assert self.first_line.startswith("listening on http://127.0.0.1:"), self.first_line
+            self.url = self.first_line.split()[2]
+        assert self.url.startswith("http://127.0.0.1:")
 
     def _read_first_line(self) -> str:
         assert self.proc.stdout is not None
@@ -180,7 +186,7 @@ def test_passes_text_output_and_stats_after_shutdown(tmp_path: Path, servers: li
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     store = tmp_path / "store"
     prompts = write_prompts(tmp_path / "prompts.jsonl")
-    server = ServerProcess(store)
+    server = ServerProcess(store, "--json")
     servers.append(server)
     code = main(["warm-start", "--endpoint", server.url, "--prompts", str(prompts), "--passes", "2",
                  "--store", str(store)])

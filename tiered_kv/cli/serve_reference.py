@@ -17,6 +17,8 @@ Once listening it prints one line on stdout, for people and scripts alike::
 
     listening on http://127.0.0.1:43127 model tiered-kv-reference-tiny store lmdb:///tmp/kv
 
+(with ``--json``: ``{"url": ..., "model": ..., "store": ...}``), and nothing else on stdout.
+
 SIGTERM or SIGINT stop it cleanly: no new connections, requests in flight finish, the
 store's pending writes are flushed and it is closed; then a summary goes to stderr and
 it exits 0.
@@ -28,6 +30,8 @@ cannot be used; 2 bad arguments; 4 the store holds another layout; 5 the store i
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import signal
 import sys
 import threading
@@ -74,6 +78,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_common.positive_int, default=1, metavar="N",
                    help="torch intra-op threads (default %(default)s)")
     p.add_argument("--log-requests", action="store_true", help="log one line per HTTP request on stderr")
+    p.add_argument("--json", action="store_true",
+                   help='print the listening line as one JSON object: {"url", "model", "store"}')
     return p
 
 
@@ -99,12 +105,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
     from .. import presets
     from ..device import resolve_device
     from ..reference.openai_server import ReferenceEngine, make_server
-    from .warm_start import MODEL_SEED, _warm_up
+    from .warm_start import MODEL_SEED, _torch_threads, _warm_up
 
     if args.max_bytes == 0:
         raise UsageError("--max-bytes: expected a positive size, e.g. 8G, got 0")
@@ -114,9 +118,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device: {exc}") from None
     layout = presets.tiny()
     loc = _common.parse_store(args.store)
-    torch.set_num_threads(args.threads)  # this process is the server's
     store_options = {} if args.max_bytes is None else {"max_bytes": args.max_bytes}
-    with _common.store_errors(loc, layout):
+    with _torch_threads(args.threads), _common.store_errors(loc, layout):
         engine = ReferenceEngine(layout, store=loc.url, served_model=args.served_model_name, seed=MODEL_SEED,
                                  num_blocks=args.num_blocks, num_snapshots=args.num_snapshots,
                                  snapshot_interval=args.snapshot_interval, salt=args.salt, device=device,
@@ -126,10 +129,10 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 server = make_server(engine, args.host, args.port, log=_log if args.log_requests else None)
             except OSError as exc:
-                raise CommandFailed(ExitCode.FAILURE, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
-                                    + (" (pick another --port, or 0 for a free one)" if exc.errno == 98 else "")
-                                    ) from None
-            _serve(server, loc.url)
+                hint = " (pick another --port, or 0 for a free one)" if exc.errno == errno.EADDRINUSE else ""
+                raise CommandFailed(ExitCode.FAILURE, f"cannot listen on {args.host}:{args.port}: "
+                                                      f"{exc.strerror or exc}{hint}") from None
+            _serve(server, loc.url, as_json=args.json)
             counts = engine.metrics()
             stats = engine.store_stats()
         finally:
@@ -140,14 +143,18 @@ def _run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _serve(server: Any, store_url: str) -> None:
+def _serve(server: Any, store_url: str, *, as_json: bool = False) -> None:
     """Serve until SIGTERM or SIGINT; then stop accepting, wait for requests in flight."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     thread = threading.Thread(target=server.serve_forever, name="serve-reference", daemon=True)
     thread.start()
     try:
-        print(f"listening on {server.url} model {server.engine.served_model} store {store_url}", flush=True)
+        if as_json:
+            print(json.dumps({"url": server.url, "model": server.engine.served_model, "store": store_url}),
+                  flush=True)
+        else:
+            print(f"listening on {server.url} model {server.engine.served_model} store {store_url}", flush=True)
         stop.wait()
     finally:
         server.shutdown()  # serve_forever returns

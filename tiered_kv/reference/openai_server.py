@@ -171,6 +171,7 @@ class ReferenceEngine:
         self.created = int(time.time())
         self._counts = dict.fromkeys(("requests_ok", "requests_rejected", "requests_failed", "prompt_tokens",
                                       "cached_tokens", "computed_tokens", "generated_tokens"), 0)
+        self._ttft_s = 0.0
         self._closed = False
 
     def complete(self, request: CompletionRequest, on_token: Callable[[int], None] | None = None) -> Completion:
@@ -194,10 +195,9 @@ class ReferenceEngine:
                                    kind="ServiceUnavailableError")
             t0 = time.perf_counter()
             req = self.cache.open(tokens)
+            cached, ttft = req.num_cached_tokens, 0.0
             try:
-                cached = req.num_cached_tokens
                 logits = self.model.forward(self.cache, req, tokens[cached:])[-1]
-                ttft = 0.0
                 for i in range(request.max_tokens):
                     nxt = int(torch.argmax(logits))
                     out.append(nxt)
@@ -215,6 +215,7 @@ class ReferenceEngine:
                 # the last generated token is never fed back
                 c["computed_tokens"] += len(tokens) - cached + max(len(out) - 1, 0)
                 c["generated_tokens"] += len(out)
+                self._ttft_s += ttft
         return Completion(prompt_tokens=len(tokens), cached_tokens=cached, token_ids=out, ttft_s=ttft)
 
     def count(self, outcome: str) -> None:
@@ -235,6 +236,7 @@ class ReferenceEngine:
         with self.lock:
             snap = self.cache.metrics()
             c = dict(self._counts)
+            ttft = self._ttft_s
         reqs = Metric("tiered_kv_server_requests_total", "counter", "Completion requests by outcome.")
         for outcome in ("ok", "rejected", "failed"):
             reqs.add(c[f"requests_{outcome}"], outcome=outcome)
@@ -243,7 +245,10 @@ class ReferenceEngine:
                       "(run through the model), generated.")
         for kind in ("prompt", "cached", "computed", "generated"):
             toks.add(c[f"{kind}_tokens"], kind=kind)
-        return MetricsSnapshot([*snap.metrics, reqs, toks])
+        first = Metric("tiered_kv_server_ttft_seconds_total", "counter",
+                       "Seconds from taking the model to the first token, summed over completions "
+                       "(divide by the ok requests for the mean).").add(ttft)
+        return MetricsSnapshot([*snap.metrics, reqs, toks, first])
 
     def close(self) -> None:
         """Flush the store writes and close the store (idempotent); later requests get 503."""
