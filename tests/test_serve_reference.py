@@ -180,3 +180,16 @@ def test_port_in_use_exits_1_and_closes_the_store(tmp_path: Path, capsys: pytest
     assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
     # the store was closed: this process can open it again
     open_store(f"lmdb://{tmp_path / 'store'}", layout_fingerprint=presets.tiny().fingerprint).close()
+
+
+def test_client_leaving_mid_stream_leaves_no_request_open(server: Server, tiny_model: ReferenceModel) -> None:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 40, "stream": True}).encode()
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert sock.recv(64).startswith(b"HTTP/1.0 200")  # the first token is out; hang up
+    # the server goes on: the next completion is exact and no request stayed open
+    assert server.complete(prompt="abc", max_tokens=2)["choices"][0]["token_ids"] == \
+        naive_greedy(tiny_model, encode("abc"), 2)
+    with server.engine.lock:
+        assert server.engine.cache.stats()["live_requests"] == 0

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from ..cache import TieredKVCache
 from ..metrics import Metric, MetricsSnapshot
 from ..tokenizer import VOCAB_SIZE, encode
 from .model import ReferenceModel
+
+if TYPE_CHECKING:
+    from ..layout import KVLayout
 
 __all__ = ["Completion", "CompletionRequest", "ReferenceEngine", "RequestError", "make_server"]
 
@@ -155,7 +158,7 @@ class ReferenceEngine:
         served_model: the name ``/v1/models`` lists and requests must name.
     """
 
-    def __init__(self, layout: Any, *, store: object, served_model: str, seed: int = 0, num_blocks: int = 1024,
+    def __init__(self, layout: KVLayout, *, store: object, served_model: str, seed: int = 0, num_blocks: int = 1024,
                  num_snapshots: int = 256, snapshot_interval: int = 1, salt: str = "", device: str = "cpu",
                  store_options: dict[str, Any] | None = None) -> None:
         self.layout = layout
