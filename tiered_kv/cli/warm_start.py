@@ -122,17 +122,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 #: options of the local warm-start that a live endpoint's own configuration decides
-_LOCAL_ONLY = {"salt": "", "snapshot_interval": 1, "max_bytes": None, "device": "cpu", "threads": 1}
+_LOCAL_ONLY = ("salt", "snapshot_interval", "max_bytes", "device", "threads")
 #: options of --endpoint only
-_ENDPOINT_ONLY = {"served_model": None, "passes": 1, "timeout": 300.0}
+_ENDPOINT_ONLY = ("served_model", "passes", "timeout")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The options of ``names`` given a value other than their default, as ``--opt-name``."""
+    parser: argparse.ArgumentParser = args._parser
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != parser.get_default(n)]
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.endpoint is not None:
         return _run_endpoint(args)
-    given = [name for name, default in _ENDPOINT_ONLY.items() if getattr(args, name) != default]
+    given = _given(args, _ENDPOINT_ONLY)
     if given:
-        raise UsageError(f"--{given[0].replace('_', '-')}: expected together with --endpoint URL")
+        raise UsageError(f"{given[0]}: expected together with --endpoint URL")
     if args.store is None:
         raise UsageError("--store: expected a store URL (required unless --endpoint)")
     layout = _common.layout_from_args(args)
@@ -172,9 +178,9 @@ def _run(args: argparse.Namespace) -> int:
 def _run_endpoint(args: argparse.Namespace) -> int:
     from ._warm_endpoint import warm_endpoint
 
-    given = [name for name, default in _LOCAL_ONLY.items() if getattr(args, name) != default]
+    given = _given(args, _LOCAL_ONLY)
     if given:
-        raise UsageError(f"--{given[0].replace('_', '-')}: applies to the reference model's warm-start; "
+        raise UsageError(f"{given[0]}: applies to the reference model's warm-start; "
                          f"with --endpoint the server's own configuration decides it")
     layout = _common.layout_from_args(args)  # only to open --store (whatever layout it holds)
     loc = _common.parse_store(args.store) if args.store is not None else None
