@@ -243,12 +243,15 @@ def test_bad_prompt_line_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
 class _Stub(BaseHTTPRequestHandler):
     """A completions server of another make: behaviour set per test on the server object."""
 
+    protocol_version = "HTTP/1.1"
+
     def log_message(self, *args: Any) -> None:
         pass
 
     def _json(self, status: int, obj: object) -> None:
         raw = json.dumps(obj).encode()
         self.send_response(status)
+        self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
@@ -264,8 +267,23 @@ class _Stub(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append(body)  # type: ignore[attr-defined]
         status, answer = self.server.answer(body)  # type: ignore[attr-defined]
-        if isinstance(answer, bytes):
+        if isinstance(answer, list):  # server-sent events, chunked as uvicorn (vLLM, SGLang) sends them
             self.send_response(status)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for item in answer:
+                if isinstance(item, float):
+                    time.sleep(item)
+                    continue
+                data = f"data: {item if isinstance(item, str) else json.dumps(item)}\n\n".encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        elif isinstance(answer, bytes):
+            self.send_response(status)
+            self.send_header("Connection", "close")
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(answer)
@@ -312,6 +330,21 @@ def test_server_without_streaming_is_timed_to_its_whole_answer(
         assert all(r["ttft_s"] == r["total_s"] >= 0.02 for r in p["prompts"])
     assert report["summary"]["speedup"] == pytest.approx(
         report["summary"]["first_mean_ttft_s"] / report["summary"]["last_mean_ttft_s"])
+
+
+def test_ttft_is_the_first_event_of_a_chunked_stream(tmp_path: Path, stub: ThreadingHTTPServer,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    events: list[Any] = [0.05, {"choices": [{"index": 0, "text": "A", "finish_reason": None}]}, 0.3,
+                         {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                         {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                                   "prompt_tokens_details": {"cached_tokens": 8}}},
+                         "[DONE]"]
+    stub.answer = lambda body: (200, events)  # type: ignore[attr-defined]
+    report = warm(capsys, "--endpoint", _stub_url(stub), "--prompts", str(write_prompts(tmp_path / "p.jsonl")))
+    assert report["mode"] == "stream"
+    for row in report["passes"][0]["prompts"]:
+        assert 0.05 <= row["ttft_s"] < row["total_s"] - 0.25  # the first token, not the whole answer
+        assert (row["prompt_tokens"], row["cached_tokens"]) == (9, 8)
 
 
 @pytest.mark.parametrize(("models", "answer", "code", "expected"), [
