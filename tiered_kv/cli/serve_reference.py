@@ -21,7 +21,8 @@ Once listening it prints one line on stdout, for people and scripts alike::
 
 SIGTERM or SIGINT stop it cleanly: no new connections, requests in flight finish, the
 store's pending writes are flushed and it is closed; then a summary goes to stderr and
-it exits 0.
+it exits 0. More signals meanwhile are ignored (SIGKILL stops it at once; the store stays
+consistent, only writes not yet made are lost).
 
 Exit codes: 0 stopped cleanly; 1 the address is in use or cannot be bound, or the store
 cannot be used; 2 bad arguments; 4 the store holds another layout; 5 the store is locked.
@@ -35,6 +36,8 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from . import _common
@@ -119,7 +122,9 @@ def _run(args: argparse.Namespace) -> int:
     layout = presets.tiny()
     loc = _common.parse_store(args.store)
     store_options = {} if args.max_bytes is None else {"max_bytes": args.max_bytes}
-    with _torch_threads(args.threads), _common.store_errors(loc, layout):
+    stop = threading.Event()
+    # the handlers stay until the store is closed: a second signal cannot cut the flush short
+    with _stop_on_signals(stop), _torch_threads(args.threads), _common.store_errors(loc, layout):
         engine = ReferenceEngine(layout, store=loc.url, served_model=args.served_model_name, seed=MODEL_SEED,
                                  num_blocks=args.num_blocks, num_snapshots=args.num_snapshots,
                                  snapshot_interval=args.snapshot_interval, salt=args.salt, device=device,
@@ -132,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
                 hint = " (pick another --port, or 0 for a free one)" if exc.errno == errno.EADDRINUSE else ""
                 raise CommandFailed(ExitCode.FAILURE, f"cannot listen on {args.host}:{args.port}: "
                                                       f"{exc.strerror or exc}{hint}") from None
-            _serve(server, loc.url, as_json=args.json)
+            _serve(server, loc.url, stop, as_json=args.json)
             counts = engine.metrics()
             stats = engine.store_stats()
         finally:
@@ -143,10 +148,19 @@ def _run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _serve(server: Any, store_url: str, *, as_json: bool = False) -> None:
-    """Serve until SIGTERM or SIGINT; then stop accepting, wait for requests in flight."""
-    stop = threading.Event()
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set ``stop`` (instead of ending the process) inside the block."""
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(server: Any, store_url: str, stop: threading.Event, *, as_json: bool = False) -> None:
+    """Serve until ``stop`` is set; then stop accepting and wait for the requests in flight."""
     thread = threading.Thread(target=server.serve_forever, name="serve-reference", daemon=True)
     thread.start()
     try:
@@ -160,8 +174,6 @@ def _serve(server: Any, store_url: str, *, as_json: bool = False) -> None:
         server.shutdown()  # serve_forever returns
         server.server_close()  # and the handler threads in flight are joined
         thread.join()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _log(line: str) -> None:
