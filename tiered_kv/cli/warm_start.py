@@ -4,6 +4,7 @@
 
     tiered-kv warm-start --store .demo/store --prompts bundled
     tiered-kv warm-start --store lmdb:///var/cache/kv --prompts prompts.jsonl --json
+    tiered-kv warm-start --endpoint http://127.0.0.1:8000 --prompts prompts.jsonl --passes 2
 
 Each prompt (a JSONL line ``{"id": ..., "tokens": [...]}`` or ``{"id": ..., "text": "..."}``,
 text tokenized byte-level) is matched against the store; the reference model prefills
