@@ -193,3 +193,25 @@ def test_client_leaving_mid_stream_leaves_no_request_open(server: Server, tiny_m
         naive_greedy(tiny_model, encode("abc"), 2)
     with server.engine.lock:
         assert server.engine.cache.stats()["live_requests"] == 0
+
+
+def test_failure_mid_stream_ends_the_stream_with_an_error_event(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken invariant after the first token: the client reads an error event, not a
+    second HTTP status line; the server counts it as failed and goes on."""
+    real = server.engine.model.forward
+    calls = []
+
+    def forward(cache: Any, req: Any, tokens: Any) -> torch.Tensor:
+        calls.append(len(tokens))
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(cache, req, tokens)
+
+    monkeypatch.setattr(server.engine.model, "forward", forward)
+    status, _, raw = server.request("POST", "/v1/completions", {"prompt": "abc", "max_tokens": 5, "stream": True})
+    events = [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and [len(e.get("choices", [])) for e in events] == [1, 1, 0]
+    assert events[-1]["error"]["message"] == "RuntimeError: injected" and events[-1]["error"]["code"] == 500
+    assert server.engine.metrics().get("tiered_kv_server_requests_total", outcome="failed") == 1
+    monkeypatch.undo()
+    assert len(server.complete(prompt="abc", max_tokens=2)["choices"][0]["token_ids"]) == 2

@@ -274,6 +274,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     server: _Server
     protocol_version = "HTTP/1.0"
+    #: the 200 and the first event of a stream are out (errors then go into the stream)
+    _streaming = False
     #: seconds a silent client may hold its thread (a stuck client cannot block shutdown)
     timeout = 60
     #: the largest request body accepted
@@ -321,6 +323,7 @@ class _Handler(BaseHTTPRequestHandler):
                                           kind="NotFoundError"))
             return
         engine = self.server.engine
+        self._streaming = False
         try:
             request = CompletionRequest.parse(self._read_json(), served_model=engine.served_model)
             if request.stream:
@@ -338,8 +341,12 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a broken invariant: answer 500, keep the server up, say what
             engine.count("failed")
             self.server.log_error(f"completion failed: {type(exc).__name__}: {exc}")
-            self._send_error(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
-                                          kind="InternalServerError"))
+            err = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
+                               kind="InternalServerError")
+            if self._streaming:  # the 200 and some tokens are out: end the stream with the error
+                self.wfile.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            else:
+                self._send_error(err)
             return
         engine.count("ok")
         if not request.stream:
@@ -372,7 +379,6 @@ class _Handler(BaseHTTPRequestHandler):
         engine = self.server.engine
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        started = False
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
             obj: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created,
@@ -383,13 +389,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         def on_token(token: int) -> None:
-            nonlocal started
-            if not started:  # headers go out with the first token: errors before it are plain 4xx
+            if not self._streaming:  # headers go out with the first token: errors before it are plain 4xx
                 self.send_response(HTTPStatus.OK)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 self.end_headers()
-                started = True
+                self._streaming = True
             chunk([{"index": 0, "text": decoder.decode(bytes([token])), "token_ids": [token],
                     "logprobs": None, "finish_reason": None}])
 
