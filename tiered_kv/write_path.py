@@ -99,8 +99,9 @@ class Run:
 class Placement:
     """Where the valid entries of a ``[B, m]`` batch of entry ids go, row-major.
 
-    ``runs`` always describes them; the per-entry arrays are built only when a write
-    needs flat rows (many runs, or non-consecutive layers).
+    ``runs`` describes them (empty when there are more than ``_MAX_RUNS``); the per-entry
+    arrays are None for a single run found by the one-request fast path and built on
+    demand (:meth:`arrays`) when a write needs flat rows.
     """
 
     #: Valid entries.
@@ -132,15 +133,16 @@ class EntryWriter:
         self._part_of = {kind: {layer: p for p, layer in enumerate(layers)}
                          for kind, layers in ((LayerKind.CSA, layout.csa_layers), (LayerKind.HCA, layout.hca_layers))}
         self._partsets: dict[tuple[LayerKind, tuple[int, ...]], PartSet] = {}
+        self._single = {kind: {layer: PartSet(np.array([p], dtype=np.int64), p, False) for layer, p in parts.items()}
+                        for kind, parts in self._part_of.items()}
 
     # --------------------------------------------------------------- layers
     def part_set(self, kind: LayerKind, layers: int | Sequence[int]) -> PartSet | None:
         """The parts of ``layers`` (an int or a sequence of ints), or None if any is not
         a ``kind`` layer (the caller then raises its own, precise error)."""
-        part_of = self._part_of[kind]
         if isinstance(layers, int) and not isinstance(layers, bool):
-            p = part_of.get(layers)
-            return None if p is None else PartSet(np.array([p], dtype=np.int64), p, False)
+            return self._single[kind].get(layers)
+        part_of = self._part_of[kind]
         key = (kind, tuple(layers))
         found = self._partsets.get(key)
         if found is None:
