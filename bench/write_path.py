@@ -24,7 +24,8 @@ a ~2 us device-to-device copy, on this CPU a memcpy), and the bookkeeping withou
 Paths alternate within every repetition so machine load hits them alike; figures are
 medians over blocks. After each run the pool bytes are checked against what was written.
 
-Writes ``bench/results/write_path.json`` and ``bench/results/write_path.png``.
+Writes ``bench/results/write_path.json`` and ``bench/results/write_path.png``
+(``write_path_cuda.*`` with ``--device cuda``: host time per block, copies run behind it).
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ class Filler:
         def rand(*shape: int) -> torch.Tensor:
             return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
 
-        # [n_layers, B, m, bytes]: the entries of one block of every request
-        self.kv = rand(nc, batch, self.E, L.entry_bytes)
-        self.keys = rand(nc, batch, self.E, L.indexer_bytes)
-        self.hkv = rand(nh, batch, 1, L.entry_bytes)
+        # [n_layers, B, m, bytes]: the entries of one block of every request, on the cache's device
+        dev = cache.device
+        self.kv = rand(nc, batch, self.E, L.entry_bytes).to(dev)
+        self.keys = rand(nc, batch, self.E, L.indexer_bytes).to(dev)
+        self.hkv = rand(nh, batch, 1, L.entry_bytes).to(dev)
         self.snapshot_s = 0.0
         states = cache.states
         inner = states.snapshot
@@ -114,8 +116,10 @@ class Filler:
             self.write_block(reqs, k)
             for req, toks in zip(reqs, tokens):
                 cache.advance(req, toks)
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0  # host time: on a GPU the copies run behind it
             out.append((dt / self.batch, self.snapshot_s / self.batch))
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
         self.check(reqs)
         for req in reqs:
             cache.close(req)
@@ -132,8 +136,8 @@ class Filler:
                     raise AssertionError(f"{self.path}: block {b} of request {i} holds other bytes than written")
 
 
-def make_cache(layout, batch: int, num_blocks: int) -> TieredKVCache:
-    return TieredKVCache(layout, num_blocks=batch * num_blocks + 4, num_state_slots=batch,
+def make_cache(layout, batch: int, num_blocks: int, device: str) -> TieredKVCache:
+    return TieredKVCache(layout, device=device, num_blocks=batch * num_blocks + 4, num_state_slots=batch,
                          num_snapshots=4 * batch + 1)
 
 
@@ -151,6 +155,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="rounds over every path")
     ap.add_argument("--blocks", type=int, default=16, help="blocks filled per request and round")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on a shared box)")
+    ap.add_argument("--device", default="cpu", help="the cache's device (cuda: host time per block, "
+                    "the device copies run behind it)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,7 +168,7 @@ def main() -> None:
     for p in paths:
         if p not in batch_of:
             raise SystemExit(f"--paths: expected names from {PATHS}, got {p!r}")
-        fillers[p] = Filler(make_cache(layout, batch_of[p], args.blocks), p, args.blocks, batch_of[p])
+        fillers[p] = Filler(make_cache(layout, batch_of[p], args.blocks, args.device), p, args.blocks, batch_of[p])
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
     for f in fillers.values():
         f.run(seed=1)  # warm-up: first touch of the pools
@@ -170,7 +176,7 @@ def main() -> None:
         for p in paths:
             samples[p].extend(fillers[p].run(seed=2 + r))
     rows = {p: summarize(samples[p]) for p in paths}
-    print(f"Flash block (21 CSA x 32 entries + 20 HCA x 1), CPU, {args.threads} thread(s), "
+    print(f"Flash block (21 CSA x 32 entries + 20 HCA x 1), {args.device}, {args.threads} thread(s), "
           f"median over {repeats} x {args.blocks} blocks")
     print(f"{'path':<12} {'ms/block':>9} {'snapshot ms':>12} {'rest ms':>8}")
     for p, row in rows.items():
@@ -186,14 +192,15 @@ def main() -> None:
     if best is not None:
         print(f"target: <= {TARGET_MS} ms per Flash block -> {best:.3f} ms ({'met' if best <= TARGET_MS else 'MISSED'})")
     RESULTS.mkdir(exist_ok=True)
-    out = {"statistic": "median", "repeats": repeats, "blocks_per_round": args.blocks, "threads": args.threads,
+    out = {"statistic": "median", "repeats": repeats, "device": args.device, "blocks_per_round": args.blocks, "threads": args.threads,
            "machine": {"platform": platform.platform(), "torch": torch.__version__},
            "layout": layout.name, "rows": rows, "ratio_vs_per_layer": ratios, "target_ms": TARGET_MS}
-    (RESULTS / "write_path.json").write_text(json.dumps(out, indent=2))
-    plot(rows)
+    name = "write_path" if args.device == "cpu" else "write_path_cuda"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
+    plot(rows, name, args.device)
 
 
-def plot(rows: dict[str, dict[str, float]]) -> None:
+def plot(rows: dict[str, dict[str, float]], name: str, device: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -209,10 +216,10 @@ def plot(rows: dict[str, dict[str, float]]) -> None:
     ax.bar(names, snap, bottom=rest, label="State snapshot copy (3.6 MB)")
     ax.axhline(TARGET_MS, color="grey", lw=0.8, ls=":", label=f"{TARGET_MS} ms target")
     ax.set_ylabel("ms per Flash block (median)")
-    ax.set_title("Cache bookkeeping per Flash block, CPU")
+    ax.set_title(f"Cache bookkeeping per Flash block, {device}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "write_path.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -276,8 +276,9 @@ def test_sync_detector_catches_syncs(tiny_layout) -> None:
     assert any("Tensor.tolist of a cache tensor" in f for f in d.fired)
 
 
-def fill_step(cache: TieredKVCache, reqs, k: int, g: torch.Generator) -> None:
-    """Block k of every request: reserve, one batched write per kind, advance (seals)."""
+def fill_step(cache: TieredKVCache, reqs, k: int, g: torch.Generator, cuda_sync_debug: bool = False) -> None:
+    """Block k of every request: reserve, one batched write per kind, advance (seals);
+    with ``cuda_sync_debug`` those calls run under ``torch.cuda.set_sync_debug_mode("error")``."""
     L = cache.layout
     E, B, bt = L.csa_entries_per_block, len(reqs), L.block_tokens
     ids = torch.arange(k * E, (k + 1) * E).expand(B, E)
@@ -287,15 +288,22 @@ def fill_step(cache: TieredKVCache, reqs, k: int, g: torch.Generator) -> None:
     hkv = random_bytes(g, L.num_hca_layers, B, 1, L.entry_bytes).to(cache.device)
     csa, hca = L.csa_layers, L.hca_layers
     tokens = [[(i * 7 + k * bt + t) % 50000 for t in range(bt)] for i in range(B)]
-    with SyncDetector(cache_tensors(cache)) as d:
-        for r in reqs:
-            cache.reserve(r, bt)
-        cache.write_csa(reqs, csa, ids, kv, keys)
-        cache.write_hca(reqs, hca, hids, hkv)
-        for r, t in zip(reqs, tokens):
-            cache.advance(r, t[:bt // 2])
-            cache.advance(r, t[bt // 2:])  # seals: hash, publish, snapshot
-        cache.block_table(reqs)
+    if cuda_sync_debug:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with SyncDetector(cache_tensors(cache)) as d:
+            for r in reqs:
+                cache.reserve(r, bt)
+            cache.write_csa(reqs, csa, ids, kv, keys)
+            cache.write_hca(reqs, hca, hids, hkv)
+            for r, t in zip(reqs, tokens):
+                cache.advance(r, t[:bt // 2])
+                cache.advance(r, t[bt // 2:])  # seals: hash, publish, snapshot
+            cache.block_table(reqs)
+    finally:
+        if cuda_sync_debug:
+            torch.cuda.set_sync_debug_mode(0)
     assert d.fired == [], d.fired
     for i, r in enumerate(reqs):
         assert r.num_sealed_blocks == k + 1
@@ -381,12 +389,7 @@ def test_batched_write_and_advance_on_cuda_never_sync() -> None:
     reqs = [cache.open([i]) for i in range(3)]
     g = torch.Generator().manual_seed(5)
     fill_step(cache, reqs, 0, g)  # warm-up (allocator, first launches)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fill_step(cache, reqs, 1, g)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    fill_step(cache, reqs, 1, g, cuda_sync_debug=True)
     torch.cuda.synchronize()
     assert torch.equal(cache.block_table(reqs).cpu(), expected_table(reqs, 2))
 
