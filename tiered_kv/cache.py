@@ -288,7 +288,8 @@ class TieredKVCache(TierMoves):
     def write_csa(self, requests: Request | Sequence[Request], layers: int | Sequence[int],
                   entry_ids: torch.Tensor | np.ndarray | Sequence, kv: torch.Tensor, keys: torch.Tensor) -> None:
         """Store completed CSA entries and their indexer keys, of one or several CSA layers
-        and one or several requests, in one call (one device copy per pool part).
+        and one or several requests, in one call (one device copy per pool part and run of
+        consecutive entries; see :mod:`tiered_kv.write_path`).
 
         One request, one layer (``requests`` a Request, ``layers`` an int)::
 
