@@ -37,15 +37,20 @@ LAYOUTS = {
 }
 
 
+#: the model and the cache on the same device; CUDA runs where there is a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_chunked_prefill_and_decode_match_naive(name: str) -> None:
+def test_chunked_prefill_and_decode_match_naive(name: str, device: str) -> None:
     layout = LAYOUTS[name]
-    model = ReferenceModel(layout, seed=3)
+    model = ReferenceModel(layout, seed=3, device=device)
     tokens = random_tokens(4 * layout.block_tokens // 128 * 100 + 13, seed=5)  # crosses several blocks
     T = len(tokens)
     naive = model.naive_logits(tokens)
     assert naive.shape == (T, 256)
-    cache = TieredKVCache(layout, num_blocks=12, num_state_slots=2)
+    cache = TieredKVCache(layout, num_blocks=12, num_state_slots=2, device=device)
     req = cache.open(tokens)
     assert req.num_cached_tokens == 0
     got = run_chunks(model, cache, req, tokens, [1, 37, 129, 5, 64, 3, 200], decode_from=T - 24)

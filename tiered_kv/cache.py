@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .block_pool import BlockPool
+from .block_table import BlockTables
 from .classical_pool import ClassicalPool
 from .device import empty_host, resolve_device
 from .disk import DiskTier
@@ -47,6 +48,7 @@ from .request import Request, as_token_list
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
 from .transfer import CopyEngine
+from .write_path import EntryWriter, PartSet, host_entry_ids
 
 __all__ = ["Request", "TieredKVCache"]
 
@@ -102,6 +104,9 @@ class TieredKVCache(TierMoves):
         self.classical = ClassicalPool(layout, num_blocks, self.device,
                                        csa_blocks=num_state_slots if hisparse is not None else None)
         self.states = StatePool(layout, num_state_slots, self.device)
+        #: Per State slot: the request's Classical block ids on the device (``block_table``).
+        self.tables = BlockTables(num_state_slots, num_blocks, self.device)
+        self._writer = EntryWriter(layout, self.tables)
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
         self.host = HostTier(layout, host_bytes, self.device) if host_bytes is not None else None
@@ -202,6 +207,7 @@ class TieredKVCache(TierMoves):
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
         self._requests[req.request_id] = req
+        self.tables.assign(slot, block_ids)
         self._counters["requests_opened"] += 1
         self._counters["prompt_tokens"] += len(tokens)
         self._counters["cached_tokens"] += P
@@ -221,6 +227,7 @@ class TieredKVCache(TierMoves):
         # Free the tail first so LRU eviction takes a prefix's end before its start.
         for b in reversed(req.block_ids):
             self._release_block(b)
+        self.tables.clear(req.slot)
         self.states.free(req.slot)
         req.closed = True
         del self._requests[req.request_id]
@@ -266,6 +273,7 @@ class TieredKVCache(TierMoves):
             raise CacheFullError(f"reserve: request {req.request_id} needs {need} more blocks, "
                                  f"{self.blocks.num_available} available of {self.blocks.num_blocks}")
         req.block_ids.extend(got)
+        self.tables.append(req.slot, got)
         if self.hisparse is not None and req._host_reserved is None:
             req._host_reserved = self._reserve_host_record(req)
 
@@ -277,39 +285,114 @@ class TieredKVCache(TierMoves):
                                  f"block's CSA entries ({self.host.num_blocks} records, all referenced)")
         return hid
 
-    def write_csa(self, request: Request, layer: int, entry_ids: torch.Tensor,
-                  kv: torch.Tensor, keys: torch.Tensor) -> None:
-        """Store completed CSA entries and their indexer keys of CSA ``layer``.
+    def write_csa(self, requests: Request | Sequence[Request], layers: int | Sequence[int],
+                  entry_ids: torch.Tensor | np.ndarray | Sequence, kv: torch.Tensor, keys: torch.Tensor) -> None:
+        """Store completed CSA entries and their indexer keys, of one or several CSA layers
+        and one or several requests, in one call (one device copy per pool part and run of
+        consecutive entries; see :mod:`tiered_kv.write_path`).
 
-        entry_ids ``[m]`` int64 (request-relative entry index); kv ``[m, entry_bytes]`` uint8;
-        keys ``[m, indexer_bytes]`` uint8; both on the cache's device.
+        One request, one layer (``requests`` a Request, ``layers`` an int)::
+
+            entry_ids [m] int64       kv [m, entry_bytes]       keys [m, indexer_bytes]
+
+        Each sequence argument adds a leading axis: ``layers`` a sequence of n CSA layers
+        puts ``n`` in front of kv / keys (``kv[l]`` is layer ``layers[l]``); ``requests`` a
+        sequence of B requests makes ``entry_ids [B, m]`` (row i: request i's entry ids,
+        ``-1`` = padding) and puts ``B`` before ``m``. So the full batch is::
+
+            entry_ids [B, m] int64    kv [n, B, m, entry_bytes]    keys [n, B, m, indexer_bytes]
+
+        Entry ids are request-relative and must lie in the requests' unsealed blocks (with
+        HiSparse: the open block). Pass them on the host (a CPU tensor, numpy or a list):
+        the destinations are computed there, so the call never waits for the device. kv and
+        keys are uint8 on the cache's device.
         """
-        req = self._live(request)
-        c = self._layer_part(layer, LayerKind.CSA)
-        ids = self._entry_ids("entry_ids", entry_ids)
-        m, L = ids.numel(), self.layout
-        self._check_bytes("kv", kv, (m, L.entry_bytes))
-        self._check_bytes("keys", keys, (m, L.indexer_bytes))
-        blk, off = self._locate(req, ids, L.csa_entries_per_block, writable=True)
-        self.classical.indexer[c, blk, off] = keys
-        if self.hisparse is None:
-            self.classical.csa_kv[c, blk, off] = kv
-            return
-        # HiSparse: entries are written to the request's open block, one per State slot
-        if m and int(ids.max()) >= (req.num_sealed_blocks + 1) * L.csa_entries_per_block:
-            raise ValueError(f"entry ids: with HiSparse only the open block {req.num_sealed_blocks} of request "
-                             f"{req.request_id} is writable, got entry {int(ids.max())}")
-        self.classical.csa_kv[c, req.slot, off] = kv
-
-    def write_hca(self, request: Request, layer: int, entry_ids: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store completed HCA entries of HCA ``layer``: kv ``[m, entry_bytes]`` uint8."""
-        req = self._live(request)
-        h = self._layer_part(layer, LayerKind.HCA)
-        ids = self._entry_ids("entry_ids", entry_ids)
+        reqs, batched = self._live_batch(requests)
+        parts = self._write_parts(LayerKind.CSA, layers)
+        ids = self._write_ids(entry_ids, reqs, batched)
         L = self.layout
-        self._check_bytes("kv", kv, (ids.numel(), L.entry_bytes))
-        blk, off = self._locate(req, ids, L.hca_entries_per_block, writable=True)
-        self.classical.hca_kv[h, blk, off] = kv
+        lead = self._write_lead(parts, batched, len(reqs), ids.shape[1])
+        self._check_bytes("kv", kv, (*lead, L.entry_bytes))
+        self._check_bytes("keys", keys, (*lead, L.indexer_bytes))
+        E = L.csa_entries_per_block
+        place = self._writer.place(reqs, ids, E, padded=batched)
+        if self.hisparse is not None:
+            self._writer.check_open_block(reqs, ids, E, batched)
+        n, flat = parts.parts.size, ids.size
+        self._writer.scatter(self.classical.indexer, parts, place, keys.reshape(n, flat, L.indexer_bytes))
+        # HiSparse: the CSA KV part holds each State slot's open block
+        self._writer.scatter(self.classical.csa_kv, parts, place, kv.reshape(n, flat, L.entry_bytes),
+                             by_slot=self.hisparse is not None)
+
+    def write_hca(self, requests: Request | Sequence[Request], layers: int | Sequence[int],
+                  entry_ids: torch.Tensor | np.ndarray | Sequence, kv: torch.Tensor) -> None:
+        """Store completed HCA entries of one or several HCA layers and requests.
+
+        Shapes as in :meth:`write_csa`: ``entry_ids [m]``, ``kv [m, entry_bytes]`` for one
+        request and layer; the batch form is ``entry_ids [B, m]`` (-1 = padding) and
+        ``kv [n, B, m, entry_bytes]``.
+        """
+        reqs, batched = self._live_batch(requests)
+        parts = self._write_parts(LayerKind.HCA, layers)
+        ids = self._write_ids(entry_ids, reqs, batched)
+        L = self.layout
+        self._check_bytes("kv", kv, (*self._write_lead(parts, batched, len(reqs), ids.shape[1]), L.entry_bytes))
+        place = self._writer.place(reqs, ids, L.hca_entries_per_block, padded=batched)
+        self._writer.scatter(self.classical.hca_kv, parts, place,
+                             kv.reshape(parts.parts.size, ids.size, L.entry_bytes))
+
+    def _live_batch(self, requests: Request | Sequence[Request]) -> tuple[list[Request], bool]:
+        """(live requests, whether a sequence was passed)."""
+        if isinstance(requests, Request):
+            return [self._live(requests)], False
+        if not isinstance(requests, Sequence):
+            raise TypeError(f"requests: expected a Request or a sequence of them, got {type(requests).__name__}")
+        return [self._live(r) for r in requests], True
+
+    @staticmethod
+    def _write_ids(entry_ids: object, reqs: list[Request], batched: bool) -> np.ndarray:
+        """Host entry ids as ``[B, m]`` int64."""
+        if not batched:
+            return host_entry_ids("entry_ids", entry_ids, 1)[None]
+        ids = host_entry_ids("entry_ids", entry_ids, 2)
+        if ids.shape[0] != len(reqs):
+            raise ValueError(f"entry_ids: expected [B, m] with B = {len(reqs)} requests, got {list(ids.shape)}")
+        return ids
+
+    def _write_parts(self, kind: LayerKind, layers: int | Sequence[int]) -> PartSet:
+        parts = self._writer.part_set(kind, layers)
+        if parts is None:  # raise the precise error
+            if isinstance(layers, Sequence) and not layers:
+                raise ValueError("layers: expected at least one layer")
+            for layer in ([layers] if not isinstance(layers, Sequence) else layers):
+                self._layer_part(layer, kind)
+            raise AssertionError(f"layers {layers!r}: rejected but no layer is invalid")
+        return parts
+
+    @staticmethod
+    def _write_lead(parts: PartSet, batched: bool, B: int, m: int) -> tuple[int, ...]:
+        """Leading dims of kv / keys: ``[n,] [B,] m``."""
+        return (*((parts.parts.size,) if parts.batched else ()), *((B,) if batched else ()), m)
+
+    def block_table(self, requests: Request | Sequence[Request], *, max_blocks: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The requests' block tables: ``[B, max_blocks]`` int32 on the cache's device.
+
+        Row i holds ``requests[i].block_ids`` (the Classical block of tokens
+        ``[k * block_tokens, (k + 1) * block_tokens)`` at column k), ``-1`` past its end.
+        ``max_blocks`` defaults to the longest row of the batch; fix it (at most
+        ``num_blocks``) and pass ``out`` (``[B, max_blocks]`` int32 on the device) for the
+        static shapes a CUDA graph needs. A device gather from the persistent per-slot
+        table (``cache.tables.device_table``, ``[num_state_slots, capacity]``), which
+        ``open`` / ``reserve`` / ``close`` keep current; nothing is rebuilt from lists.
+        """
+        reqs, _ = self._live_batch(requests)
+        slots = [r.slot for r in reqs]
+        if max_blocks is None:
+            max_blocks = max((len(r.block_ids) for r in reqs), default=0)
+        elif isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 0:
+            raise ValueError(f"max_blocks: expected a non-negative int, got {max_blocks!r}")
+        return self.tables.gather(slots, max_blocks, out=out)
 
     def read_indexer_keys(self, request: Request, layer: int, num_entries: int) -> torch.Tensor:
         """The first ``num_entries`` indexer keys of CSA ``layer``: ``[num_entries, indexer_bytes]`` uint8."""

@@ -10,6 +10,9 @@ import torch
 
 from .prefix import tokens_to_bytes
 
+#: Token ids are hashed as uint32 (see :func:`~tiered_kv.prefix.tokens_to_bytes`).
+_MAX_TOKEN = 2**32 - 1
+
 __all__ = ["Request", "as_token_list"]
 
 
@@ -49,6 +52,10 @@ def as_token_list(token_ids: Sequence[int] | np.ndarray | torch.Tensor, what: st
             raise ValueError(f"{what}: expected a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
         token_ids = token_ids.tolist()
     out = list(token_ids)
+    if all(type(t) is int for t in out):  # the common case, checked without numpy (advance is hot)
+        if out and (min(out) < 0 or max(out) > _MAX_TOKEN):
+            raise ValueError(f"{what}: expected ids in [0, 2**32), got min {min(out)}, max {max(out)}")
+        return out
     for t in out:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"{what}: expected integer token ids, got {type(t).__name__}")

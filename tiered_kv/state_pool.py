@@ -118,9 +118,15 @@ class StatePool:
         pieces = [self.swa[slot], *self._overlaps(slot)]
         offset = 0
         for piece in pieces:
-            raw = piece.contiguous().view(torch.uint8).reshape(-1)
-            out[offset:offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
+            nbytes = piece.numel() * piece.element_size()
+            dst = out[offset:offset + nbytes]
+            if (dst.data_ptr() % piece.element_size()) == 0:
+                # copy the strided piece straight into its place (no temporary: a fresh
+                # buffer of this size costs page faults on every snapshot)
+                dst.view(piece.dtype).view(piece.shape).copy_(piece)
+            else:
+                dst.copy_(piece.contiguous().view(torch.uint8).reshape(-1))
+            offset += nbytes
         assert offset == n, (offset, n)
         return out
 

@@ -17,16 +17,23 @@ Per layer (pre-norm residual)::
 
 Cached forward is processed in segments that never cross a block boundary, so the cache
 sees the State at every resume point and can snapshot it.
+
+Devices: weights and compute live on the model's ``device`` (float64 everywhere; on the CPU
+the results are bit-identical whatever the cache's device). The cache may live on another
+device: what the model writes is moved to ``cache.device`` and what it reads is moved back,
+at the cache boundary only. Entry ids and token ids stay on the host.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..device import resolve_device
 from ..layout import KVLayout, LayerKind
 from . import ops
 from .codecs import entry_codec, key_codec
@@ -78,11 +85,14 @@ class ReferenceModel:
         vocab_size: size of the token embedding and the output head.
         num_heads: query heads of the MQA attention.
         num_index_heads: heads of the lightning indexer.
+        device: where weights and compute live (``"cpu"`` or ``"cuda[:i]"``); weights are
+            drawn on the CPU and moved, so every device starts from the same values.
     """
 
     def __init__(self, layout: KVLayout, seed: int = 0, vocab_size: int = 256, *,
-                 num_heads: int = 2, num_index_heads: int = 2) -> None:
+                 num_heads: int = 2, num_index_heads: int = 2, device: str | torch.device = "cpu") -> None:
         self.layout = layout
+        self.device = torch.device("cpu")
         self.vocab_size = vocab_size
         self.num_heads = num_heads
         self.num_index_heads = num_index_heads
@@ -120,6 +130,35 @@ class ReferenceModel:
                 comp=comp, idx_comp=idx_comp, w_iq=w_iq, w_iw=w_iw))
         self.final_norm = norm_w(H)
         self.head = rand(vocab_size, H, scale=H ** -0.5)
+        self._move(resolve_device(device))
+
+    def to(self, device: str | torch.device) -> ReferenceModel:
+        """This model with weights and compute on ``device`` (``self`` if already there)."""
+        dev = resolve_device(device)
+        if dev == self.device:
+            return self
+        other = copy.copy(self)
+        other._move(dev)
+        return other
+
+    def _move(self, device: torch.device) -> None:
+        """Put every weight on ``device`` (new tensors and layer records; shares nothing mutable)."""
+        def mv(obj):  # a tensor, None, or a frozen dataclass of them
+            if obj is None or isinstance(obj, (torch.Tensor, LayerKind)):
+                return obj.to(device) if isinstance(obj, torch.Tensor) else obj
+            return replace(obj, **{f.name: mv(getattr(obj, f.name)) for f in fields(obj)})
+
+        self.device = device
+        self.embed, self.final_norm, self.head = (t.to(device) for t in (self.embed, self.final_norm, self.head))
+        self.layers = [mv(layer) for layer in self.layers]
+
+    def _to_cache(self, cache: TieredKVCache, x: torch.Tensor) -> torch.Tensor:
+        """Bytes the model hands the cache, on the cache's device."""
+        return x if x.device == cache.device else x.to(cache.device)
+
+    def _from_cache(self, x: torch.Tensor) -> torch.Tensor:
+        """Bytes read from the cache, on the model's device."""
+        return x if x.device == self.device else x.to(self.device)
 
     # ------------------------------------------------------------- helpers
     def _tokens(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -147,9 +186,9 @@ class ReferenceModel:
     def naive_logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Recompute everything without a cache: logits ``[T, vocab_size]`` float64."""
         L = self.layout
-        tokens = self._tokens(token_ids)
+        tokens = self._tokens(token_ids).to(self.device)
         T = tokens.numel()
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=self.device)
         x = self.embed[tokens]
         swa_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - L.window)
         for layer in self.layers:
@@ -168,7 +207,7 @@ class ReferenceModel:
                 kv, s = layer.comp.rows(h[:G * L.hca_ratio])
                 kv, s = kv.view(G, L.hca_ratio, L.head_dim), s.view(G, L.hca_ratio, L.head_dim) + layer.comp.ape
                 entries = self.codec.round(rmsnorm(pool(kv, s), layer.comp.norm))
-                visible = torch.arange(G)[None, :] < ((pos + 1) // L.hca_ratio)[:, None]
+                visible = torch.arange(G, device=self.device)[None, :] < ((pos + 1) // L.hca_ratio)[:, None]
                 keys, mask = torch.cat([keys, entries]), torch.cat([mask, visible], dim=1)
             x = x + attend(self._queries(layer, h), keys, mask) @ layer.w_o.T
         return self._logits(x)
@@ -182,7 +221,7 @@ class ReferenceModel:
         # the group before entry 0 does not exist: shift by one, pad with (masked) zeros
         prev_kv = torch.cat([torch.zeros_like(kv[:1]), kv[:-1]])
         prev_s = torch.cat([torch.zeros_like(s[:1]), s[:-1]])
-        has_prev = torch.arange(G) > 0
+        has_prev = torch.arange(G, device=self.device) > 0
         return rmsnorm(csa_pool(prev_kv, prev_s, kv, s, comp.ape, has_prev), comp.norm)
 
     # -------------------------------------------------------------- cached
@@ -206,7 +245,7 @@ class ReferenceModel:
             cache.advance(request, seg.tolist())
             start += n
         if not out:
-            return torch.empty(0, self.vocab_size, dtype=COMPUTE_DTYPE)
+            return torch.empty(0, self.vocab_size, dtype=COMPUTE_DTYPE, device=self.device)
         return torch.cat(out)
 
     def _segment(self, cache: TieredKVCache, request: Request, tokens: torch.Tensor, p0: int) -> torch.Tensor:
@@ -216,10 +255,10 @@ class ReferenceModel:
         p1 = p0 + n
         dev = cache.device
         state = cache.state(request)
-        pos = torch.arange(p0, p1)
-        x = self.embed[tokens]
+        pos = torch.arange(p0, p1, device=self.device)
+        x = self.embed[tokens.to(self.device)]
         # SWA keys: the ring's old positions [p0 - W, p0) that exist, then the new tokens
-        old_pos = torch.arange(max(0, p0 - L.window), p0)
+        old_pos = torch.arange(max(0, p0 - L.window), p0, device=self.device)
         key_pos = torch.cat([old_pos, pos])
         swa_mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - L.window)
         keep = pos[-L.window:]  # only the last W new entries survive in the ring
@@ -227,8 +266,8 @@ class ReferenceModel:
             h = rmsnorm(x, layer.attn_norm)
             new = self._swa_entry(layer, h)
             ring = state.swa[li]
-            old = self.codec.decode(ring[(old_pos % L.window).to(dev)].cpu())
-            ring[(keep % L.window).to(dev)] = self.codec.encode(new[-L.window:]).to(dev)
+            old = self.codec.decode(self._from_cache(ring[(old_pos % L.window).to(dev)]))
+            ring[(keep % L.window).to(dev)] = self._to_cache(cache, self.codec.encode(new[-L.window:]))
             keys, mask = torch.cat([old, new]), swa_mask
             if layer.kind is LayerKind.CSA:
                 keys, mask = self._csa_segment(cache, request, state, li, layer, h, p0, keys, mask)
@@ -250,23 +289,23 @@ class ReferenceModel:
         g0, a = divmod(p0, r)
         p1 = p0 + h.shape[0]
         g1, a1 = divmod(p1, r)
-        old = tail.cpu().to(COMPUTE_DTYPE)
+        old = self._from_cache(tail).to(COMPUTE_DTYPE)
         # rows from position (g0 - 1) * r on: previous group, current partial, new rows
         buf_kv = torch.cat([old[0, :r + a], kv])
         buf_s = torch.cat([old[1, :r + a], s])
         m = g1 - g0  # groups completed by this segment
-        entries = torch.empty(0, kv.shape[1] // 2, dtype=COMPUTE_DTYPE)
+        entries = torch.empty(0, kv.shape[1] // 2, dtype=COMPUTE_DTYPE, device=self.device)
         if m > 0:
             gkv = buf_kv[:(m + 1) * r].view(m + 1, r, -1)
             gs = buf_s[:(m + 1) * r].view(m + 1, r, -1)
-            has_prev = torch.arange(g0, g1) > 0
+            has_prev = torch.arange(g0, g1, device=self.device) > 0
             entries = rmsnorm(csa_pool(gkv[:-1], gs[:-1], gkv[1:], gs[1:], comp.ape, has_prev), comp.norm)
         new_tail = torch.zeros_like(old)
         lo = (g1 - g0) * r  # buffer row of position (g1 - 1) * r
         new_tail[0, :r + a1] = buf_kv[lo:lo + r + a1]
         new_tail[1, :r + a1] = buf_s[lo:lo + r + a1]
         tail.copy_(new_tail.to(dtype=tail.dtype, device=dev))
-        return entries, torch.arange(g0, g1)
+        return entries, torch.arange(g0, g1)  # entry ids stay on the host
 
     def _csa_segment(self, cache: TieredKVCache, request: Request, state, li: int, layer: _Layer,
                      h: torch.Tensor, p0: int, keys: torch.Tensor, mask: torch.Tensor,
@@ -278,16 +317,17 @@ class ReferenceModel:
         entries, ids = self._advance_csa_tail(layer.comp, state.csa_tail[c], h, p0)
         ikeys, _ = self._advance_csa_tail(layer.idx_comp, state.idx_tail[c], h, p0)
         if ids.numel():
-            cache.write_csa(request, li, ids, self.codec.encode(entries), self.key_codec.encode(ikeys))
+            cache.write_csa(request, li, ids, self._to_cache(cache, self.codec.encode(entries)),
+                            self._to_cache(cache, self.key_codec.encode(ikeys)))
         G = p1 // L.csa_ratio
         if G == 0:
             return keys, mask
-        pos = torch.arange(p0, p1)
+        pos = torch.arange(p0, p1, device=self.device)
         qi, wi = self._index_queries(layer, h)
-        all_keys = self.key_codec.decode(cache.read_indexer_keys(request, li, G).cpu())
+        all_keys = self.key_codec.decode(self._from_cache(cache.read_indexer_keys(request, li, G)))
         chosen = ops.select_topk(indexer_scores(qi, wi, all_keys), (pos + 1) // L.csa_ratio, L.top_k)
         union = chosen.any(0).nonzero().flatten()  # ascending entry ids
-        selected = self.codec.decode(cache.read_csa(request, li, union).cpu())
+        selected = self.codec.decode(self._from_cache(cache.read_csa(request, li, union)))
         return torch.cat([keys, selected]), torch.cat([mask, chosen[:, union]], dim=1)
 
     def _hca_segment(self, cache: TieredKVCache, request: Request, state, li: int, layer: _Layer,
@@ -301,19 +341,19 @@ class ReferenceModel:
         p1 = p0 + h.shape[0]
         g0, a = divmod(p0, r)
         g1, a1 = divmod(p1, r)
-        old = tail.cpu().to(COMPUTE_DTYPE)
+        old = self._from_cache(tail).to(COMPUTE_DTYPE)
         buf_kv, buf_s = torch.cat([old[0, :a], kv]), torch.cat([old[1, :a], s])
         m = g1 - g0
         if m > 0:
             gkv, gs = buf_kv[:m * r].view(m, r, -1), buf_s[:m * r].view(m, r, -1) + layer.comp.ape
             entries = rmsnorm(pool(gkv, gs), layer.comp.norm)
-            cache.write_hca(request, li, torch.arange(g0, g1), self.codec.encode(entries))
+            cache.write_hca(request, li, torch.arange(g0, g1), self._to_cache(cache, self.codec.encode(entries)))
         new_tail = torch.zeros_like(old)
         new_tail[0, :a1], new_tail[1, :a1] = buf_kv[m * r:], buf_s[m * r:]
         tail.copy_(new_tail.to(dtype=tail.dtype, device=tail.device))
         if g1 == 0:
             return keys, mask
-        pos = torch.arange(p0, p1)
-        entries_all = self.codec.decode(cache.read_hca(request, li, g1).cpu())
-        visible = torch.arange(g1)[None, :] < ((pos + 1) // r)[:, None]
+        pos = torch.arange(p0, p1, device=self.device)
+        entries_all = self.codec.decode(self._from_cache(cache.read_hca(request, li, g1)))
+        visible = torch.arange(g1, device=self.device)[None, :] < ((pos + 1) // r)[:, None]
         return torch.cat([keys, entries_all]), torch.cat([mask, visible], dim=1)

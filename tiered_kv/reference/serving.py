@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 from ..cache import Request, TieredKVCache
+from ..device import resolve_device
 from ..errors import CacheFullError
 from .model import ReferenceModel
 
@@ -72,11 +73,15 @@ class ServingLoop:
         prefill_chunk: tokens per prefill step.
         max_running: admitted requests at once (at most the cache's State slots).
         reuse: look prefixes up in the cache (False: recompute every prompt, a baseline).
+        device: where the model computes (default: the cache's device, e.g. ``"cuda"``);
+            ``self.model`` is ``model`` moved there, and recorded logits live there.
     """
 
     def __init__(self, model: ReferenceModel, cache: TieredKVCache, *, prefill_chunk: int = 64,
-                 max_running: int | None = None, reuse: bool = True) -> None:
-        self.model = model
+                 max_running: int | None = None, reuse: bool = True,
+                 device: str | torch.device | None = None) -> None:
+        self.device = cache.device if device is None else resolve_device(device)
+        self.model = model.to(self.device)
         self.cache = cache
         self.reuse = reuse
         self.prefill_chunk = prefill_chunk
