@@ -105,7 +105,7 @@ class TieredKVCache(TierMoves):
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
         self.host = HostTier(layout, host_bytes, self.device) if host_bytes is not None else None
-        self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device)
+        self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device, max_blocks=num_blocks)
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
         self._host_of_block: dict[int, int] = {}
@@ -202,6 +202,8 @@ class TieredKVCache(TierMoves):
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
         self._requests[req.request_id] = req
+        if self.hisparse is not None:  # the device's block -> host record table of the prefix
+            self.hisparse.set_host_blocks(slot, 0, [self._host_of_block[b] for b in block_ids[:num_blocks]])
         self._counters["requests_opened"] += 1
         self._counters["prompt_tokens"] += len(tokens)
         self._counters["cached_tokens"] += P
@@ -342,17 +344,57 @@ class TieredKVCache(TierMoves):
 
         entry_ids ``[k]`` int64, unique, ``k <= device_buffer_entries``, all in sealed
         blocks. The bytes are then ``cache.hisparse.buffer[request.slot, part, slots]``.
+        A batch of one for :meth:`swap_in_batch` (this one checks its ids on the host).
         """
         req = self._live(request)
-        if self.hisparse is None:
-            raise ValueError("swap_in: HiSparse is not enabled (pass hisparse=HiSparseConfig(...))")
+        hs = self._require_hisparse("swap_in")
         c = self._layer_part(layer, LayerKind.CSA)
         ids = self._entry_ids("entry_ids", entry_ids)
         E = self.layout.csa_entries_per_block
-        blk, off = self._locate(req, ids, E, num_entries=req.num_sealed_blocks * E, writable=False)
+        self._locate(req, ids, E, num_entries=req.num_sealed_blocks * E, writable=False)
+        if ids.numel() > hs.capacity:
+            raise ValueError(f"ids: expected at most device_buffer_entries = {hs.capacity} ids, got {ids.numel()}")
         if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
             raise ValueError("entry_ids: expected unique ids")
-        return self.hisparse.swap_in(req.slot, c, ids, self._host_rows(c, blk, off), self.host.csa_rows())
+        return hs.swap_in_batch(hs.slot_tensor((req.slot,)), c, ids.to(self.device).view(1, -1),
+                                self.host.csa_rows())[0]
+
+    def swap_in_batch(self, requests: Sequence[Request], layer: int, entry_ids: torch.Tensor, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """HiSparse decode step of CSA ``layer`` for a batch: make the entries each request
+        needs resident in its device buffer; returns ``slots`` ``[B, k]`` int64.
+
+        entry_ids ``[B, k]`` int64 on the cache's device: row ``i`` holds entry ids of
+        sealed blocks of ``requests[i]`` (e.g. the indexer's top-k), ``-1`` = padding;
+        ``k <= device_buffer_entries``; an id repeated within a row gets one slot. Entry
+        ``entry_ids[i, j]`` is then ``cache.hisparse.buffer[requests[i].slot, part,
+        slots[i, j]]`` (``slots[i, j] = -1`` where padded), ``part =
+        layout.part_index(layer)``. ``out``: an optional ``[B, k]`` int64 result tensor.
+
+        On a GPU this is one kernel launch for the whole batch (hits, LRU victims, the copy
+        of misses from the pinned host mirror over UVA, table updates), with no host
+        synchronization: it can be captured in a CUDA graph (docs/api.md). Id values are
+        checked only under ``TIERED_KV_DEBUG=1``; an id outside its request's sealed blocks
+        otherwise raises (CPU) or traps the kernel (GPU).
+        """
+        hs = self._require_hisparse("swap_in_batch")
+        c = self._layer_part(layer, LayerKind.CSA)
+        if isinstance(requests, Request):
+            raise TypeError("requests: expected a sequence of Request, got a single Request")
+        slots = tuple(self._live(r).slot for r in requests)
+        if len(set(slots)) != len(slots):
+            raise ValueError("requests: expected distinct requests (one row each)")
+        if not isinstance(entry_ids, torch.Tensor) or entry_ids.dim() != 2 or entry_ids.shape[0] != len(slots):
+            got = f"{entry_ids.dtype} {list(entry_ids.shape)}" if isinstance(entry_ids, torch.Tensor) else \
+                type(entry_ids).__name__
+            raise ValueError(f"entry_ids: expected an int64 [B={len(slots)}, k] tensor, got {got}")
+        return hs.swap_in_batch(hs.slot_tensor(slots), c, entry_ids, self.host.csa_rows(), out=out)
+
+    def _require_hisparse(self, what: str) -> HiSparseBuffers:
+        if self.hisparse is None:
+            raise ValueError(f"{what}: HiSparse is not enabled (pass hisparse=HiSparseConfig(...))")
+        assert self.host is not None
+        return self.hisparse
 
     def _host_rows(self, c: int, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         """Flat rows of CSA entries (GPU block, offset) in the host mirror's row view."""
@@ -362,12 +404,13 @@ class TieredKVCache(TierMoves):
 
     def _swap_in(self, req: Request, c: int, ids: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         assert self.hisparse is not None and self.host is not None
-        rows = self._host_rows(c, blk, off)
-        if ids.numel() <= self.hisparse.capacity:
-            slots = self.hisparse.swap_in(req.slot, c, ids, rows, self.host.csa_rows())
-            return self.hisparse.read(req.slot, c, slots)
+        hs = self.hisparse
+        if ids.numel() <= hs.capacity:
+            slots = hs.swap_in_batch(hs.slot_tensor((req.slot,)), c, ids.to(self.device).view(1, -1),
+                                     self.host.csa_rows())[0]
+            return hs.read(req.slot, c, slots)
         # more entries than the buffer holds (a long prefill chunk): read the mirror directly
-        return self.hisparse.read_direct(rows, self.host.csa_rows())
+        return hs.read_direct(self._host_rows(c, blk, off), self.host.csa_rows())
 
     def read_hca(self, request: Request, layer: int, num_entries: int) -> torch.Tensor:
         """The first ``num_entries`` HCA entries of HCA ``layer``: ``[num_entries, entry_bytes]`` uint8."""
@@ -430,7 +473,7 @@ class TieredKVCache(TierMoves):
     def _mirror_to_host(self, req: Request, b: int, h: bytes) -> torch.Tensor:
         """HiSparse: copy the sealed block's record (CSA part from the open block) to the
         host; the GPU block keeps a reference on it. Returns the host record ``[1, B]``."""
-        assert self.host is not None
+        assert self.host is not None and self.hisparse is not None
         hid = req._host_reserved if req._host_reserved is not None else self._reserve_host_record(req)
         req._host_reserved = None
         cp = self.classical
@@ -443,6 +486,7 @@ class TieredKVCache(TierMoves):
             self.host.blocks.incref(existing)
             hid = existing
         self._host_of_block[b] = hid
+        self.hisparse.set_host_blocks(req.slot, req.num_sealed_blocks - 1, [hid])
         return self.host.records[hid:hid + 1]
 
     def _snapshot_at_boundary(self, req: Request, h: bytes, num_blocks: int) -> None:
