@@ -26,6 +26,7 @@ prompts are resumable every ``snapshot_interval`` blocks.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Sequence
 
@@ -46,7 +47,7 @@ from .prefix import PrefixHasher, token_digest, tokens_to_bytes
 from .request import Request, as_token_list
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
-from .transfer import CopyEngine
+from .transfer import CopyEngine, CopyHandle
 
 __all__ = ["Request", "TieredKVCache"]
 
@@ -109,6 +110,8 @@ class TieredKVCache(TierMoves):
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
         self._host_of_block: dict[int, int] = {}
+        #: HiSparse: mirror copies (device -> host) not yet known to be complete
+        self._mirrors_pending: collections.deque[CopyHandle] = collections.deque()
         self.disk = DiskTier(store, layout, store_options=store_options) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -195,6 +198,7 @@ class TieredKVCache(TierMoves):
             raise CacheFullError(f"open: no free state slot ({self.states.num_slots} in use); close a request first")
         if self.hisparse is not None:
             self.hisparse.reset(slot)
+            self._wait_host_mirrors()  # matching may read or recycle host records on the host
         bt = self.layout.block_tokens
         hashes = self.hasher.block_hashes(tokens[:limit - limit % bt])
         block_ids, num_blocks = self._match_prefix(slot, tokens, hashes)
@@ -410,6 +414,7 @@ class TieredKVCache(TierMoves):
                                      self.host.csa_rows())[0]
             return hs.read(req.slot, c, slots)
         # more entries than the buffer holds (a long prefill chunk): read the mirror directly
+        self._wait_host_mirrors()
         return hs.read_direct(self._host_rows(c, blk, off), self.host.csa_rows())
 
     def read_hca(self, request: Request, layer: int, num_entries: int) -> torch.Tensor:
@@ -455,39 +460,57 @@ class TieredKVCache(TierMoves):
         h = self.hasher.chain(parent, tokens_to_bytes(block_tokens))
         req.block_hashes.append(h)
         self._counters["blocks_sealed"] += 1
-        record = None
-        if self.hisparse is not None:
-            record = self._mirror_to_host(req, b, h)
+        if self.hisparse is None:
+            parts, ids = self.classical.parts, [b]
+        else:
+            parts, ids = self._mirror_to_host(req, b, h), [0]
         if not self.blocks.cache(b, h):
             self._counters["blocks_duplicate"] += 1
         if self.disk is not None:
-            if record is None:
-                record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
-                handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), record)
-                ready = handle.wait_event
-            else:
-                record, ready = record.clone(), None  # a private copy: the host record may be recycled
-            self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0], ready)
+            # A private record (a host tier's may be recycled before the write), copied
+            # asynchronously; the writer thread waits for the copy's event.
+            record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
+            handle = self.copies.offload_blocks(parts, torch.tensor(ids), record)
+            self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0],
+                             handle.wait_event)
         self._snapshot_at_boundary(req, h, k + 1)
 
-    def _mirror_to_host(self, req: Request, b: int, h: bytes) -> torch.Tensor:
+    def _mirror_to_host(self, req: Request, b: int, h: bytes) -> tuple[torch.Tensor, ...]:
         """HiSparse: copy the sealed block's record (CSA part from the open block) to the
-        host; the GPU block keeps a reference on it. Returns the host record ``[1, B]``."""
+        host; the GPU block keeps a reference on it. Returns the parts of that one-block
+        record (block index 0), for the disk copy.
+
+        Asynchronous on a GPU (synchronous on CPU): the copy runs on the copy engine's
+        device-to-host stream and the current stream waits for its event on the device,
+        so the swap-in kernel (reading the mirror over UVA) and the next writes into the
+        slot's open block are ordered after it while the host goes on. Host-side readers
+        of the mirror call :meth:`_wait_host_mirrors` first.
+        """
         assert self.host is not None and self.hisparse is not None
         hid = req._host_reserved if req._host_reserved is not None else self._reserve_host_record(req)
         req._host_reserved = None
         cp = self.classical
         parts = (cp.csa_kv[:, req.slot:req.slot + 1], cp.indexer[:, b:b + 1], cp.hca_kv[:, b:b + 1])
-        self.copies.offload_blocks(parts, torch.tensor([0]), self.host.records[hid:hid + 1]).wait()
+        handle = self.copies.offload_blocks(parts, torch.tensor([0]), self.host.records[hid:hid + 1])
+        handle.make_stream_wait()
+        if not handle.finished:
+            self._mirrors_pending.append(handle)
         if not self.host.blocks.cache(hid, h):  # the host already has this block: use that record
             existing = self.host.blocks.lookup(h)
             assert existing is not None
+            handle.wait()  # the freed record may be reused (and written on the host) at once
             self.host.blocks.free(hid)
             self.host.blocks.incref(existing)
             hid = existing
         self._host_of_block[b] = hid
         self.hisparse.set_host_blocks(req.slot, req.num_sealed_blocks - 1, [hid])
-        return self.host.records[hid:hid + 1]
+        return parts
+
+    def _wait_host_mirrors(self) -> None:
+        """Block until every in-flight HiSparse mirror copy has landed in host memory (for
+        readers and writers of host records on the host; a no-op on CPU)."""
+        while self._mirrors_pending:
+            self._mirrors_pending.popleft().wait()
 
     def _snapshot_at_boundary(self, req: Request, h: bytes, num_blocks: int) -> None:
         """Snapshot the State at the boundary after block ``num_blocks``.
