@@ -171,7 +171,9 @@ def gather_blocks(
     parts: ``[L_p, num_blocks, E_p, B_p] uint8`` each, one device (any strides).
     block_ids: ``[n] int64`` on the parts' device or the CPU; any order, repeats allowed.
     out: ``[n, record_bytes] uint8`` on the parts' device or the CPU (pinned or not).
-    When ``out`` is on the CPU and the parts on a GPU, the records are gathered into a
+    When ``out`` is pinned and the CUDA kernel runs, it writes the records straight into
+    host memory over UVA: one launch for every segment of every block, no staging. With
+    the torch implementation (or unpinned ``out``) the records are gathered into a
     device staging tensor and copied down (non-blocking when ``out`` is pinned).
     """
     impl = Impl.parse(impl)
@@ -189,6 +191,11 @@ def gather_blocks(
     if check_ids:
         _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
 
+    direct = impl is not Impl.TORCH and out.device != device and \
+        cuda_ops.unsupported_reason(parts=parts, host=out) is None
+    if direct:
+        cuda_ops.gather_blocks(parts, block_ids, out)
+        return out
     staging = out if out.device == device else torch.empty_like(out, device=device)
     chosen = _select(impl, None if impl is Impl.TORCH else
                      cuda_ops.unsupported_reason(parts=parts, records=staging))
@@ -231,6 +238,11 @@ def scatter_blocks(
     if check_ids:
         _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
         _check_unique("block_ids", block_ids, "each block is written by one record")
+    if impl is not Impl.TORCH and records.device != device and \
+            cuda_ops.unsupported_reason(parts=parts, host=records) is None:
+        if n:  # the kernel reads the pinned records over UVA: one launch, no upload
+            cuda_ops.scatter_blocks(records, block_ids, parts)
+        return
     if records.device != device:
         records = records.to(device, non_blocking=records.is_pinned())
     chosen = _select(impl, None if impl is Impl.TORCH else

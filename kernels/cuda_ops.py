@@ -97,7 +97,7 @@ def cupy_available() -> bool:
 def _require_cupy() -> ModuleType:
     cupy = _cupy()
     if cupy is None:
-        raise ValueError("impl='cuda': expected cupy to be importable (pip install cupy-cuda12x)")
+        raise ValueError("impl='cuda': expected cupy to be importable (pip install cupy-cuda13x, or cupy-cuda12x on CUDA 12)")
     return cupy
 
 
@@ -232,18 +232,37 @@ def unsupported_reason(
 
 
 # ------------------------------------------------------------------------ launchers
+def _segments(parts: Sequence[torch.Tensor], device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(number of segments, the device segment table) of ``parts``, built once per pool:
+    keyed by every part's address, shape and strides, so a pool's table is never rebuilt
+    (nor re-uploaded) per call."""
+    key = tuple((p.data_ptr(), tuple(p.shape), p.stride()) for p in parts)
+    hit = _SEGMENTS.get(key)
+    if hit is None:
+        rows = tuple(segment_table(parts))
+        hit = (len(rows), _segment_tensor(rows, device) if rows else None)
+        if len(_SEGMENTS) >= 64:
+            _SEGMENTS.clear()
+        _SEGMENTS[key] = hit
+    return hit
+
+
+_SEGMENTS: dict[tuple, tuple[int, torch.Tensor | None]] = {}
+
+
 def _block_copy(kernel_name: str, parts: Sequence[torch.Tensor], block_ids: torch.Tensor,
                 records: torch.Tensor) -> None:
+    """One launch: grid (segment, record row). ``records`` on the device or pinned host
+    memory (then read or written over UVA)."""
     n = block_ids.numel()
-    rows = tuple(segment_table(parts))
-    if n == 0 or not rows:
+    device = parts[0].device
+    num_segments, seg = _segments(parts, device)
+    if n == 0 or seg is None:
         return
-    device = records.device
-    seg = _segment_tensor(rows, device)
     ids = ids_to(block_ids, device)
-    grid = (len(rows), min(n, _MAX_GRID_Y))
-    args = (_ptr(seg), _ptr(ids), _i64(n), _i64(parts[0].shape[1]), _ptr(records),
-            _i64(records.stride(0)))
+    grid = (num_segments, min(n, _MAX_GRID_Y))
+    args = (_ptr(seg), _ptr(ids), _i64(n), _i64(parts[0].shape[1]),
+            np.uint64(_device_address(records, device)), _i64(records.stride(0)))
     _launch(device, "gather_scatter.cu", kernel_name, grid, (_THREADS_GATHER,), args)
     # `ids` was allocated on this stream, so the caching allocator reuses it only after
     # the kernel. The cached `seg` may be evicted while a kernel on another stream still
