@@ -173,8 +173,10 @@ def hisparse_swap_in(t: HiSparseTables, state_slots: torch.Tensor, part: int, id
     else:
         r = torch.where(valid, host_rows, 0)
         blk, row = r // rpb, r % rpb
-    rows = host[blk.to(host.device), row.to(host.device)]  # [B, k, entry_bytes]
-    flat = t.buffer_rows  # [S * C * N + 1, entry_bytes]
+    # Moved as 8/4/2-byte words where the layout allows: torch's CPU index kernels work
+    # element by element, so a 584-byte entry as 73 int64 words copies ~8x faster.
+    host_w, flat = _as_words(host), _as_words(t.buffer_rows)  # [S * C * N + 1, words]
+    rows = host_w[blk.to(host.device), row.to(host.device)]  # [B, k, words]
     dest = torch.where(valid, (s[:, None] * C + part) * N + out, flat.shape[0] - 1)
     flat.index_copy_(0, dest.flatten(), rows.to(flat.device).flatten(0, 1))
     # -- tables: entries of the victims, LRU order, last use, step, counters
@@ -192,3 +194,14 @@ def hisparse_swap_in(t: HiSparseTables, state_slots: torch.Tensor, part: int, id
     t.last_used[s, part] = torch.where(used, step[:, None], t.last_used[s, part])
     t.step[s, part] = step
     t.counters.add_(torch.stack([(is_owner & ~miss_owner).sum(), m.sum()]))
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (uint8, last dim contiguous) viewed with the widest integer dtype whose size
+    divides its last dim, every stride and its storage offset; ``t`` itself otherwise."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if t.shape[-1] % size == 0 and all(st % size == 0 for st in t.stride()[:-1]) \
+                and t.storage_offset() % size == 0 and t.data_ptr() % size == 0:
+            return t.view(dtype)
+    return t
