@@ -175,7 +175,7 @@ def hisparse_swap_in(t: HiSparseTables, state_slots: torch.Tensor, part: int, id
         blk, row = r // rpb, r % rpb
     # Moved as 8/4/2-byte words where the layout allows: torch's CPU index kernels work
     # element by element, so a 584-byte entry as 73 int64 words copies ~8x faster.
-    host_w, flat = _as_words(host), _as_words(t.buffer_rows)  # [S * C * N + 1, words]
+    host_w, flat = _as_words(host, t.buffer_rows)  # flat: [S * C * N + 1, words]
     rows = host_w[blk.to(host.device), row.to(host.device)]  # [B, k, words]
     dest = torch.where(valid, (s[:, None] * C + part) * N + out, flat.shape[0] - 1)
     flat.index_copy_(0, dest.flatten(), rows.to(flat.device).flatten(0, 1))
@@ -196,12 +196,12 @@ def hisparse_swap_in(t: HiSparseTables, state_slots: torch.Tensor, part: int, id
     t.counters.add_(torch.stack([(is_owner & ~miss_owner).sum(), m.sum()]))
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (uint8, last dim contiguous) viewed with the widest integer dtype whose size
-    divides its last dim, every stride and its storage offset; ``t`` itself otherwise."""
+def _as_words(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``ts`` (uint8, last dim contiguous) viewed with the widest integer dtype
+    whose size divides every last dim, stride, storage offset and address; as is otherwise."""
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
-        if t.shape[-1] % size == 0 and all(st % size == 0 for st in t.stride()[:-1]) \
-                and t.storage_offset() % size == 0 and t.data_ptr() % size == 0:
-            return t.view(dtype)
-    return t
+        if all(t.shape[-1] % size == 0 and all(st % size == 0 for st in t.stride()[:-1])
+               and t.storage_offset() % size == 0 and t.data_ptr() % size == 0 for t in ts):
+            return [t.view(dtype) for t in ts]
+    return list(ts)
