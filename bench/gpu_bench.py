@@ -551,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dry = device.type == "cpu"
+    if dry:  # a shared CPU: one intra-op thread, for the batched op and its baseline alike
+        torch.set_num_threads(1)
     out = args.out or (default_out() if not dry or os.environ.get("OUT") else
                        ROOT / "bench" / "results" / "gpu_cpu.json")
 
