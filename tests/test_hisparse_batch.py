@@ -303,10 +303,11 @@ def test_swap_in_batch_cuda_no_sync_and_graph_replay(tiny_layout, tiny_model) ->
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.hisparse_swap_in(graphed.tables, slots, 0, static_ids, host, out=static_out)
+    uploaded = [ids.cuda() for ids in steps]
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for ids in steps:
-            dev_ids = ids.cuda()
+        for dev_ids in uploaded:
             want = kernels.hisparse_swap_in(eager.tables, slots, 0, dev_ids, host)
             static_ids.copy_(dev_ids)
             graph.replay()
@@ -319,20 +320,62 @@ def test_swap_in_batch_cuda_no_sync_and_graph_replay(tiny_layout, tiny_model) ->
     assert torch.equal(graphed.lru, eager.lru) and torch.equal(graphed.entry_of_slot, eager.entry_of_slot)
 
 
-@pytest.mark.gpu
-def test_swap_in_batch_sync_free_cuda_cache(tiny_layout, tiny_model) -> None:
-    cache, reqs = _cache_with_requests(tiny_layout, tiny_model, 3, 16, device="cuda")
+def _fill_through_engine_interface(cache: TieredKVCache, n_req: int, num_blocks: int) -> list:
+    """Requests with ``num_blocks`` sealed blocks of random entries, written as an engine
+    would (device tensors through reserve / write_csa / write_hca / advance)."""
+    L, dev = cache.layout, cache.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    E, bt = L.csa_entries_per_block, L.block_tokens
+    reqs = []
+    for i in range(n_req):
+        r = cache.open([i])
+        for blk in range(num_blocks):
+            cache.reserve(r, bt)
+            ids = torch.arange(blk * E, (blk + 1) * E)
+            for layer in L.csa_layers:
+                cache.write_csa(r, layer, ids, torch.randint(0, 256, (E, L.entry_bytes), dtype=torch.uint8,
+                                                             device=dev, generator=g),
+                                torch.randint(0, 256, (E, L.indexer_bytes), dtype=torch.uint8, device=dev,
+                                              generator=g))
+            for layer in L.hca_layers:
+                cache.write_hca(r, layer, torch.tensor([blk]),
+                                torch.randint(0, 256, (1, L.entry_bytes), dtype=torch.uint8, device=dev, generator=g))
+            cache.advance(r, random_tokens(bt, seed=100 * i + blk))
+        reqs.append(r)
+    return reqs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_in_batch_sync_free_engine_interface(tiny_layout, device: str) -> None:
+    """Blocks written as an engine would; then a swap-in step under both sync checks."""
+    L = tiny_layout
+    cache = TieredKVCache(L, device=device, num_blocks=16, num_state_slots=4, host_bytes=HOST,
+                          hisparse=HiSparseConfig(device_buffer_entries=16))
+    reqs = _fill_through_engine_interface(cache, 3, 2)
     ids = torch.tensor([[0, 5, 9, 63, -1, 5, 31, 2], [1, 2, 3, 4, 5, 6, 7, 8], [60, 61, -1, -1, 0, 1, 2, 40]],
-                       device="cuda")
-    layer = tiny_layout.csa_layers[0]
-    cache.swap_in_batch(reqs, layer, ids)  # first call builds the slot tensor (a copy)
+                       device=device)
+    layer = L.csa_layers[1]
+    cache.swap_in_batch(reqs, layer, ids)  # first call builds the (static) slot tensor
+    cuda = device == "cuda"
     with SyncDetector(cache.device) as d:
-        torch.cuda.set_sync_debug_mode("error")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
         try:
-            cache.swap_in_batch(reqs, layer, ids)
+            slots = cache.swap_in_batch(reqs, layer, ids)
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
     assert d.fired == []
+    c = L.part_index(layer)
+    host = cache.host.csa_rows()
+    E = L.csa_entries_per_block
+    for b, r in enumerate(reqs):  # the buffer holds the host mirror's bytes of each id
+        for j, e in enumerate(ids[b].tolist()):
+            if e < 0:
+                assert int(slots[b, j]) == -1
+                continue
+            hid = cache._host_of_block[r.block_ids[e // E]]
+            assert torch.equal(cache.hisparse.buffer[r.slot, c, int(slots[b, j])].cpu(), host[hid, c * E + e % E])
 
 
 def test_debug_env_is_off_by_default() -> None:
