@@ -53,6 +53,12 @@ __all__ = ["HiSparseTables", "Impl", "debug_checks", "gather_blocks", "hisparse_
            "scatter_blocks", "swap_in"]
 
 
+#: Block copies between a GPU pool and pinned records up to this size run as one kernel
+#: reading / writing host memory over UVA (small batches: no staging, one launch); larger
+#: ones gather on the device and move by DMA (the copy engine's full bandwidth).
+UVA_DIRECT_MAX_BYTES = 32 << 20
+
+
 def debug_checks() -> bool:
     """Whether ``TIERED_KV_DEBUG=1``: then checks that read device values back to the host
     (id ranges, duplicates) run too. Off by default: on a GPU each one is a device sync,
@@ -171,8 +177,9 @@ def gather_blocks(
     parts: ``[L_p, num_blocks, E_p, B_p] uint8`` each, one device (any strides).
     block_ids: ``[n] int64`` on the parts' device or the CPU; any order, repeats allowed.
     out: ``[n, record_bytes] uint8`` on the parts' device or the CPU (pinned or not).
-    When ``out`` is pinned and the CUDA kernel runs, it writes the records straight into
-    host memory over UVA: one launch for every segment of every block, no staging. With
+    When ``out`` is pinned (and at most :data:`UVA_DIRECT_MAX_BYTES`) and the CUDA kernel
+    runs, it writes the records straight into host memory over UVA: one launch for every
+    segment of every block, no staging. With
     the torch implementation (or unpinned ``out``) the records are gathered into a
     device staging tensor and copied down (non-blocking when ``out`` is pinned).
     """
@@ -191,7 +198,7 @@ def gather_blocks(
     if check_ids:
         _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
 
-    direct = impl is not Impl.TORCH and out.device != device and \
+    direct = impl is not Impl.TORCH and out.device != device and out.numel() <= UVA_DIRECT_MAX_BYTES and \
         cuda_ops.unsupported_reason(parts=parts, host=out) is None
     if direct:
         cuda_ops.gather_blocks(parts, block_ids, out)
@@ -238,7 +245,7 @@ def scatter_blocks(
     if check_ids:
         _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
         _check_unique("block_ids", block_ids, "each block is written by one record")
-    if impl is not Impl.TORCH and records.device != device and \
+    if impl is not Impl.TORCH and records.device != device and records.numel() <= UVA_DIRECT_MAX_BYTES and \
             cuda_ops.unsupported_reason(parts=parts, host=records) is None:
         if n:  # the kernel reads the pinned records over UVA: one launch, no upload
             cuda_ops.scatter_blocks(records, block_ids, parts)
