@@ -380,3 +380,18 @@ def test_swap_in_batch_sync_free_engine_interface(tiny_layout, device: str) -> N
 
 def test_debug_env_is_off_by_default() -> None:
     assert kernels.debug_checks() is (os.environ.get("TIERED_KV_DEBUG", "") not in ("", "0"))
+
+
+def test_launch_state_is_cached_per_pool() -> None:
+    """The copy engine's segment table is built once per pool, not per call."""
+    parts = [torch.zeros(3, 4, 2, 8, dtype=torch.uint8), torch.zeros(2, 4, 1, 8, dtype=torch.uint8)]
+    n1, seg1 = cuda_ops._segments(parts, torch.device("cpu"))
+    n2, seg2 = cuda_ops._segments(parts, torch.device("cpu"))
+    assert seg1 is seg2 and n1 == n2 == 5  # one run per (layer, block): 3 + 2 layers
+    assert seg1.tolist() == [list(r) for r in cuda_ops.segment_table(parts)]
+
+
+def test_batched_kernel_shared_memory_bound() -> None:
+    assert cuda_ops.hisparse_shared_bytes(2048, 512) < 64 * 1024  # Flash, N = 4 x top-k
+    why = cuda_ops.unsupported_reason(hisparse_n=1 << 16, hisparse_k=1024)
+    assert why is not None and "shared memory" in why
