@@ -400,6 +400,12 @@ def hisparse_swap_in(
             raise ValueError(f"host_rows: expected [B={B}, k={k}] on {device}, got "
                              f"{list(host_rows.shape)} on {host_rows.device}")
     _check_tensor("host", host, dtype=torch.uint8, ndim=3, shape_doc="[num_host_blocks, rows_per_block, entry_bytes]")
+    entry_bytes = tables.buffer_rows.shape[1]
+    if host.shape[2] != entry_bytes or (entry_bytes > 1 and host.stride(2) != 1):
+        raise ValueError(f"host: expected contiguous entries of {entry_bytes} B like the buffer, got shape "
+                         f"{list(host.shape)} strides {host.stride()}")
+    if host.device not in _host_or(device):
+        raise ValueError(f"host: expected a tensor on cpu or {device}, got {host.device}")
     if out is None:
         out = torch.empty(B, k, dtype=torch.int64, device=device)
     elif out.shape != ids.shape or out.dtype != torch.int64 or not out.is_contiguous() or out.device != device:
