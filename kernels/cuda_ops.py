@@ -348,19 +348,31 @@ def hisparse_swap_in(t: Any, state_slots: torch.Tensor, part: int, ids: torch.Te
     capturable by ``torch.cuda.graph`` (replays reuse these very addresses).
     """
     B, k = ids.shape
-    S, C, N = t.entry_of_slot.shape
     device = ids.device
     H = _hash_size(k)
-    shared = hisparse_shared_bytes(N, k)
-    hb = t.host_block
-    args = (_ptr(ids), _i64(k), _i64(ids.stride(0)), _ptr(state_slots),
-            _i64(part), _i64(C), _i64(N),
-            _ptr(t.entry_of_slot), _ptr(t.last_used), _ptr(t.lru), _ptr(t.step), _ptr(t.counters),
-            _ptr(t.buffer_rows), _i64(t.buffer_rows.stride(0)),
-            np.uint64(_device_address(host, device)), _i64(host.stride(0)), _i64(host.shape[1]),
-            _i64(host.stride(1)), _i64(host.shape[0]),
-            _ptr(hb), _i64(hb.shape[1]), _i64(t.entries_per_block),
-            np.uint64(0) if host_rows is None else _ptr(host_rows),
-            _i64(0 if host_rows is None else host_rows.stride(0)),
-            _ptr(out), _i64(out.stride(0)), np.int32(H))
-    _launch(device, "hisparse_swap_in.cu", "tkv_hisparse_swap_in", (B,), (_THREADS_HISPARSE,), args, shared)
+    key = (t.buffer_rows.data_ptr(), t.entry_of_slot.data_ptr(), t.host_block.data_ptr(), host.data_ptr(),
+           host.shape, host.stride())
+    static = _HISPARSE_ARGS.get(key)
+    if static is None:  # everything but the per-call tensors, converted once per (tables, host)
+        S, C, N = t.entry_of_slot.shape
+        hb = t.host_block
+        static = (_i64(C), _i64(N),
+                  _ptr(t.entry_of_slot), _ptr(t.last_used), _ptr(t.lru), _ptr(t.step), _ptr(t.counters),
+                  _ptr(t.buffer_rows), _i64(t.buffer_rows.stride(0)),
+                  np.uint64(_device_address(host, device)), _i64(host.stride(0)), _i64(host.shape[1]),
+                  _i64(host.stride(1)), _i64(host.shape[0]),
+                  _ptr(hb), _i64(hb.shape[1]), _i64(t.entries_per_block))
+        if len(_HISPARSE_ARGS) >= 64:
+            _HISPARSE_ARGS.clear()
+        _HISPARSE_ARGS[key] = static
+    N = int(static[1])
+    args = ((_ptr(ids), _i64(k), _i64(ids.stride(0)), _ptr(state_slots), _i64(part)) + static
+            + (np.uint64(0) if host_rows is None else _ptr(host_rows),
+               _i64(0 if host_rows is None else host_rows.stride(0)),
+               _ptr(out), _i64(out.stride(0)), np.int32(H)))
+    _launch(device, "hisparse_swap_in.cu", "tkv_hisparse_swap_in", (B,), (_THREADS_HISPARSE,), args,
+            hisparse_shared_bytes(N, k))
+
+
+#: (tables and host addresses, host shape/strides) -> the launch's static arguments
+_HISPARSE_ARGS: dict[tuple, tuple[Any, ...]] = {}

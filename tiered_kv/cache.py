@@ -392,7 +392,15 @@ class TieredKVCache(TierMoves):
             got = f"{entry_ids.dtype} {list(entry_ids.shape)}" if isinstance(entry_ids, torch.Tensor) else \
                 type(entry_ids).__name__
             raise ValueError(f"entry_ids: expected an int64 [B={len(slots)}, k] tensor, got {got}")
-        return hs.swap_in_batch(hs.slot_tensor(slots), c, entry_ids, self.host.csa_rows(), out=out)
+        return hs.swap_in_batch(hs.slot_tensor(slots), c, entry_ids, self._csa_rows(), out=out)
+
+    def _csa_rows(self) -> torch.Tensor:
+        """The host mirror's row view (built once: the host slab is never reallocated)."""
+        rows = self.__dict__.get("_csa_rows_view")
+        if rows is None:
+            assert self.host is not None
+            rows = self._csa_rows_view = self.host.csa_rows()
+        return rows
 
     def _require_hisparse(self, what: str) -> HiSparseBuffers:
         if self.hisparse is None:
