@@ -414,8 +414,7 @@ def hisparse_swap_in(
     host_rows = None if host_rows is None else host_rows.contiguous()
     if debug_checks():
         _debug_check_swap(tables, state_slots, part, ids, host, host_rows)
-    chosen = _select(impl, None if impl is Impl.TORCH else cuda_ops.unsupported_reason(
-        host=host, buffer=tables.buffer_rows, hisparse_n=N, hisparse_k=k))
+    chosen = _select(impl, None if impl is Impl.TORCH else _swap_unsupported(tables, host, N, k))
     if B == 0 or k == 0:
         return out
     if chosen is Impl.CUDA:
@@ -423,6 +422,23 @@ def hisparse_swap_in(
     else:
         torch_ops.hisparse_swap_in(tables, state_slots, part, ids, host, host_rows, out)
     return out
+
+
+def _swap_unsupported(tables: HiSparseTables, host: torch.Tensor, n: int, k: int) -> str | None:
+    """:func:`cuda_ops.unsupported_reason` for the batched swap-in, remembered per (buffer,
+    host, k): asking whether ``host`` is pinned is a CUDA call, made once (eagerly) rather
+    than on every decode step or inside a graph capture."""
+    key = (tables.buffer_rows.data_ptr(), tables.buffer_rows.device, host.data_ptr(), host.device,
+           tuple(host.shape), host.stride(), n, k)
+    if key not in _SWAP_REASONS:
+        if len(_SWAP_REASONS) >= 256:
+            _SWAP_REASONS.clear()
+        _SWAP_REASONS[key] = cuda_ops.unsupported_reason(host=host, buffer=tables.buffer_rows, hisparse_n=n,
+                                                         hisparse_k=k)
+    return _SWAP_REASONS[key]
+
+
+_SWAP_REASONS: dict[tuple, str | None] = {}
 
 
 def _debug_check_swap(t: HiSparseTables, state_slots: torch.Tensor, part: int, ids: torch.Tensor,
