@@ -65,7 +65,7 @@ KERNEL_NAMES: dict[str, tuple[str, ...]] = {
 
 _THREADS_GATHER = 256
 _THREADS_SWAP = 256  # 8 warps, one row per warp
-_THREADS_HISPARSE = 512  # one block per request row: 16 warps copy its misses
+_THREADS_HISPARSE = 1024  # one block per request row: 32 warps copy its misses (__launch_bounds__)
 #: Dynamic shared memory a block may opt into on sm_80 / sm_90 (A100: 163 KiB, H100: 227 KiB);
 #: the batched swap-in needs 16*H + 20*N + 12*k bytes (H = pow2 >= 2k).
 _MAX_SHARED_BYTES = 160 * 1024

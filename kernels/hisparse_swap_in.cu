@@ -8,7 +8,7 @@
 // The algorithm is the one of kernels/torch_ops.py::hisparse_swap_in (CPU CI proves it;
 // the gpu tests compare the two).
 //
-// Grid: one thread block per request row b (State slot s = state_slots[b]); the row's
+// Grid: one block of 1024 threads per request row b (State slot s = state_slots[b]); the row's
 // tables live at base = (s * C + part) * N. Dynamic shared memory, per block:
 //
 //   hkey  [H] u64   open-addressing hash of the row's ids (H = pow2 >= 2k), empty = ~0
@@ -44,7 +44,8 @@ __device__ __forceinline__ void tkv_copy_words(unsigned char* __restrict__ dst,
     W* d = reinterpret_cast<W*>(dst);
     const W* s = reinterpret_cast<const W*>(src);
     const i64 n = nbytes / (i64)sizeof(W);
-    for (i64 k = t; k < n; k += nt) d[k] = s[k];
+#pragma unroll 4
+    for (i64 k = t; k < n; k += nt) d[k] = s[k];  // unrolled: several loads in flight (UVA latency)
 }
 
 // Copy nbytes from src to dst with threads t = 0..nt-1 of a group cooperating.
@@ -120,7 +121,7 @@ __device__ int tkv_block_scan(int* a, int n, int* wsum) {
     return total;
 }
 
-extern "C" __global__ void tkv_hisparse_swap_in(
+extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in(
     const i64* __restrict__ ids, i64 k, i64 ids_stride,            // [B, k]
     const i64* __restrict__ state_slots,                           // [B]
     i64 part, i64 num_parts, i64 N,
