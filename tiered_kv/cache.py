@@ -361,7 +361,7 @@ class TieredKVCache(TierMoves):
         if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
             raise ValueError("entry_ids: expected unique ids")
         return hs.swap_in_batch(hs.slot_tensor((req.slot,)), c, ids.to(self.device).view(1, -1),
-                                self.host.csa_rows())[0]
+                                self._csa_rows())[0]
 
     def swap_in_batch(self, requests: Sequence[Request], layer: int, entry_ids: torch.Tensor, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
@@ -419,7 +419,7 @@ class TieredKVCache(TierMoves):
         hs = self.hisparse
         if ids.numel() <= hs.capacity:
             slots = hs.swap_in_batch(hs.slot_tensor((req.slot,)), c, ids.to(self.device).view(1, -1),
-                                     self.host.csa_rows())[0]
+                                     self._csa_rows())[0]
             return hs.read(req.slot, c, slots)
         # more entries than the buffer holds (a long prefill chunk): read the mirror directly
         self._wait_host_mirrors()
@@ -479,6 +479,8 @@ class TieredKVCache(TierMoves):
             # asynchronously; the writer thread waits for the copy's event.
             record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
             handle = self.copies.offload_blocks(parts, torch.tensor(ids), record)
+            if self.hisparse is not None:  # it reads the slot's open block: order its next writes after
+                handle.make_stream_wait()
             self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0],
                              handle.wait_event)
         self._snapshot_at_boundary(req, h, k + 1)
@@ -501,6 +503,8 @@ class TieredKVCache(TierMoves):
         parts = (cp.csa_kv[:, req.slot:req.slot + 1], cp.indexer[:, b:b + 1], cp.hca_kv[:, b:b + 1])
         handle = self.copies.offload_blocks(parts, torch.tensor([0]), self.host.records[hid:hid + 1])
         handle.make_stream_wait()
+        while self._mirrors_pending and self._mirrors_pending[0].done():  # bounded: drop landed copies
+            self._mirrors_pending.popleft()
         if not handle.finished:
             self._mirrors_pending.append(handle)
         if not self.host.blocks.cache(hid, h):  # the host already has this block: use that record
