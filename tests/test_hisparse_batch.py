@@ -389,3 +389,38 @@ def test_batched_kernel_shared_memory_bound() -> None:
     assert cuda_ops.hisparse_shared_bytes(2048, 512) < 64 * 1024  # Flash, N = 4 x top-k
     why = cuda_ops.unsupported_reason(hisparse_n=1 << 16, hisparse_k=1024)
     assert why is not None and "shared memory" in why
+
+
+@pytest.mark.gpu
+@IMPLS_CUDA
+def test_cache_swap_in_batch_graph_capture_matches_eager(tiny_layout) -> None:
+    """docs/api.md's recipe: capture cache.swap_in_batch of every CSA layer, replay per step."""
+    L = tiny_layout
+
+    def build() -> tuple[TieredKVCache, list]:
+        cache = TieredKVCache(L, device="cuda", num_blocks=16, num_state_slots=4, host_bytes=HOST,
+                              hisparse=HiSparseConfig(device_buffer_entries=16))
+        return cache, _fill_through_engine_interface(cache, 3, 3)
+
+    (eager, re), (graphed, rg) = build(), build()
+    k = 12
+    static_ids = {layer: torch.full((3, k), -1, dtype=torch.int64, device="cuda") for layer in L.csa_layers}
+    static_out = {layer: torch.empty(3, k, dtype=torch.int64, device="cuda") for layer in L.csa_layers}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, builds the slot tensor, caches addresses
+        for layer in L.csa_layers:
+            graphed.swap_in_batch(rg, layer, static_ids[layer], out=static_out[layer])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in L.csa_layers:
+            graphed.swap_in_batch(rg, layer, static_ids[layer], out=static_out[layer])
+    for step in _trace(3, k, 3 * L.csa_entries_per_block, 5, 11, dup=True, pad=True):
+        ids = step.cuda()
+        for layer in L.csa_layers:
+            static_ids[layer].copy_(ids)
+        graph.replay()
+        for layer in L.csa_layers:
+            assert torch.equal(static_out[layer], eager.swap_in_batch(re, layer, ids))
+    assert torch.equal(graphed.hisparse.buffer, eager.hisparse.buffer)
