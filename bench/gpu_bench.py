@@ -22,6 +22,16 @@ Layout: DeepSeek-V4-Flash, fp8 entries (block record 492,832 B; CSA entry 584 B)
        HiSparseBuffers.swap_in end to end (hit detection, LRU victims, the copy), for
        512 ids of which exactly 10% / 50% are not resident.
 
+3. Batched HiSparse swap-in, one CSA layer (``kernels.hisparse_swap_in``, what
+   ``cache.swap_in_batch`` runs): B = 1, 8, 32, 64 requests, top-512 each with exactly
+   10% / 50% of every row not resident, N = 2048, from the same 1M-token mirror (every
+   request maps the same 8192 host records); eager (one launch per call) and replayed
+   from a CUDA graph that captured the launch, event and wall time. Plus one whole Flash
+   decode step's swap-ins: 21 CSA layers at B = 32, eager and graph-replayed. On the CPU
+   (``--device cpu``) the torch implementation at B = 1, 8, 32 against the per-request
+   loop it replaced (the pre-batching ``HiSparseBuffers.swap_in``, kept below as the
+   baseline).
+
 Every number is the median of ``--repeats`` timed calls after warm-up; wall-clock medians
 are reported beside the event times. Results are checked (records, buffer rows) once per
 configuration.
@@ -30,6 +40,8 @@ configuration.
                                                  # bench/results/gpu.json
     python bench/gpu_bench.py --device cpu       # dry run of the same code on the CPU
                                                  # (small sizes, torch impl only)
+    python bench/gpu_bench.py --device cpu --quick --only batched
+                                                 # CPU: batched torch impl vs the old loop
 """
 
 from __future__ import annotations
@@ -279,8 +291,197 @@ def bench_hisparse_e2e(mirror: Mirror, device: torch.device, repeats: int) -> li
     return rows
 
 
+# ------------------------------------------------------- 3. batched swap-in
+def legacy_swap_in(hs: HiSparseBuffers, legacy: dict[str, Any], slot: int, part: int, ids: torch.Tensor,
+                   host_rows: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """The per-request swap-in as it was before batching (the baseline): data-dependent
+    shapes (``nonzero``), a host sync per call on a GPU, one call per request."""
+    eos = legacy["eos"][slot, part]
+    last = legacy["last"][slot, part]
+    legacy["step"] += 1
+    match = eos[None, :] == ids[:, None]  # [k, N]
+    hit = match.any(1)
+    slots = match.to(torch.int8).argmax(1)
+    miss = (~hit).nonzero().flatten()
+    if miss.numel():
+        score = last.masked_fill(match.any(0), torch.iinfo(torch.int64).max)
+        victims = torch.sort(score, stable=True).indices[:miss.numel()]
+        kernels.swap_in(host, host_rows.to(host.device)[miss.to(host_rows.device)], hs.buffer[slot, part], victims)
+        eos[victims] = ids[miss]
+        slots[miss] = victims
+    last[slots] = legacy["step"]
+    return slots
+
+
+class BatchedWorkload:
+    """B requests (State slots 0..B-1) with full buffers; each step's ids have exactly
+    ``m`` entries per row that are not resident (fresh ids: never seen before) and
+    ``top_k - m`` resident ones."""
+
+    def __init__(self, mirror: Mirror, device: torch.device, B: int, n_parts: int, seed: int) -> None:
+        self.B, self.device, self.mirror = B, device, mirror
+        E = LAYOUT.csa_entries_per_block
+        self.hs = HiSparseBuffers(LAYOUT, HiSparseConfig(device_buffer_entries=BUFFER_ENTRIES), B, device,
+                                  max_blocks=mirror.tier.num_blocks)
+        self.hs.host_block.copy_(torch.arange(mirror.tier.num_blocks).expand(B, -1))  # identity mapping
+        self.g = torch.Generator().manual_seed(seed)
+        self.order = torch.stack([torch.randperm(mirror.num_entries, generator=self.g) for _ in range(B)])
+        self.next = torch.zeros(B, dtype=torch.int64)
+        self.slots = torch.arange(B, device=device)
+        self.ids = torch.full((B, TOP_K), -1, dtype=torch.int64, device=device)  # static (graphs)
+        self.out = torch.empty(B, TOP_K, dtype=torch.int64, device=device)
+        self.n_parts = n_parts
+        for part in range(n_parts):  # fill the buffers: N / top_k all-miss steps
+            for _ in range(BUFFER_ENTRIES // TOP_K):
+                self.next_ids(part, TOP_K)
+                self.call(part, "torch" if device.type == "cpu" else "auto")
+        E  # noqa: B018 (entries per block documented in Mirror)
+
+    def fresh(self, m: int) -> torch.Tensor:
+        idx = (self.next[:, None] + torch.arange(m)) % self.order.shape[1]
+        self.next += m
+        return self.order.gather(1, idx)
+
+    def next_ids(self, part: int, m: int) -> torch.Tensor:
+        """Write the next step's ids into the static ``ids`` (outside any timed region)."""
+        resident = self.hs.entry_of_slot[:, part].cpu()  # [B, N], full after warm-up
+        pick = torch.rand(resident.shape, generator=self.g).argsort(1)[:, :TOP_K - m]
+        hits = resident.gather(1, pick)
+        ids = torch.cat([hits, self.fresh(m)], 1)
+        ids = ids.gather(1, torch.rand(ids.shape, generator=self.g).argsort(1))
+        self.ids.copy_(ids)
+        return ids
+
+    def call(self, part: int, impl: str = "auto") -> None:
+        kernels.hisparse_swap_in(self.hs.tables, self.slots, part, self.ids, self.mirror.rows3d, out=self.out,
+                                 impl=impl)
+
+    def check(self, part: int, ids: torch.Tensor) -> None:
+        got = self.hs.buffer[self.slots[:, None], part, self.out].cpu()
+        E = LAYOUT.csa_entries_per_block
+        want = self.mirror.rows3d[ids // E, part * E + ids % E]
+        if not torch.equal(got, want):
+            raise AssertionError("hisparse_swap_in left wrong entries in the buffer")
+
+
+def bench_batched(mirror: Mirror, device: torch.device, batches: list[int], repeats: int,
+                  impl: str) -> list[dict[str, Any]]:
+    rows = []
+    for B in batches:
+        work = BatchedWorkload(mirror, device, B, 1, seed=B)
+        for frac in MISS_FRACTIONS:
+            m = round(frac * TOP_K)
+            misses0 = int(work.hs.counters[1])
+            t = timed(lambda: work.call(0, impl), device, repeats, setup=lambda: work.next_ids(0, m))
+            calls = 2 + repeats
+            if int(work.hs.counters[1]) - misses0 != calls * B * m:
+                raise AssertionError(f"B={B}: {int(work.hs.counters[1]) - misses0} misses, expected {calls * B * m}")
+            ids = work.next_ids(0, m)
+            work.call(0, impl)
+            work.check(0, ids)
+            row = {"B": B, "miss_fraction": frac, "misses_per_request": m, "impl": impl,
+                   "eager_event_us": t["event_s"] * 1e6, "eager_wall_us": t["wall_s"] * 1e6}
+            if device.type == "cuda":
+                graph = capture(lambda: work.call(0, impl), device)
+                g = timed(graph.replay, device, repeats, setup=lambda: work.next_ids(0, m))
+                ids = work.next_ids(0, m)
+                graph.replay()
+                work.check(0, ids)
+                row.update(graph_event_us=g["event_s"] * 1e6, graph_wall_us=g["wall_s"] * 1e6)
+            else:  # the per-request loop it replaced, on the same state
+                legacy = {"eos": work.hs.entry_of_slot.clone(), "last": work.hs.last_used.clone(), "step": 10 ** 6}
+                E = LAYOUT.csa_entries_per_block
+                state: dict[str, torch.Tensor] = {}
+
+                def setup() -> None:
+                    state["ids"] = work.next_ids(0, m)
+                    legacy["eos"].copy_(work.hs.entry_of_slot)
+
+                def loop() -> None:
+                    ids = state["ids"]
+                    for b in range(B):
+                        rows_b = ids[b] // E * (LAYOUT.num_csa_layers * E) + ids[b] % E
+                        legacy_swap_in(work.hs, legacy, b, 0, ids[b], rows_b, mirror.rows3d)
+
+                base = timed(loop, device, repeats, setup=setup)
+                row.update(loop_wall_us=base["wall_s"] * 1e6, speedup=base["wall_s"] / t["wall_s"])
+            rows.append(row)
+    return rows
+
+
+def capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` (warmed up on a side stream first, as torch requires)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def bench_decode_step(mirror: Mirror, device: torch.device, B: int, repeats: int) -> dict[str, Any]:
+    """Every CSA layer's swap-in of one Flash decode step (21 launches), 10% misses."""
+    work = BatchedWorkload(mirror, device, B, LAYOUT.num_csa_layers, seed=99)
+    m = round(0.10 * TOP_K)
+    step_ids: list[torch.Tensor] = []
+    ids_per_part = [torch.full((B, TOP_K), -1, dtype=torch.int64, device=device)
+                    for _ in range(LAYOUT.num_csa_layers)]
+
+    def setup() -> None:
+        for part, buf in enumerate(ids_per_part):
+            buf.copy_(work.next_ids(part, m))
+
+    def step() -> None:
+        for part, buf in enumerate(ids_per_part):
+            kernels.hisparse_swap_in(work.hs.tables, work.slots, part, buf, mirror.rows3d, out=work.out)
+
+    eager = timed(step, device, repeats, setup=setup)
+    graph = capture(step, device)
+    replay = timed(graph.replay, device, repeats, setup=setup)
+    step_ids.clear()
+    return {"layers": LAYOUT.num_csa_layers, "B": B, "miss_fraction": 0.10,
+            "eager_event_us": eager["event_s"] * 1e6, "eager_wall_us": eager["wall_s"] * 1e6,
+            "graph_event_us": replay["event_s"] * 1e6, "graph_wall_us": replay["wall_s"] * 1e6}
+
+
+def plot(result: dict[str, Any], path: Path) -> str:
+    """PNG of the batched swap-in (us per CSA layer vs B); returns what was written or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed"
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for frac in MISS_FRACTIONS:
+        rows = [r for r in result["batched"] if r["miss_fraction"] == frac]
+        Bs = [r["B"] for r in rows]
+        ax.plot(Bs, [r["eager_wall_us"] for r in rows], "o-", label=f"eager wall, {frac:.0%} misses")
+        if rows and "graph_wall_us" in rows[0]:
+            ax.plot(Bs, [r["graph_wall_us"] for r in rows], "s--", label=f"graph replay wall, {frac:.0%} misses")
+        if rows and "loop_wall_us" in rows[0]:
+            ax.plot(Bs, [r["loop_wall_us"] for r in rows], "x:", label=f"per-request loop (old), {frac:.0%}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("requests in the batch (B)")
+    ax.set_ylabel("us per CSA layer")
+    ax.set_title(f"batched HiSparse swap-in, top-{TOP_K}, N = {BUFFER_ENTRIES} ({result['device']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
 # ------------------------------------------------------------------ report
 def print_tables(result: dict[str, Any]) -> None:
+    if not result["copy_engine"]:  # --only batched
+        print_batched(result)
+        return
     print("\n1. copy engine vs one memcpy (Flash block records, 492,832 B each; GB/s = 1e9 B/s, event-timed medians)")
     print(f"{'blocks':>6} {'MB':>8} {'offload':>8} {'memcpy d2h':>10} {'ratio':>6} "
           f"{'load':>8} {'memcpy h2d':>10} {'ratio':>6}")
@@ -298,6 +499,28 @@ def print_tables(result: dict[str, Any]) -> None:
     print(f"{'impl':<6} {'miss %':>6} {'misses':>6} {'event us':>9} {'wall us':>8}")
     for r in result["hisparse_e2e"]:
         print(f"{r['impl']:<6} {100 * r['miss_fraction']:>6.0f} {r['misses']:>6} {r['event_us']:>9.1f} {r['wall_us']:>8.1f}")
+    print_batched(result)
+
+
+def print_batched(result: dict[str, Any]) -> None:
+    rows = result.get("batched", [])
+    if not rows:
+        return
+    print(f"\n3. batched swap-in per CSA layer (kernels.hisparse_swap_in = cache.swap_in_batch), top-{TOP_K}, "
+          f"N = {BUFFER_ENTRIES}, median of {result['repeats']}")
+    graphs = "graph_wall_us" in rows[0]
+    extra = f"{'graph ev us':>11} {'graph wall us':>13}" if graphs else f"{'old loop us':>11} {'speedup':>7}"
+    print(f"{'impl':<6} {'B':>3} {'miss %':>6} {'eager ev us':>11} {'eager wall us':>13} {extra}")
+    for r in rows:
+        tail = (f"{r['graph_event_us']:>11.1f} {r['graph_wall_us']:>13.1f}" if graphs
+                else f"{r['loop_wall_us']:>11.0f} {r['speedup']:>7.2f}")
+        print(f"{r['impl']:<6} {r['B']:>3} {100 * r['miss_fraction']:>6.0f} {r['eager_event_us']:>11.1f} "
+              f"{r['eager_wall_us']:>13.1f} {tail}")
+    d = result.get("decode_step")
+    if d:
+        print(f"whole Flash decode step, {d['layers']} CSA layers, B = {d['B']}, 10% misses: eager "
+              f"{d['eager_event_us']:.1f} us event / {d['eager_wall_us']:.1f} us wall; graph replay "
+              f"{d['graph_event_us']:.1f} us event / {d['graph_wall_us']:.1f} us wall")
 
 
 def default_out() -> Path:
@@ -313,7 +536,9 @@ def main(argv: list[str] | None = None) -> int:
                         "default 20, 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (what `make bench` runs)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu.json, else "
-                        "bench/results/gpu.json)")
+                        "bench/results/gpu.json; --device cpu: bench/results/gpu_cpu.json); a PNG beside it")
+    parser.add_argument("--only", choices=["all", "batched"], default="all",
+                        help="batched = only section 3 (the batched swap-in)")
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 5 if args.quick else 20
@@ -321,11 +546,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats: expected a positive int")
     if args.device == "cuda" and not cuda_available():
         print("gpu_bench: no CUDA device visible to torch "
-              f"(torch {torch.__version__}); nothing measured. Use --device cpu for a dry run.")
+              f"(torch {torch.__version__}); nothing measured. Use --device cpu for a dry run "
+              "(--device cpu --quick --only batched times the batched swap-in's torch implementation).")
         return 0
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dry = device.type == "cpu"
-    out = args.out or default_out()
+    if dry:  # a shared CPU: one intra-op thread, for the batched op and its baseline alike
+        torch.set_num_threads(1)
+    out = args.out or (default_out() if not dry or os.environ.get("OUT") else
+                       ROOT / "bench" / "results" / "gpu_cpu.json")
 
     impls = ["torch"]
     skipped: dict[str, str] = {}
@@ -337,11 +566,22 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     pool_blocks, batches = (64, [1, 8, 32]) if dry else (1024, [8, 64, 256, 1024])
-    copy_rows = bench_copy_engine(device, pool_blocks, batches, args.repeats)
+    copy_rows = [] if args.only == "batched" else bench_copy_engine(device, pool_blocks, batches, args.repeats)
     t_copy = time.perf_counter() - t0
-    mirror = Mirror(device, 256 if dry else (1 << 20) // LAYOUT.block_tokens)
-    kernel_rows = bench_swap_in_kernel(mirror, device, impls, args.repeats)
-    e2e_rows = bench_hisparse_e2e(mirror, device, args.repeats)
+    mirror = Mirror(device, 512 if dry else (1 << 20) // LAYOUT.block_tokens)
+    kernel_rows = [] if args.only == "batched" else bench_swap_in_kernel(mirror, device, impls, args.repeats)
+    e2e_rows = [] if args.only == "batched" else bench_hisparse_e2e(mirror, device, args.repeats)
+    # 3. batched: the CUDA kernel on a GPU (graphs need it), the torch twin on the CPU
+    batched_impl = "cuda" if "cuda" in impls else "torch"
+    if dry:
+        batched_rows = bench_batched(mirror, device, [1, 8, 32], min(args.repeats, 7), "torch")
+        decode = None
+    elif batched_impl == "cuda":
+        batched_rows = bench_batched(mirror, device, [1, 8, 32, 64], args.repeats, "cuda")
+        decode = bench_decode_step(mirror, device, 32, args.repeats)
+    else:
+        batched_rows, decode = [], None
+        skipped["batched"] = "the batched swap-in is measured with impl='cuda' (cupy is not importable)"
     elapsed = time.perf_counter() - t0
 
     result: dict[str, Any] = {
@@ -366,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         "swap_in_kernel": kernel_rows,
         "swap_in_skipped": skipped,
         "hisparse_e2e": e2e_rows,
+        "batched": batched_rows,
+        "decode_step": decode,
         "elapsed_s": {"copy_engine": t_copy, "total": elapsed},
     }
     print(f"{result['device']}, torch {torch.__version__} (CUDA {torch.version.cuda}), cupy {result['cupy']}")
@@ -374,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    if batched_rows:
+        print(plot(result, out.with_suffix(".png")))
     return 0
 
 

@@ -7,22 +7,24 @@
 #   1. environment: GPU, torch/CUDA, and which Python packages are missing (nothing is
 #      installed: a missing one is reported with what it costs)
 #   2. the gpu-marked tests:  python -m pytest -m gpu -q tests/
-#   3. bench/gpu_bench.py: copy engine vs one large memcpy (GB/s, ratio), and HiSparse
-#      swap-in latency (kernels.swap_in torch / cuda, HiSparseBuffers.swap_in end to end)
+#   3. bench/gpu_bench.py: copy engine vs one large memcpy (GB/s, ratio), HiSparse
+#      swap-in latency (kernels.swap_in torch / cuda, HiSparseBuffers.swap_in end to end),
+#      and the batched swap-in per CSA layer (B = 1..64, eager and CUDA-graph replayed;
+#      one whole Flash decode step's 21 layers) with a PNG beside the JSON
 # JSON goes to $OUT/gpu.json when OUT is set (the test log to $OUT/gpu_tests.log), else to
 # bench/results/gpu.json. Without CUDA the script says so and exits 0.
 #
 # Environment: PYTHON (interpreter; default .venv/bin/python if present, else python3),
 # GPU_CHECK_SHIM=1 (import tiered_kv from this checkout even if a copy is installed),
-# T_ENV / T_TESTS / T_BENCH (step timeouts in seconds: 30 per environment probe / 240 /
-# 120; all steps together stay under 8 minutes).
+# T_ENV / T_TESTS / T_BENCH (step timeouts in seconds: 30 per environment probe / 220 /
+# 180; all steps together stay under 8 minutes).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 T_ENV=${T_ENV:-30}
-T_TESTS=${T_TESTS:-240}
-T_BENCH=${T_BENCH:-120}
+T_TESTS=${T_TESTS:-220}
+T_BENCH=${T_BENCH:-180}
 if [[ -n "${PYTHON:-}" ]]; then
     PY=$PYTHON
 elif [[ -x .venv/bin/python ]]; then

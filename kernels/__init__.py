@@ -32,21 +32,38 @@ memory over UVA). Asynchrony: a copy into or out of *pinned* host memory is enqu
 the current stream and not waited for; synchronize (or use
 :class:`tiered_kv.transfer.CopyEngine`) before reading the host side.
 
-Validation reads ids to the host (``check_ids=True``, a device sync when the ids live on
-a GPU); pass ids on the CPU, or ``check_ids=False`` for ids the caller already trusts
-(an out-of-range id then traps in the CUDA kernel).
+Validation of id *values* (``check_ids=True``) reads ids to the host: it runs for ids on
+the CPU, and for ids on a GPU only under ``TIERED_KV_DEBUG=1`` (there it is a device
+sync, which a decode step cannot afford); an out-of-range id otherwise traps in the
+CUDA kernel. ``hisparse_swap_in`` is the batched, sync-free HiSparse decode op.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from . import cuda_ops, torch_ops
 
-__all__ = ["Impl", "gather_blocks", "record_bytes", "scatter_blocks", "swap_in"]
+__all__ = ["HiSparseTables", "Impl", "debug_checks", "gather_blocks", "hisparse_swap_in", "record_bytes",
+           "scatter_blocks", "swap_in"]
+
+
+#: Block copies between a GPU pool and pinned records up to this size run as one kernel
+#: reading / writing host memory over UVA (small batches: no staging, one launch); larger
+#: ones gather on the device and move by DMA (the copy engine's full bandwidth).
+UVA_DIRECT_MAX_BYTES = 32 << 20
+
+
+def debug_checks() -> bool:
+    """Whether ``TIERED_KV_DEBUG=1``: then checks that read device values back to the host
+    (id ranges, duplicates) run too. Off by default: on a GPU each one is a device sync,
+    which a decode step (and a CUDA graph capture) cannot afford."""
+    return os.environ.get("TIERED_KV_DEBUG", "") not in ("", "0")
 
 
 class Impl(enum.Enum):
@@ -106,8 +123,14 @@ def _check_ids(name: str, ids: object, *, devices: tuple[torch.device, ...]) -> 
     return ids
 
 
+def _host_checkable(ids: torch.Tensor) -> bool:
+    """Checks that read ``ids``' values run for CPU ids, and for device ids only under
+    ``TIERED_KV_DEBUG=1`` (there each is a device sync)."""
+    return ids.device.type == "cpu" or debug_checks()
+
+
 def _check_range(name: str, ids: torch.Tensor, upper: int, what: str) -> None:
-    if ids.numel() == 0:
+    if ids.numel() == 0 or not _host_checkable(ids):
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= upper:
@@ -116,6 +139,8 @@ def _check_range(name: str, ids: torch.Tensor, upper: int, what: str) -> None:
 
 
 def _check_unique(name: str, ids: torch.Tensor, why: str) -> None:
+    if not _host_checkable(ids):
+        return
     if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
         raise ValueError(f"{name}: expected unique ids ({why}), got duplicates in {ids.tolist()[:16]}")
 
@@ -152,7 +177,10 @@ def gather_blocks(
     parts: ``[L_p, num_blocks, E_p, B_p] uint8`` each, one device (any strides).
     block_ids: ``[n] int64`` on the parts' device or the CPU; any order, repeats allowed.
     out: ``[n, record_bytes] uint8`` on the parts' device or the CPU (pinned or not).
-    When ``out`` is on the CPU and the parts on a GPU, the records are gathered into a
+    When ``out`` is pinned (and at most :data:`UVA_DIRECT_MAX_BYTES`) and the CUDA kernel
+    runs, it writes the records straight into host memory over UVA: one launch for every
+    segment of every block, no staging. With
+    the torch implementation (or unpinned ``out``) the records are gathered into a
     device staging tensor and copied down (non-blocking when ``out`` is pinned).
     """
     impl = Impl.parse(impl)
@@ -170,6 +198,11 @@ def gather_blocks(
     if check_ids:
         _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
 
+    direct = impl is not Impl.TORCH and out.device != device and out.numel() <= UVA_DIRECT_MAX_BYTES and \
+        cuda_ops.unsupported_reason(parts=parts, host=out) is None
+    if direct:
+        cuda_ops.gather_blocks(parts, block_ids, out)
+        return out
     staging = out if out.device == device else torch.empty_like(out, device=device)
     chosen = _select(impl, None if impl is Impl.TORCH else
                      cuda_ops.unsupported_reason(parts=parts, records=staging))
@@ -212,6 +245,11 @@ def scatter_blocks(
     if check_ids:
         _check_range("block_ids", block_ids, num_blocks, "num_blocks of the parts")
         _check_unique("block_ids", block_ids, "each block is written by one record")
+    if impl is not Impl.TORCH and records.device != device and records.numel() <= UVA_DIRECT_MAX_BYTES and \
+            cuda_ops.unsupported_reason(parts=parts, host=records) is None:
+        if n:  # the kernel reads the pinned records over UVA: one launch, no upload
+            cuda_ops.scatter_blocks(records, block_ids, parts)
+        return
     if records.device != device:
         records = records.to(device, non_blocking=records.is_pinned())
     chosen = _select(impl, None if impl is Impl.TORCH else
@@ -280,3 +318,149 @@ def swap_in(
     else:
         torch_ops.swap_in(host, torch_ops.ids_to(host_rows, host.device), buffer,
                            torch_ops.ids_to(slots, device))
+
+
+# ------------------------------------------------------------------ HiSparse, batched
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HiSparseTables:
+    """The device-resident state of HiSparse swap-in (all on one device, all static).
+
+    ``S`` State slots, ``C`` CSA layers, ``N`` buffer slots per (State slot, layer)::
+
+        buffer_rows    [S * C * N + 1, entry_bytes] uint8  the buffers, row (s*C + c)*N + slot;
+                                                            the last row is a sink for padding
+        entry_of_slot  [S, C, N] int64   entry id held by each slot, -1 empty
+        last_used      [S, C, N] int64   step of last use, -1 never
+        lru            [S, C, N] int64   a permutation of the slots, least recently used
+                                         first (ties: lower slot first), i.e. the stable
+                                         argsort of ``last_used``
+        step           [S, C]    int64   swap-ins so far of each (State slot, layer)
+        host_block     [S, max_blocks] int64  host record of each sealed block, -1 none
+        counters       [2]       int64   hits, misses (unique ids) accumulated
+        entries_per_block  E: CSA entries per block (host row of entry j of layer c in
+                       record hb: ``c * E + j % E`` of ``host[hb]``)
+    """
+
+    buffer_rows: torch.Tensor
+    entry_of_slot: torch.Tensor
+    last_used: torch.Tensor
+    lru: torch.Tensor
+    step: torch.Tensor
+    host_block: torch.Tensor
+    counters: torch.Tensor
+    entries_per_block: int
+
+
+def hisparse_swap_in(
+    tables: HiSparseTables,
+    state_slots: torch.Tensor,
+    part: int,
+    ids: torch.Tensor,
+    host: torch.Tensor,
+    *,
+    host_rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    impl: str | Impl = "auto",
+) -> torch.Tensor:
+    """Batched HiSparse swap-in of CSA layer ``part``: returns ``slots`` ``[B, k]`` int64.
+
+    Row ``b`` serves State slot ``state_slots[b]`` (``[B]`` int64, distinct, on the
+    tables' device); ``ids`` ``[B, k]`` int64 entry ids, ``-1`` = padding (slot ``-1``),
+    ``k <= N``; repeats within a row share one slot and count once. Per row: ids already
+    resident are hits (their slots); the rest are copied from ``host`` (the strided view
+    ``[num_host_blocks, rows_per_block, entry_bytes]``, pinned CPU memory read over UVA on
+    a GPU) into victims chosen LRU among the slots no hit of this step uses (empty slots
+    first, ties to the lower slot), in order of first occurrence; then ``entry_of_slot``,
+    ``lru``, ``last_used``, ``step`` and ``counters`` are updated. Host rows come from
+    ``tables.host_block`` unless ``host_rows`` ``[B, k]`` gives them explicitly.
+
+    ``impl='cuda'``: one kernel launch for the whole batch, no host sync, no
+    data-dependent shapes (CUDA-graph capturable). ``impl='torch'``: the same algorithm
+    in static-shape torch ops (no host sync when ``host`` is on the tables' device, e.g.
+    on CPU). Checks of device values (id ranges) run only under ``TIERED_KV_DEBUG=1``.
+    """
+    impl = Impl.parse(impl)
+    eos = tables.entry_of_slot
+    device = eos.device
+    _check_tensor("ids", ids, dtype=torch.int64, ndim=2, shape_doc="[B, k]")
+    _check_tensor("state_slots", state_slots, dtype=torch.int64, ndim=1, shape_doc="[B]")
+    S, C, N = eos.shape
+    B, k = ids.shape
+    if ids.device != device or state_slots.device != device:
+        raise ValueError(f"ids, state_slots: expected tensors on {device}, got {ids.device}, {state_slots.device}")
+    if state_slots.shape[0] != B:
+        raise ValueError(f"state_slots: expected [B={B}] like ids, got {list(state_slots.shape)}")
+    if k > N:
+        raise ValueError(f"ids: expected at most device_buffer_entries = {N} ids per row, got {k}")
+    if not 0 <= part < C:
+        raise ValueError(f"part: expected a CSA layer index in [0, {C}), got {part}")
+    if host_rows is not None:
+        _check_tensor("host_rows", host_rows, dtype=torch.int64, ndim=2, shape_doc="[B, k]")
+        if host_rows.shape != ids.shape or host_rows.device != device:
+            raise ValueError(f"host_rows: expected [B={B}, k={k}] on {device}, got "
+                             f"{list(host_rows.shape)} on {host_rows.device}")
+    _check_tensor("host", host, dtype=torch.uint8, ndim=3, shape_doc="[num_host_blocks, rows_per_block, entry_bytes]")
+    entry_bytes = tables.buffer_rows.shape[1]
+    if host.shape[2] != entry_bytes or (entry_bytes > 1 and host.stride(2) != 1):
+        raise ValueError(f"host: expected contiguous entries of {entry_bytes} B like the buffer, got shape "
+                         f"{list(host.shape)} strides {host.stride()}")
+    if host.device not in _host_or(device):
+        raise ValueError(f"host: expected a tensor on cpu or {device}, got {host.device}")
+    if out is None:
+        out = torch.empty(B, k, dtype=torch.int64, device=device)
+    elif out.shape != ids.shape or out.dtype != torch.int64 or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out: expected a contiguous int64 [B={B}, k={k}] tensor on {device}")
+    ids, state_slots = ids.contiguous(), state_slots.contiguous()  # no-ops when already so
+    host_rows = None if host_rows is None else host_rows.contiguous()
+    if debug_checks():
+        _debug_check_swap(tables, state_slots, part, ids, host, host_rows)
+    chosen = _select(impl, None if impl is Impl.TORCH else _swap_unsupported(tables, host, N, k))
+    if B == 0 or k == 0:
+        return out
+    if chosen is Impl.CUDA:
+        cuda_ops.hisparse_swap_in(tables, state_slots, part, ids, host, host_rows, out)
+    else:
+        torch_ops.hisparse_swap_in(tables, state_slots, part, ids, host, host_rows, out)
+    return out
+
+
+def _swap_unsupported(tables: HiSparseTables, host: torch.Tensor, n: int, k: int) -> str | None:
+    """:func:`cuda_ops.unsupported_reason` for the batched swap-in, remembered per (buffer,
+    host, k): asking whether ``host`` is pinned is a CUDA call, made once (eagerly) rather
+    than on every decode step or inside a graph capture."""
+    key = (tables.buffer_rows.data_ptr(), tables.buffer_rows.device, host.data_ptr(), host.device,
+           tuple(host.shape), host.stride(), n, k)
+    if key not in _SWAP_REASONS:
+        if len(_SWAP_REASONS) >= 256:
+            _SWAP_REASONS.clear()
+        _SWAP_REASONS[key] = cuda_ops.unsupported_reason(host=host, buffer=tables.buffer_rows, hisparse_n=n,
+                                                         hisparse_k=k)
+    return _SWAP_REASONS[key]
+
+
+_SWAP_REASONS: dict[tuple, str | None] = {}
+
+
+def _debug_check_swap(t: HiSparseTables, state_slots: torch.Tensor, part: int, ids: torch.Tensor,
+                      host: torch.Tensor, host_rows: torch.Tensor | None) -> None:
+    """``TIERED_KV_DEBUG=1``: the checks that need device values (each a host sync)."""
+    S = t.entry_of_slot.shape[0]
+    _check_range("state_slots", state_slots, S, "State slots")
+    _check_unique("state_slots", state_slots, "one row per request")
+    if ids.numel() == 0:
+        return
+    if int(ids.min()) < -1:
+        raise ValueError(f"ids: expected entry ids >= 0 or -1 (padding), got {int(ids.min())}")
+    valid = ids >= 0
+    if host_rows is not None:
+        _check_range("host_rows", host_rows[valid], host.shape[0] * host.shape[1], "rows of host")
+        return
+    E = t.entries_per_block
+    blocks = (ids.clamp(min=0) // E)
+    if int(blocks.max()) >= t.host_block.shape[1]:
+        raise ValueError(f"ids: expected entry ids < {t.host_block.shape[1] * E}, got {int(ids.max())}")
+    hb = t.host_block[state_slots].gather(1, blocks)
+    bad = valid & (hb < 0)
+    if bool(bad.any()):
+        raise ValueError(f"ids: entry {int(ids[bad][0])} is not in a sealed block of its request "
+                         "(no host record)")

@@ -43,6 +43,8 @@ __all__ = [
     "KERNEL_NAMES",
     "cupy_available",
     "gather_blocks",
+    "hisparse_shared_bytes",
+    "hisparse_swap_in",
     "scatter_blocks",
     "segment_table",
     "swap_in",
@@ -52,16 +54,22 @@ __all__ = [
 _HERE = Path(__file__).resolve().parent
 
 #: Every CUDA C source of this package; each compiles standalone (``nvcc -c``).
-CUDA_SOURCES: list[Path] = [_HERE / "gather_scatter.cu", _HERE / "swap_in.cu"]
+CUDA_SOURCES: list[Path] = [_HERE / "gather_scatter.cu", _HERE / "hisparse_swap_in.cu", _HERE / "swap_in.cu"]
 
 #: The ``extern "C"`` kernels each source defines (the names the launchers look up).
 KERNEL_NAMES: dict[str, tuple[str, ...]] = {
     "gather_scatter.cu": ("tkv_gather_blocks", "tkv_scatter_blocks"),
     "swap_in.cu": ("tkv_swap_in",),
+    "hisparse_swap_in.cu": ("tkv_hisparse_swap_in",),
 }
 
 _THREADS_GATHER = 256
 _THREADS_SWAP = 256  # 8 warps, one row per warp
+_THREADS_HISPARSE = 1024  # one block per request row: 32 warps copy its misses (__launch_bounds__)
+#: Dynamic shared memory a block may opt into on sm_80 / sm_90 (A100: 163 KiB, H100: 227 KiB);
+#: the batched swap-in needs 16*H + 20*N + 12*k bytes (H = pow2 >= 2k).
+_MAX_SHARED_BYTES = 160 * 1024
+_DEFAULT_SHARED_BYTES = 48 * 1024
 _MAX_GRID_Y = 65535
 _MAX_SWAP_BLOCKS = 4096
 _NVRTC_OPTIONS = ("--std=c++17",)
@@ -89,7 +97,7 @@ def cupy_available() -> bool:
 def _require_cupy() -> ModuleType:
     cupy = _cupy()
     if cupy is None:
-        raise ValueError("impl='cuda': expected cupy to be importable (pip install cupy-cuda12x)")
+        raise ValueError("impl='cuda': expected cupy to be importable (pip install cupy-cuda13x, or cupy-cuda12x on CUDA 12)")
     return cupy
 
 
@@ -105,13 +113,33 @@ def _kernel(source_name: str, name: str, device_index: int) -> Any:  # cupy.RawK
 
 
 def _launch(device: torch.device, source_name: str, name: str, grid: tuple[int, ...],
-            block: tuple[int, ...], args: tuple[Any, ...]) -> None:
-    """Launch ``name`` from ``source_name`` on torch's current stream of ``device``."""
+            block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0) -> None:
+    """Launch ``name`` from ``source_name`` on torch's current stream of ``device``.
+
+    Hot path: the kernel is compiled once per device, the CuPy stream wrapper is cached
+    per torch stream (no ``ExternalStream`` built per call), and the device context is
+    entered only when CuPy's current device differs.
+    """
     cupy = _require_cupy()
     kernel = _kernel(source_name, name, device.index)
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        kernel(grid, block, args)
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get((device.index, handle))
+    if stream is None:
+        stream = _STREAMS[(device.index, handle)] = cupy.cuda.ExternalStream(handle, device.index)
+    if shared_mem > _DEFAULT_SHARED_BYTES and _OPTED_IN.get((source_name, name, device.index), 0) < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+        _OPTED_IN[(source_name, name, device.index)] = shared_mem
+    if cupy.cuda.runtime.getDevice() == device.index:
+        kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+    else:
+        with cupy.cuda.Device(device.index):
+            kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+#: (device index, torch stream handle) -> cupy.cuda.ExternalStream
+_STREAMS: dict[tuple[int, int], Any] = {}
+#: (source, kernel, device) -> dynamic shared memory the kernel has opted into
+_OPTED_IN: dict[tuple[str, str, int], int] = {}
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -172,6 +200,8 @@ def unsupported_reason(
     records: torch.Tensor | None = None,
     host: torch.Tensor | None = None,
     buffer: torch.Tensor | None = None,
+    hisparse_n: int | None = None,
+    hisparse_k: int | None = None,
 ) -> str | None:
     """Why the CUDA kernels cannot run on these (validated) tensors, or ``None`` if they can.
 
@@ -191,24 +221,48 @@ def unsupported_reason(
             return "host is unpinned CPU memory, expected pinned memory or a cuda tensor"
         if host.shape[-1] > 1 and host.stride(-1) != 1:
             return f"host has strides {host.stride()}, expected unit stride in the last dim"
+    if hisparse_n is not None and hisparse_k is not None:
+        need = hisparse_shared_bytes(hisparse_n, hisparse_k)
+        if need > _MAX_SHARED_BYTES:
+            return (f"the batched swap-in needs {need} B of shared memory per request for N = {hisparse_n}, "
+                    f"k = {hisparse_k}, more than {_MAX_SHARED_BYTES}")
     if not cupy_available():  # last: never import cupy for tensors it could not take
         return "cupy is not importable"
     return None
 
 
 # ------------------------------------------------------------------------ launchers
+def _segments(parts: Sequence[torch.Tensor], device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(number of segments, the device segment table) of ``parts``, built once per pool:
+    keyed by every part's address, shape and strides, so a pool's table is never rebuilt
+    (nor re-uploaded) per call."""
+    key = tuple((p.data_ptr(), tuple(p.shape), p.stride()) for p in parts)
+    hit = _SEGMENTS.get(key)
+    if hit is None:
+        rows = tuple(segment_table(parts))
+        hit = (len(rows), _segment_tensor(rows, device) if rows else None)
+        if len(_SEGMENTS) >= 64:
+            _SEGMENTS.clear()
+        _SEGMENTS[key] = hit
+    return hit
+
+
+_SEGMENTS: dict[tuple, tuple[int, torch.Tensor | None]] = {}
+
+
 def _block_copy(kernel_name: str, parts: Sequence[torch.Tensor], block_ids: torch.Tensor,
                 records: torch.Tensor) -> None:
+    """One launch: grid (segment, record row). ``records`` on the device or pinned host
+    memory (then read or written over UVA)."""
     n = block_ids.numel()
-    rows = tuple(segment_table(parts))
-    if n == 0 or not rows:
+    device = parts[0].device
+    num_segments, seg = _segments(parts, device)
+    if n == 0 or seg is None:
         return
-    device = records.device
-    seg = _segment_tensor(rows, device)
     ids = ids_to(block_ids, device)
-    grid = (len(rows), min(n, _MAX_GRID_Y))
-    args = (_ptr(seg), _ptr(ids), _i64(n), _i64(parts[0].shape[1]), _ptr(records),
-            _i64(records.stride(0)))
+    grid = (num_segments, min(n, _MAX_GRID_Y))
+    args = (_ptr(seg), _ptr(ids), _i64(n), _i64(parts[0].shape[1]),
+            np.uint64(_device_address(records, device)), _i64(records.stride(0)))
     _launch(device, "gather_scatter.cu", kernel_name, grid, (_THREADS_GATHER,), args)
     # `ids` was allocated on this stream, so the caching allocator reuses it only after
     # the kernel. The cached `seg` may be evicted while a kernel on another stream still
@@ -232,9 +286,16 @@ def _device_address(host: torch.Tensor, device: torch.device) -> int:
     """Address under which ``device`` reads ``host`` (pinned CPU memory or device memory)."""
     if host.device.type == "cuda":
         return host.data_ptr()
+    return _mapped_address(host.data_ptr(), device.index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _mapped_address(ptr: int, device_index: int) -> int:
+    """The device's address of pinned host memory at ``ptr``, looked up once per address
+    (a host tier is allocated once and lives as long as the cache)."""
     cupy = _require_cupy()
-    with cupy.cuda.Device(device.index):
-        attrs = cupy.cuda.runtime.pointerGetAttributes(host.data_ptr())
+    with cupy.cuda.Device(device_index):
+        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
     if attrs.type != _MEMORY_TYPE_HOST or attrs.devicePointer == 0:
         raise ValueError(
             "host: expected page-locked memory mapped into the device address space "
@@ -267,3 +328,51 @@ def swap_in(host: torch.Tensor, host_rows: torch.Tensor, buffer: torch.Tensor,
             _ptr(rows), _ptr(buffer), _i64(buffer.stride(0)), _i64(buffer.shape[0]), _ptr(dst),
             _i64(m), _i64(entry_bytes))
     _launch(device, "swap_in.cu", "tkv_swap_in", grid, (_THREADS_SWAP,), args)
+
+
+# ------------------------------------------------------------- HiSparse, batched
+def _hash_size(k: int) -> int:
+    return 1 << max(1, (2 * max(k, 1) - 1).bit_length())
+
+
+def hisparse_shared_bytes(n: int, k: int) -> int:
+    """Dynamic shared memory of one block of ``tkv_hisparse_swap_in`` (see its header)."""
+    return 16 * _hash_size(k) + 20 * n + 12 * k + 128
+
+
+def hisparse_swap_in(t: Any, state_slots: torch.Tensor, part: int, ids: torch.Tensor,
+                     host: torch.Tensor, host_rows: torch.Tensor | None, out: torch.Tensor) -> None:
+    """One launch of ``tkv_hisparse_swap_in`` for the whole batch (``t``: HiSparseTables).
+
+    Every argument is a device address or a shape: nothing is read back, so the launch is
+    capturable by ``torch.cuda.graph`` (replays reuse these very addresses).
+    """
+    B, k = ids.shape
+    device = ids.device
+    H = _hash_size(k)
+    key = (t.buffer_rows.data_ptr(), t.entry_of_slot.data_ptr(), t.host_block.data_ptr(), host.data_ptr(),
+           host.shape, host.stride())
+    static = _HISPARSE_ARGS.get(key)
+    if static is None:  # everything but the per-call tensors, converted once per (tables, host)
+        S, C, N = t.entry_of_slot.shape
+        hb = t.host_block
+        static = (_i64(C), _i64(N),
+                  _ptr(t.entry_of_slot), _ptr(t.last_used), _ptr(t.lru), _ptr(t.step), _ptr(t.counters),
+                  _ptr(t.buffer_rows), _i64(t.buffer_rows.stride(0)),
+                  np.uint64(_device_address(host, device)), _i64(host.stride(0)), _i64(host.shape[1]),
+                  _i64(host.stride(1)), _i64(host.shape[0]),
+                  _ptr(hb), _i64(hb.shape[1]), _i64(t.entries_per_block))
+        if len(_HISPARSE_ARGS) >= 64:
+            _HISPARSE_ARGS.clear()
+        _HISPARSE_ARGS[key] = static
+    N = int(static[1])
+    args = ((_ptr(ids), _i64(k), _i64(ids.stride(0)), _ptr(state_slots), _i64(part)) + static
+            + (np.uint64(0) if host_rows is None else _ptr(host_rows),
+               _i64(0 if host_rows is None else host_rows.stride(0)),
+               _ptr(out), _i64(out.stride(0)), np.int32(H)))
+    _launch(device, "hisparse_swap_in.cu", "tkv_hisparse_swap_in", (B,), (_THREADS_HISPARSE,), args,
+            hisparse_shared_bytes(N, k))
+
+
+#: (tables and host addresses, host shape/strides) -> the launch's static arguments
+_HISPARSE_ARGS: dict[tuple, tuple[Any, ...]] = {}

@@ -28,7 +28,8 @@ __device__ __forceinline__ void tkv_copy_words(unsigned char* __restrict__ dst,
     W* d = reinterpret_cast<W*>(dst);
     const W* s = reinterpret_cast<const W*>(src);
     const i64 n = nbytes / (i64)sizeof(W);
-    for (i64 k = t; k < n; k += nt) d[k] = s[k];
+#pragma unroll 4
+    for (i64 k = t; k < n; k += nt) d[k] = s[k];  // unrolled: several loads in flight (UVA latency)
 }
 
 // Copy nbytes from src to dst with threads t = 0..nt-1 of a group cooperating.

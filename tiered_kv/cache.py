@@ -26,6 +26,7 @@ prompts are resumable every ``snapshot_interval`` blocks.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Sequence
 
@@ -47,7 +48,7 @@ from .prefix import PrefixHasher, token_digest, tokens_to_bytes
 from .request import Request, as_token_list
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
-from .transfer import CopyEngine
+from .transfer import CopyEngine, CopyHandle
 from .write_path import EntryWriter, PartSet, host_entry_ids
 
 __all__ = ["Request", "TieredKVCache"]
@@ -110,10 +111,12 @@ class TieredKVCache(TierMoves):
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
         self.host = HostTier(layout, host_bytes, self.device) if host_bytes is not None else None
-        self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device)
+        self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device, max_blocks=num_blocks)
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
         self._host_of_block: dict[int, int] = {}
+        #: HiSparse: mirror copies (device -> host) not yet known to be complete
+        self._mirrors_pending: collections.deque[CopyHandle] = collections.deque()
         self.disk = DiskTier(store, layout, store_options=store_options) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -200,6 +203,7 @@ class TieredKVCache(TierMoves):
             raise CacheFullError(f"open: no free state slot ({self.states.num_slots} in use); close a request first")
         if self.hisparse is not None:
             self.hisparse.reset(slot)
+            self._wait_host_mirrors()  # matching may read or recycle host records on the host
         bt = self.layout.block_tokens
         hashes = self.hasher.block_hashes(tokens[:limit - limit % bt])
         block_ids, num_blocks = self._match_prefix(slot, tokens, hashes)
@@ -208,6 +212,8 @@ class TieredKVCache(TierMoves):
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
         self._requests[req.request_id] = req
         self.tables.assign(slot, block_ids)
+        if self.hisparse is not None:  # the device's block -> host record table of the prefix
+            self.hisparse.set_host_blocks(slot, 0, [self._host_of_block[b] for b in block_ids[:num_blocks]])
         self._counters["requests_opened"] += 1
         self._counters["prompt_tokens"] += len(tokens)
         self._counters["cached_tokens"] += P
@@ -425,17 +431,65 @@ class TieredKVCache(TierMoves):
 
         entry_ids ``[k]`` int64, unique, ``k <= device_buffer_entries``, all in sealed
         blocks. The bytes are then ``cache.hisparse.buffer[request.slot, part, slots]``.
+        A batch of one for :meth:`swap_in_batch` (this one checks its ids on the host).
         """
         req = self._live(request)
-        if self.hisparse is None:
-            raise ValueError("swap_in: HiSparse is not enabled (pass hisparse=HiSparseConfig(...))")
+        hs = self._require_hisparse("swap_in")
         c = self._layer_part(layer, LayerKind.CSA)
         ids = self._entry_ids("entry_ids", entry_ids)
         E = self.layout.csa_entries_per_block
-        blk, off = self._locate(req, ids, E, num_entries=req.num_sealed_blocks * E, writable=False)
+        self._locate(req, ids, E, num_entries=req.num_sealed_blocks * E, writable=False)
+        if ids.numel() > hs.capacity:
+            raise ValueError(f"ids: expected at most device_buffer_entries = {hs.capacity} ids, got {ids.numel()}")
         if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
             raise ValueError("entry_ids: expected unique ids")
-        return self.hisparse.swap_in(req.slot, c, ids, self._host_rows(c, blk, off), self.host.csa_rows())
+        return hs.swap_in_batch(hs.slot_tensor((req.slot,)), c, ids.to(self.device).view(1, -1),
+                                self._csa_rows())[0]
+
+    def swap_in_batch(self, requests: Sequence[Request], layer: int, entry_ids: torch.Tensor, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """HiSparse decode step of CSA ``layer`` for a batch: make the entries each request
+        needs resident in its device buffer; returns ``slots`` ``[B, k]`` int64.
+
+        entry_ids ``[B, k]`` int64 on the cache's device: row ``i`` holds entry ids of
+        sealed blocks of ``requests[i]`` (e.g. the indexer's top-k), ``-1`` = padding;
+        ``k <= device_buffer_entries``; an id repeated within a row gets one slot. Entry
+        ``entry_ids[i, j]`` is then ``cache.hisparse.buffer[requests[i].slot, part,
+        slots[i, j]]`` (``slots[i, j] = -1`` where padded), ``part =
+        layout.part_index(layer)``. ``out``: an optional ``[B, k]`` int64 result tensor.
+
+        On a GPU this is one kernel launch for the whole batch (hits, LRU victims, the copy
+        of misses from the pinned host mirror over UVA, table updates), with no host
+        synchronization: it can be captured in a CUDA graph (docs/api.md). Id values are
+        checked only under ``TIERED_KV_DEBUG=1``; an id outside its request's sealed blocks
+        otherwise raises (CPU) or traps the kernel (GPU).
+        """
+        hs = self._require_hisparse("swap_in_batch")
+        c = self._layer_part(layer, LayerKind.CSA)
+        if isinstance(requests, Request):
+            raise TypeError("requests: expected a sequence of Request, got a single Request")
+        slots = tuple(self._live(r).slot for r in requests)
+        if len(set(slots)) != len(slots):
+            raise ValueError("requests: expected distinct requests (one row each)")
+        if not isinstance(entry_ids, torch.Tensor) or entry_ids.dim() != 2 or entry_ids.shape[0] != len(slots):
+            got = f"{entry_ids.dtype} {list(entry_ids.shape)}" if isinstance(entry_ids, torch.Tensor) else \
+                type(entry_ids).__name__
+            raise ValueError(f"entry_ids: expected an int64 [B={len(slots)}, k] tensor, got {got}")
+        return hs.swap_in_batch(hs.slot_tensor(slots), c, entry_ids, self._csa_rows(), out=out)
+
+    def _csa_rows(self) -> torch.Tensor:
+        """The host mirror's row view (built once: the host slab is never reallocated)."""
+        rows = self.__dict__.get("_csa_rows_view")
+        if rows is None:
+            assert self.host is not None
+            rows = self._csa_rows_view = self.host.csa_rows()
+        return rows
+
+    def _require_hisparse(self, what: str) -> HiSparseBuffers:
+        if self.hisparse is None:
+            raise ValueError(f"{what}: HiSparse is not enabled (pass hisparse=HiSparseConfig(...))")
+        assert self.host is not None
+        return self.hisparse
 
     def _host_rows(self, c: int, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         """Flat rows of CSA entries (GPU block, offset) in the host mirror's row view."""
@@ -445,12 +499,14 @@ class TieredKVCache(TierMoves):
 
     def _swap_in(self, req: Request, c: int, ids: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         assert self.hisparse is not None and self.host is not None
-        rows = self._host_rows(c, blk, off)
-        if ids.numel() <= self.hisparse.capacity:
-            slots = self.hisparse.swap_in(req.slot, c, ids, rows, self.host.csa_rows())
-            return self.hisparse.read(req.slot, c, slots)
+        hs = self.hisparse
+        if ids.numel() <= hs.capacity:
+            slots = hs.swap_in_batch(hs.slot_tensor((req.slot,)), c, ids.to(self.device).view(1, -1),
+                                     self._csa_rows())[0]
+            return hs.read(req.slot, c, slots)
         # more entries than the buffer holds (a long prefill chunk): read the mirror directly
-        return self.hisparse.read_direct(rows, self.host.csa_rows())
+        self._wait_host_mirrors()
+        return hs.read_direct(self._host_rows(c, blk, off), self.host.csa_rows())
 
     def read_hca(self, request: Request, layer: int, num_entries: int) -> torch.Tensor:
         """The first ``num_entries`` HCA entries of HCA ``layer``: ``[num_entries, entry_bytes]`` uint8."""
@@ -495,38 +551,61 @@ class TieredKVCache(TierMoves):
         h = self.hasher.chain(parent, tokens_to_bytes(block_tokens))
         req.block_hashes.append(h)
         self._counters["blocks_sealed"] += 1
-        record = None
-        if self.hisparse is not None:
-            record = self._mirror_to_host(req, b, h)
+        if self.hisparse is None:
+            parts, ids = self.classical.parts, [b]
+        else:
+            parts, ids = self._mirror_to_host(req, b, h), [0]
         if not self.blocks.cache(b, h):
             self._counters["blocks_duplicate"] += 1
         if self.disk is not None:
-            if record is None:
-                record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
-                handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), record)
-                ready = handle.wait_event
-            else:
-                record, ready = record.clone(), None  # a private copy: the host record may be recycled
-            self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0], ready)
+            # A private record (a host tier's may be recycled before the write), copied
+            # asynchronously; the writer thread waits for the copy's event.
+            record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
+            handle = self.copies.offload_blocks(parts, torch.tensor(ids), record)
+            if self.hisparse is not None:  # it reads the slot's open block: order its next writes after
+                handle.make_stream_wait()
+            self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0],
+                             handle.wait_event)
         self._snapshot_at_boundary(req, h, k + 1)
 
-    def _mirror_to_host(self, req: Request, b: int, h: bytes) -> torch.Tensor:
+    def _mirror_to_host(self, req: Request, b: int, h: bytes) -> tuple[torch.Tensor, ...]:
         """HiSparse: copy the sealed block's record (CSA part from the open block) to the
-        host; the GPU block keeps a reference on it. Returns the host record ``[1, B]``."""
-        assert self.host is not None
+        host; the GPU block keeps a reference on it. Returns the parts of that one-block
+        record (block index 0), for the disk copy.
+
+        Asynchronous on a GPU (synchronous on CPU): the copy runs on the copy engine's
+        device-to-host stream and the current stream waits for its event on the device,
+        so the swap-in kernel (reading the mirror over UVA) and the next writes into the
+        slot's open block are ordered after it while the host goes on. Host-side readers
+        of the mirror call :meth:`_wait_host_mirrors` first.
+        """
+        assert self.host is not None and self.hisparse is not None
         hid = req._host_reserved if req._host_reserved is not None else self._reserve_host_record(req)
         req._host_reserved = None
         cp = self.classical
         parts = (cp.csa_kv[:, req.slot:req.slot + 1], cp.indexer[:, b:b + 1], cp.hca_kv[:, b:b + 1])
-        self.copies.offload_blocks(parts, torch.tensor([0]), self.host.records[hid:hid + 1]).wait()
+        handle = self.copies.offload_blocks(parts, torch.tensor([0]), self.host.records[hid:hid + 1])
+        handle.make_stream_wait()
+        while self._mirrors_pending and self._mirrors_pending[0].done():  # bounded: drop landed copies
+            self._mirrors_pending.popleft()
+        if not handle.finished:
+            self._mirrors_pending.append(handle)
         if not self.host.blocks.cache(hid, h):  # the host already has this block: use that record
             existing = self.host.blocks.lookup(h)
             assert existing is not None
+            handle.wait()  # the freed record may be reused (and written on the host) at once
             self.host.blocks.free(hid)
             self.host.blocks.incref(existing)
             hid = existing
         self._host_of_block[b] = hid
-        return self.host.records[hid:hid + 1]
+        self.hisparse.set_host_blocks(req.slot, req.num_sealed_blocks - 1, [hid])
+        return parts
+
+    def _wait_host_mirrors(self) -> None:
+        """Block until every in-flight HiSparse mirror copy has landed in host memory (for
+        readers and writers of host records on the host; a no-op on CPU)."""
+        while self._mirrors_pending:
+            self._mirrors_pending.popleft().wait()
 
     def _snapshot_at_boundary(self, req: Request, h: bytes, num_blocks: int) -> None:
         """Snapshot the State at the boundary after block ``num_blocks``.

@@ -1,18 +1,30 @@
 """HiSparse: CSA entries of sealed blocks live in host memory; each request keeps a small
 device buffer of them, managed LRU, and swaps in the top-k it needs each step.
 
-Per live request (State slot ``s``) and CSA layer ``c`` (on the cache's device)::
+Per live request (State slot ``s``) and CSA layer ``c``, on the cache's device (all
+static: allocated once, so a decode step that uses them can be captured in a CUDA graph)::
 
     buffer        [num_state_slots, num_csa_layers, N, entry_bytes]  uint8
     entry_of_slot [num_state_slots, num_csa_layers, N]               int64  (-1: empty)
     last_used     [num_state_slots, num_csa_layers, N]               int64  (-1: never)
+    lru           [num_state_slots, num_csa_layers, N]               int64  slots, LRU first
+    step          [num_state_slots, num_csa_layers]                  int64
+    host_block    [num_state_slots, max_blocks]                      int64  host record of
+                                                                            each sealed block
+    counters      [2]                                                int64  hits, misses
 
-``swap_in(ids)`` for one request and layer (ids: unique CSA entry ids of sealed blocks)::
+``swap_in_batch(state_slots, c, ids)`` for B requests at once (ids ``[B, k]``, -1 padding)::
 
-    hits    = ids already in the buffer            -> their slots, last_used = step
-    misses  = the rest                             -> copied from the host mirror into
-              the least-recently-used slots not used by this step (empty slots first,
-              ties to the lowest slot), entry_of_slot / last_used updated
+    hits    = ids already in the buffer            -> their slots
+    misses  = the rest (first occurrence of each)  -> copied from the host mirror into the
+              least-recently-used slots no hit of this step uses (empty slots first, ties
+              to the lowest slot), in order of first occurrence
+    then    entry_of_slot, lru, last_used = step, step += 1, counters
+
+Victim choice is exact LRU, kept as an explicit order (``lru``) rather than sorted each
+step: the used slots move to the back (by slot index), the others keep their order, so a
+step needs prefix sums only (one CUDA block per request, see
+``kernels/hisparse_swap_in.cu``). ``lru`` is always the stable argsort of ``last_used``.
 
 The entries of the newest, not-yet-sealed block are always resident: they stay in the
 GPU Classical pool until the block is sealed and mirrored (see ``ClassicalPool``'s open
@@ -50,67 +62,112 @@ class HiSparseConfig:
 
 
 class HiSparseBuffers:
-    """Device buffers and LRU state of every State slot."""
+    """Device buffers, LRU state and host-record tables of every State slot.
 
-    def __init__(self, layout: KVLayout, config: HiSparseConfig, num_slots: int, device: torch.device) -> None:
+    ``max_blocks``: width of the per-slot block -> host record table (the most blocks a
+    request can hold: the cache passes its Classical pool size).
+    """
+
+    def __init__(self, layout: KVLayout, config: HiSparseConfig, num_slots: int, device: torch.device,
+                 *, max_blocks: int = 1) -> None:
         config.validate(layout)
         self.layout = layout
-        self.capacity = config.device_buffer_entries
-        shape = (num_slots, layout.num_csa_layers, self.capacity)
-        #: ``[num_state_slots, num_csa_layers, N, entry_bytes]`` uint8
-        self.buffer = torch.zeros(*shape, layout.entry_bytes, dtype=torch.uint8, device=device)
+        self.capacity = N = config.device_buffer_entries
+        S, C = num_slots, layout.num_csa_layers
+        shape = (S, C, N)
+        rows = torch.zeros(S * C * N + 1, layout.entry_bytes, dtype=torch.uint8, device=device)
+        #: ``[num_state_slots, num_csa_layers, N, entry_bytes]`` uint8 (a view: one more
+        #: row follows it, the sink the torch implementation writes padded positions to)
+        self.buffer = rows[:-1].view(S, C, N, layout.entry_bytes)
         #: ``[num_state_slots, num_csa_layers, N]`` int64, -1 where empty
         self.entry_of_slot = torch.full(shape, -1, dtype=torch.int64, device=device)
         #: ``[num_state_slots, num_csa_layers, N]`` int64 step of last use, -1 never
         self.last_used = torch.full(shape, -1, dtype=torch.int64, device=device)
-        self._step = [0] * num_slots
-        self.hits = 0
-        self.misses = 0
-        self.bytes_moved = 0
+        #: ``[num_state_slots, num_csa_layers, N]`` int64 slots, least recently used first
+        self.lru = torch.arange(N, device=device).repeat(S, C, 1)
+        #: ``[num_state_slots, num_csa_layers]`` int64 swap-ins so far
+        self.step = torch.zeros(S, C, dtype=torch.int64, device=device)
+        #: ``[num_state_slots, max_blocks]`` int64 host record of each sealed block, -1 none
+        self.host_block = torch.full((S, max_blocks), -1, dtype=torch.int64, device=device)
+        #: ``[2]`` int64: hits, misses (read by :meth:`stats`, never on the hot path)
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
+        self.tables = kernels.HiSparseTables(
+            buffer_rows=rows, entry_of_slot=self.entry_of_slot, last_used=self.last_used, lru=self.lru,
+            step=self.step, host_block=self.host_block, counters=self.counters,
+            entries_per_block=layout.csa_entries_per_block)
+        self._direct_misses = 0
         self.direct_reads = 0
+        self.direct_bytes = 0
+        #: tuple of State slots -> their ``[B]`` int64 device tensor (static, for graphs)
+        self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @property
+    def hits(self) -> int:
+        return int(self.counters[0])
+
+    @property
+    def misses(self) -> int:
+        return int(self.counters[1]) + self._direct_misses
+
+    @property
+    def bytes_moved(self) -> int:
+        return int(self.counters[1]) * self.layout.entry_bytes + self.direct_bytes
 
     def reset(self, slot: int) -> None:
-        """Forget a slot's buffered entries (a new request takes the slot)."""
+        """Forget a slot's buffered entries and host records (a new request takes the slot)."""
         self.entry_of_slot[slot].fill_(-1)
         self.last_used[slot].fill_(-1)
-        self._step[slot] = 0
+        self.lru[slot].copy_(torch.arange(self.capacity, device=self.lru.device).expand(self.lru.shape[1:]))
+        self.step[slot].zero_()
+        self.host_block[slot].fill_(-1)
+
+    def set_host_blocks(self, slot: int, start: int, host_ids: list[int]) -> None:
+        """Record the host records of a request's sealed blocks ``start, start + 1, ...``."""
+        if not host_ids:
+            return
+        if start + len(host_ids) > self.host_block.shape[1]:
+            raise ValueError(f"blocks: expected at most {self.host_block.shape[1]} per request, "
+                             f"got {start + len(host_ids)}")
+        if len(host_ids) == 1:
+            self.host_block[slot, start] = host_ids[0]  # a fill kernel: no host->device copy
+        else:
+            self.host_block[slot, start:start + len(host_ids)] = torch.tensor(host_ids, dtype=torch.int64)
+
+    def slot_tensor(self, slots: tuple[int, ...]) -> torch.Tensor:
+        """The ``[B]`` int64 device tensor of these State slots, built once per tuple: the
+        same tensor (same address) every step, so a captured graph can replay it."""
+        t = self._slot_tensors.get(slots)
+        if t is None:
+            if len(self._slot_tensors) >= 256:
+                self._slot_tensors.clear()
+            t = self._slot_tensors[slots] = torch.tensor(slots, dtype=torch.int64).to(self.lru.device)
+        return t
+
+    def swap_in_batch(self, state_slots: torch.Tensor, part: int, ids: torch.Tensor, host: torch.Tensor, *,
+                      host_rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Make entries ``ids`` ``[B, k]`` (-1: padding) of CSA ``part`` resident in the buffers
+        of ``state_slots`` ``[B]``; returns their slots ``[B, k]`` int64 (-1 where padded).
+
+        host: the mirror's row view ``[num_host_blocks, num_csa_layers * E, entry_bytes]``;
+        rows come from :attr:`host_block` unless ``host_rows`` ``[B, k]`` gives them.
+        One kernel launch on a GPU; see :func:`tiered_kv.kernels.hisparse_swap_in`.
+        """
+        return kernels.hisparse_swap_in(self.tables, state_slots, part, ids, host, host_rows=host_rows, out=out)
 
     def swap_in(self, slot: int, part: int, ids: torch.Tensor, host_rows: torch.Tensor,
                 host: torch.Tensor) -> torch.Tensor:
-        """Make entries ``ids`` resident in the buffer of (slot, CSA part); return their slots.
-
-        ids ``[k]`` int64 unique, ``k <= N``; host_rows ``[k]`` int64: row of each id in
+        """One request: make entries ``ids`` ``[k]`` int64 resident in the buffer of (slot, CSA
+        part); return their slots ``[k]`` int64. host_rows ``[k]`` int64: row of each id in
         ``host`` ``[num_host_blocks, rows_per_block, entry_bytes]`` (flattened index
-        ``block * rows_per_block + row``). Returns ``[k]`` int64 slot ids.
+        ``block * rows_per_block + row``). A batch of one for :meth:`swap_in_batch`.
         """
         k = ids.numel()
         if k > self.capacity:
             raise ValueError(f"ids: expected at most device_buffer_entries = {self.capacity} ids, got {k}")
         dev = self.buffer.device
-        ids = ids.to(dev)
-        eos = self.entry_of_slot[slot, part]
-        last = self.last_used[slot, part]
-        self._step[slot] += 1
-        step = self._step[slot]
-        match = eos[None, :] == ids[:, None]  # [k, N]
-        hit = match.any(1)
-        slots = match.to(torch.int8).argmax(1)
-        miss = (~hit).nonzero().flatten()
-        m = miss.numel()
-        if m:
-            # victims: LRU among slots this step does not use; empty (-1) first, then lowest slot
-            score = last.masked_fill(match.any(0), torch.iinfo(torch.int64).max)
-            victims = torch.sort(score, stable=True).indices[:m]
-            kernels.swap_in(host, host_rows.to(host.device)[miss.to(host_rows.device)], self.buffer[slot, part],
-                            victims)
-            eos[victims] = ids[miss]
-            slots[miss] = victims
-        last[slots] = step
-        nh = k - m
-        self.hits += nh
-        self.misses += m
-        self.bytes_moved += m * self.layout.entry_bytes
-        return slots
+        ids = ids.to(dev).view(1, k)
+        rows = host_rows.to(dev).view(1, k)
+        return self.swap_in_batch(self.slot_tensor((slot,)), part, ids, host, host_rows=rows)[0]
 
     def read_direct(self, host_rows: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         """Entries straight from the host mirror, bypassing the buffer (for a prefill chunk
@@ -118,8 +175,8 @@ class HiSparseBuffers:
         rpb = host.shape[1]
         rows = host[host_rows // rpb, host_rows % rpb]
         self.direct_reads += 1
-        self.misses += rows.shape[0]
-        self.bytes_moved += rows.numel()
+        self._direct_misses += rows.shape[0]
+        self.direct_bytes += rows.numel()
         return rows.to(self.buffer.device)
 
     def read(self, slot: int, part: int, slots: torch.Tensor) -> torch.Tensor:
@@ -127,5 +184,8 @@ class HiSparseBuffers:
         return self.buffer[slot, part, slots]
 
     def stats(self) -> dict[str, int]:
-        return {"hisparse_hits": self.hits, "hisparse_misses": self.misses,
-                "hisparse_bytes_moved": self.bytes_moved, "hisparse_direct_reads": self.direct_reads}
+        """Counters (reads the device counters: a host sync, outside any decode step)."""
+        hits, misses = self.counters.tolist()
+        return {"hisparse_hits": hits, "hisparse_misses": misses + self._direct_misses,
+                "hisparse_bytes_moved": misses * self.layout.entry_bytes + self.direct_bytes,
+                "hisparse_direct_reads": self.direct_reads}
