@@ -480,29 +480,22 @@ class LmdbStore(BlockStore):
         if not new:
             return {}
         lengths = [sizes[i] for i in new]
-        staged = self._segments.staging(sum(lengths) + 4096)
-        offsets = np.cumsum([0, *lengths]).tolist()
+        checksums: list[bytes] = []
 
-        def encode(j: int) -> None:
+        def fill(j: int, dst: np.ndarray) -> None:
             item = items[new[j]]
-            encode_record_into(staged[offsets[j]:offsets[j + 1]], key=item.key, parent_hash=item.parent_hash,
-                               token_digest=item.token_digest, layout_fingerprint=self.layout_fingerprint,
-                               payload=item.payload)
+            encode_record_into(dst, key=item.key, parent_hash=item.parent_hash, token_digest=item.token_digest,
+                               layout_fingerprint=self.layout_fingerprint, payload=item.payload)
+            checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
 
-        if len(new) > 1 and offsets[-1] >= (4 << 20):
-            list(self._segments.pool().map(encode, range(len(new))))
-        else:
-            for j in range(len(new)):
-                encode(j)
         try:
-            locs = self._segments.append(staged, lengths)
+            locs = self._segments.append(lengths, fill)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
                                      f"stored records are intact") from e
             raise
-        return {i: (loc, bytes(staged[offsets[j + 1] - CHECKSUM_BYTES:offsets[j + 1]]))
-                for j, (i, loc) in enumerate(zip(new, locs))}
+        return {i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}
 
     def _corrupt_among(self, present: list[tuple[int, RecordKey, bytes]]) -> set[int]:
         """Which of the indexed records ``(index, key, index value)`` fail their checks."""
@@ -623,20 +616,25 @@ class LmdbStore(BlockStore):
                 odd.append((i, key, loc, out, digest))
                 continue
             tasks.append(ReadTask(i, loc, np.empty(HEADER_BYTES, np.uint8), out, np.empty(CHECKSUM_BYTES, np.uint8)))
-        if tasks:
-            self._segments.read(tasks)
-        metas: dict[int, RecordMeta] = {}
-        for t in tasks:
+        def check(t: ReadTask) -> None:  # in the reading thread
             key, checksum, digest = info[t.index]
-            if not t.ok or bytes(t.tail) != checksum:
-                failed.append(t.index)
-                continue
+            if bytes(t.tail) != checksum:
+                return
             try:
                 parsed = parse_header(t.header, t.loc.length)
-                metas[t.index] = verify_record_parts(t.header, t.payload, t.tail, parsed=parsed, expect_key=key,
-                                                     expect_fingerprint=fp, expect_token_digest=digest)
+                t.result = verify_record_parts(t.header, t.payload, t.tail, parsed=parsed, expect_key=key,
+                                               expect_fingerprint=fp, expect_token_digest=digest)
             except CorruptRecordError:
+                pass
+
+        if tasks:
+            self._segments.read(tasks, check)
+        metas: dict[int, RecordMeta] = {}
+        for t in tasks:
+            if t.result is None:
                 failed.append(t.index)
+            else:
+                metas[t.index] = t.result
         for i, key, loc, out, digest in odd:  # stored size differs from the out buffer's
             whole = np.empty(max(loc.length, 0), np.uint8)
             task = ReadTask(i, loc, whole[:0], whole, whole[:0])

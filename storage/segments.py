@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,12 +50,12 @@ __all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
 
 #: Alignment of batches in a segment and of O_DIRECT transfers.
 ALIGN = 4096
-#: Largest single pwrite / pread of one transfer (several run in parallel).
-_CHUNK = 4 << 20
+#: A batch is written in pwrites of about this size, each sent as soon as it is staged.
+_CHUNK = 2 << 20
 #: Extents of one read: adjacent records closer than this are read in one transfer...
 _MERGE_GAP = 64 << 10
-#: ...up to this many bytes.
-_MAX_EXTENT = 8 << 20
+#: ...up to this many bytes (a batch of Flash blocks: several extents, read in parallel).
+_MAX_EXTENT = 2 << 20
 SEGMENT_SUFFIX = ".seg"
 
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -68,6 +69,14 @@ def _align_down(x: int) -> int:
 
 def _align_up(x: int) -> int:
     return (x + ALIGN - 1) & ~(ALIGN - 1)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
 
 
 class _Libc:
@@ -90,16 +99,8 @@ class _Libc:
         None where cachestat is not available."""
         if not self.cachestat_ok:
             return None
-
-        class Range(ctypes.Structure):
-            _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-        class Stat(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted",
-                                                       "recently_evicted")]
-
         first = _align_down(offset)
-        rng, st = Range(first, _align_up(offset + length) - first), Stat()
+        rng, st = _CachestatRange(first, _align_up(offset + length) - first), _Cachestat()
         rc = self.lib.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st),
                               ctypes.c_uint(0))
         if rc != 0:
@@ -165,6 +166,7 @@ class ReadTask:
     payload: np.ndarray
     tail: np.ndarray
     ok: bool = False
+    result: Any = None
 
 
 class _DirectUnsupported(Exception):
@@ -290,35 +292,47 @@ class SegmentFiles:
     def write_lock(self) -> threading.Lock:
         return self._write_lock
 
-    def append(self, staged: np.ndarray, lengths: Sequence[int]) -> list[Location]:
-        """Durably append the records packed back to back in ``staged`` (from
-        :meth:`staging`; ``lengths`` their sizes) to the active segment. Call under
-        :attr:`write_lock`. Raises OSError (ENOSPC: nothing was appended)."""
+    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> list[Location]:
+        """Durably append records of ``lengths`` bytes to the active segment, back to back;
+        ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
+        Records are staged in order and each 4 KiB-aligned chunk is written as soon as it
+        is complete, while the next records are staged. Call under :attr:`write_lock`.
+        Raises OSError (ENOSPC: nothing was appended)."""
         total = sum(lengths)
         padded = _align_up(total)
+        staged = self.staging(padded)
         if self._active is None or (self._active_end and self._active_end + padded > self.segment_bytes):
             self._close_active()
             self._open_active()
         fd, start = self._active_fd, self._active_end
+        view = memoryview(staged)
+
+        def write(off: int, end: int) -> None:
+            done = off
+            while done < end:
+                done += os.pwrite(fd, view[done:end], start + done)
+
+        pending = []
         try:
-            os.posix_fallocate(fd, start, padded)
-            if padded > total:
-                staged[total:padded] = 0
-            view = memoryview(staged)
-            chunks = [(off, min(_CHUNK, padded - off)) for off in range(0, padded, _CHUNK)]
-
-            def write(chunk: tuple[int, int]) -> None:
-                off, n = chunk
-                done = 0
-                while done < n:
-                    done += os.pwrite(fd, view[off + done:off + n], start + off + done)
-
-            if len(chunks) == 1:
-                write(chunks[0])
-            else:
-                list(self.pool().map(write, chunks))
+            os.posix_fallocate(fd, start, padded)  # ENOSPC here: nothing written
+            pool = self.pool()
+            pos = sent = 0
+            for j, n in enumerate(lengths):
+                fill(j, staged[pos:pos + n])
+                pos += n
+                ready = _align_down(pos)
+                if ready - sent >= _CHUNK:
+                    pending.append(pool.submit(write, sent, ready))
+                    sent = ready
+            staged[total:padded] = 0
+            if padded > sent:
+                write(sent, padded)
+            for f in pending:
+                f.result()
             os.fdatasync(fd)
         except BaseException:
+            for f in pending:
+                f.exception()  # wait: no write may land after the rollback
             self.rollback(start)
             raise
         self._active_end = start + padded
@@ -342,39 +356,44 @@ class SegmentFiles:
         return self._active_end
 
     # ------------------------------------------------------------------ reads
-    def read(self, tasks: list[ReadTask]) -> None:
-        """Read every task's record parts (sets ``task.ok``); extents in parallel."""
+    def read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None = None) -> None:
+        """Read every task's record parts (sets ``task.ok``), then call ``then(task)`` on
+        each one read (in the reading thread, while its bytes are in the CPU cache);
+        extents in parallel."""
         extents = _extents(tasks)
         if len(extents) == 1 or self.io_threads <= 1:
             for ext in extents:
-                self._read_extent(ext)
+                self._read_extent(ext, then)
         else:
-            list(self.pool().map(self._read_extent, extents))
+            list(self.pool().map(lambda ext: self._read_extent(ext, then), extents))
 
-    def _read_extent(self, ext: list[ReadTask]) -> None:
+    def _read_extent(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
         seg = ext[0].loc.segment
         first, end = ext[0].loc.offset, ext[-1].loc.end
         try:
             fd = self._fd(seg, direct=False)
         except FileNotFoundError:
             return  # reclaimed by gc: every record of it is a miss
-        use_direct = bool(self.direct_io) and not self._cached(fd, first, end - first)
-        if use_direct:
+        cached = self._cached(fd, first, end - first)
+        if not cached and self.direct_io:
             try:
-                self._read_direct(ext, first, end)
+                self._read_direct(ext, first, end, then)
                 return
             except _DirectUnsupported:
                 self.direct_io = False
             except FileNotFoundError:
                 return
-        elif len(ext) > 1:
+        if not cached and len(ext) > 1:
             os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
         for t in ext:
             t.ok = _preadv_all(fd, [t.header, t.payload, t.tail], t.loc.offset) == t.loc.length
+            if t.ok and then is not None:
+                then(t)
 
     def _cached(self, fd: int, offset: int, length: int) -> bool:
+        """Whether the page cache holds all of the range (unknown: True, read buffered)."""
         got = _LIBC.cached_pages(fd, offset, length)
-        return got is not None and got[0] >= got[1]
+        return got is None or got[0] >= got[1]
 
     def _bounce(self, nbytes: int) -> np.ndarray:
         buf = getattr(self._local, "bounce", None)
@@ -382,7 +401,8 @@ class SegmentFiles:
             buf = self._local.bounce = aligned_buffer(max(nbytes, _MAX_EXTENT + 2 * ALIGN))
         return buf
 
-    def _read_direct(self, ext: list[ReadTask], first: int, end: int) -> None:
+    def _read_direct(self, ext: list[ReadTask], first: int, end: int,
+                     then: Callable[[ReadTask], None] | None) -> None:
         fd = self._fd(ext[0].loc.segment, direct=True)
         lo, hi = _align_down(first), _align_up(end)
         buf = self._bounce(hi - lo)
@@ -396,6 +416,8 @@ class SegmentFiles:
             np.copyto(t.payload, buf[a + h:a + h + p])
             t.tail[:] = buf[a + h + p:a + t.loc.length]
             t.ok = True
+            if then is not None:
+                then(t)
 
     # ------------------------------------------------------------------ maintenance
     def punch(self, locs: Sequence[Location]) -> None:
