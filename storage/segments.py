@@ -254,12 +254,15 @@ class SegmentFiles:
     def _open_active(self) -> None:
         seg = self._new_id()
         path = self.file(seg)
+        # Created and flock'ed under a temporary name, then renamed: a gc in another
+        # process never sees this writer's segment unlocked.
+        tmp = path.with_name(path.name + ".new")
         fd = -1
         direct = self.direct_io is not False
         while True:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
             try:
-                fd = os.open(path, flags, 0o600)
+                fd = os.open(tmp, flags, 0o600)
                 break
             except OSError as e:
                 if direct and self.direct_io is None and e.errno == errno.EINVAL:
@@ -269,9 +272,11 @@ class SegmentFiles:
         try:
             os.fchmod(fd, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, path)
             fsync_dir(self.path)  # the new file's name is durable before records point into it
         except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
             raise
         if self.direct_io is None:
             self.direct_io = direct
@@ -430,9 +435,15 @@ class SegmentFiles:
                 fd = os.open(self.file(seg), os.O_WRONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
-            try:
-                for loc in group:
-                    punch_hole(fd, loc.offset, loc.length)
+            try:  # adjacent records in one call: the blocks they share are freed too
+                group.sort(key=lambda loc: loc.offset)
+                start, end = group[0].offset, group[0].end
+                for loc in group[1:]:
+                    if loc.offset > end:
+                        punch_hole(fd, start, end - start)
+                        start = loc.offset
+                    end = max(end, loc.end)
+                punch_hole(fd, start, end - start)
             finally:
                 os.close(fd)
 
@@ -466,6 +477,19 @@ class SegmentFiles:
                     pos = max(pos, b)
             finally:
                 os.close(fd)
+        for name in os.listdir(self.path):  # segments a writer died creating
+            if name.endswith(SEGMENT_SUFFIX + ".new"):
+                try:
+                    fd = os.open(self.path / name, os.O_WRONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(self.path / name)
+                except BlockingIOError:
+                    pass
+                finally:
+                    os.close(fd)
         if removed:
             fsync_dir(self.path)
         self.forget_removed()
