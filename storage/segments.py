@@ -36,6 +36,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ _MERGE_GAP = 64 << 10
 #: ...up to this many bytes (a batch of Flash blocks: several extents, read in parallel).
 _MAX_EXTENT = 2 << 20
 SEGMENT_SUFFIX = ".seg"
+#: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
+_SWEEP_S = 10.0
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -201,6 +204,7 @@ class SegmentFiles:
         self._staging: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        self._swept = time.monotonic()
 
     # ------------------------------------------------------------------ plumbing
     def pool(self) -> ThreadPoolExecutor:
@@ -365,6 +369,9 @@ class SegmentFiles:
         """Read every task's record parts (sets ``task.ok``), then call ``then(task)`` on
         each one read (in the reading thread, while its bytes are in the CPU cache);
         extents in parallel."""
+        if time.monotonic() - self._swept > _SWEEP_S:
+            self._swept = time.monotonic()
+            self.forget_removed()
         extents = _extents(tasks)
         if len(extents) == 1 or self.io_threads <= 1:
             for ext in extents:
@@ -373,6 +380,14 @@ class SegmentFiles:
             list(self.pool().map(lambda ext: self._read_extent(ext, then), extents))
 
     def _read_extent(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+        try:
+            self._read_extent_of(ext, then)
+        except OSError:
+            # EIO, or the fd of a segment gc unlinked was closed under us (only records no
+            # longer indexed live there): what was not read is a miss
+            pass
+
+    def _read_extent_of(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
         seg = ext[0].loc.segment
         first, end = ext[0].loc.offset, ext[-1].loc.end
         try:
