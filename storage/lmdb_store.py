@@ -161,7 +161,7 @@ class LmdbStore(BlockStore):
 
     supports_multiprocess = True
     supports_shared_writers = True
-    supports_mmap_reads = True
+    supports_mmap_reads = False  # records are pread (page cache or O_DIRECT) into the out buffers
 
     def __init__(self, path: str | os.PathLike[str], *, layout_fingerprint: str,
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
