@@ -458,7 +458,6 @@ class LmdbStore(BlockStore):
             first.setdefault(kb, i)
         new = [i for i, kb in enumerate(kbs) if first[kb] == i and (i not in present or i in corrupt_seen)]
         with self._segments.write_lock:
-            start = self._segments.last_append_start()
             locs = self._append(items, sizes, new)
             taken = self._take_access()
             try:
@@ -467,8 +466,8 @@ class LmdbStore(BlockStore):
                     write=True, need=8 << 10)
             except BaseException:
                 self._restore_access(taken)
-                if new:  # nothing indexed them: the segment tail goes back
-                    self._segments.rollback(start)
+                if locs:  # nothing indexed them: the active segment's tail goes back
+                    self._segments.rollback(min(loc.offset for loc, _ in locs.values()))
                 raise
         self._segments.punch(freed)
         self._stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
@@ -599,6 +598,8 @@ class LmdbStore(BlockStore):
         for a valid record."""
         fp = self.layout_fingerprint
         tasks: list[ReadTask] = []
+        heads = np.empty((len(jobs), HEADER_BYTES), np.uint8)
+        tails = np.empty((len(jobs), CHECKSUM_BYTES), np.uint8)
         odd: list[tuple[int, RecordKey, Location, Any, bytes | None]] = []
         info: dict[int, tuple[RecordKey, bytes, bytes | None]] = {}
         failed: list[int] = []
@@ -615,7 +616,7 @@ class LmdbStore(BlockStore):
             if payload_bytes < 0 or out.nbytes != payload_bytes:
                 odd.append((i, key, loc, out, digest))
                 continue
-            tasks.append(ReadTask(i, loc, np.empty(HEADER_BYTES, np.uint8), out, np.empty(CHECKSUM_BYTES, np.uint8)))
+            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)]))
         def check(t: ReadTask) -> None:  # in the reading thread
             key, checksum, digest = info[t.index]
             if bytes(t.tail) != checksum:

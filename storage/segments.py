@@ -205,6 +205,7 @@ class SegmentFiles:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._swept = time.monotonic()
+        self._can_reserve = True
 
     # ------------------------------------------------------------------ plumbing
     def pool(self) -> ThreadPoolExecutor:
@@ -323,7 +324,7 @@ class SegmentFiles:
 
         pending = []
         try:
-            os.posix_fallocate(fd, start, padded)  # ENOSPC here: nothing written
+            self._reserve(fd, start, padded)  # ENOSPC here: nothing written
             pool = self.pool()
             pos = sent = 0
             for j, n in enumerate(lengths):
@@ -351,6 +352,16 @@ class SegmentFiles:
             off += n
         return locs
 
+    def _reserve(self, fd: int, offset: int, length: int) -> None:
+        if not self._can_reserve:
+            return
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            self._can_reserve = False  # the filesystem cannot: ENOSPC comes from the writes
+
     def rollback(self, end: int) -> None:
         """Cut the active segment back to ``end`` (its records were never indexed)."""
         if self._active_fd < 0:
@@ -360,9 +371,6 @@ class SegmentFiles:
             self._active_end = end
         except OSError:
             self._close_active()  # a fresh segment next time; the tail is garbage for gc
-
-    def last_append_start(self) -> int:
-        return self._active_end
 
     # ------------------------------------------------------------------ reads
     def read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None = None) -> None:
@@ -536,8 +544,16 @@ class SegmentFiles:
 def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int) -> int:
     """preadv until every buffer is full or end of file; returns the bytes read."""
     want = sum(b.nbytes for b in bufs)
-    got = 0
+    got = os.preadv(fd, bufs, offset)  # the common case: all of it at once
+    if got == want or got <= 0:
+        return max(got, 0)
     views = [memoryview(b).cast("B") for b in bufs if b.nbytes]
+    n = got
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
     while views:
         n = os.preadv(fd, views, offset + got)
         if n <= 0:

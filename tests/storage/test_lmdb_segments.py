@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
-from tiered_kv.storage import LmdbStore, StoreError, record_size
+from tiered_kv.storage import LmdbStore, StoreError, StoreFullError, record_size
 from tiered_kv.storage.lmdb_store import unpack_entry
 from tiered_kv.storage.record import HEADER_BYTES
-from tiered_kv.storage.segments import ALIGN, segment_name
+from tiered_kv.storage.segments import ALIGN, punch_hole, segment_name
 
 N = 100_000
 ONE = record_size(N)
@@ -146,6 +146,11 @@ def test_crash_between_segment_write_and_index_commit(tmp_path: Path) -> None:
 
 
 def test_evicted_and_deleted_records_give_their_disk_space_back(tmp_path: Path) -> None:
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(4 * ALIGN))
+    with open(probe, "r+b") as f:
+        if not punch_hole(f.fileno(), 0, 4 * ALIGN):
+            pytest.skip("this filesystem cannot punch holes")
     where = tmp_path / "s"
     with LmdbStore(where, layout_fingerprint=FP, max_bytes=4 * ONE) as store:
         store.put_many([item_for(make_key(i), N) for i in range(4)])
@@ -209,3 +214,19 @@ def test_format_1_store_is_refused_with_what_to_do(tmp_path: Path) -> None:
     env.close()
     with pytest.raises(StoreError, match="format version 1.*remove this directory"):
         LmdbStore(where, layout_fingerprint=FP)
+
+
+def test_a_refused_batch_gives_its_segment_bytes_back(tmp_path: Path) -> None:
+    """The index map full after the batch went to a fresh segment: that segment is cut
+    back to empty, nothing of the batch is indexed, and the store keeps working."""
+    where = tmp_path / "s"
+    sizes = {make_key(i): 10 for i in range(5000)}
+    with LmdbStore(where, layout_fingerprint=FP, map_size=256 << 10, segment_bytes=1) as store:
+        stored: list = []
+        with pytest.raises(StoreFullError, match="map full"):
+            for start in range(0, 5000, 50):  # every batch starts a new segment
+                keys = [make_key(i) for i in range(start, start + 50)]
+                store.put_many([item_for(k, 10) for k in keys])
+                stored.extend(keys)
+        assert _segments(where)[-1].stat().st_size == 0
+        assert set(store) == set(stored) and verify_all(store, sizes=sizes) == len(stored)
