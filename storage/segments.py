@@ -403,7 +403,7 @@ class SegmentFiles:
         except FileNotFoundError:
             return  # reclaimed by gc: every record of it is a miss
         cached = self._cached(fd, first, end - first)
-        if not cached and self.direct_io:
+        if not cached and self.direct_io is not False:  # None: try it (EINVAL turns it off)
             try:
                 self._read_direct(ext, first, end, then)
                 return
