@@ -19,7 +19,9 @@ baselines, measured in the same run on the same filesystem:
     hot read   the store's files in the page cache: every file read once with plain reads
                (untimed) before the pass. A store that reads cold data with O_DIRECT (LMDB)
                leaves nothing cached by its cold pass, so without this step its "hot" pass
-               would be a second cold one.
+               would be a second cold one. Other sessions on a shared machine drop the page
+               cache now and then: a hot pass after which less than 99 % of the files'
+               pages are still cached (cachestat) is measured again (up to 5 times).
 
 The issue's reference figures (vLLM 0.33 FS tier, LMCache 0.5.6 local disk, measured on
 this machine type on 2026-11-30, not re-measured here) are printed beside the targets.
@@ -53,6 +55,7 @@ if str(ROOT) not in sys.path:  # allow `python bench/disk.py` from a checkout
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 from tiered_kv.storage import BlockStore, LmdbStore, PutItem, RecordKey, ZarrStore, record_size  # noqa: E402
+from tiered_kv.storage import segments  # noqa: E402  (cachestat)
 from tiered_kv.storage.segments import aligned_buffer  # noqa: E402
 
 FLASH_BLOCK_BYTES = 492_832  # 21*32*584 + 21*32*132 + 20*1*584
@@ -71,6 +74,44 @@ BACKENDS: dict[str, Callable[[Path, int], BlockStore]] = {
     "lmdb": lambda path, max_bytes: LmdbStore(path, layout_fingerprint=FINGERPRINT, max_bytes=max_bytes),
     "zarr": lambda path, max_bytes: ZarrStore(path, layout_fingerprint=FINGERPRINT, max_bytes=max_bytes),
 }
+
+
+HOT_TRIES = 5
+
+
+def cached_fraction(path: Path) -> float:
+    """Fraction of the pages of the files under ``path`` in the page cache (1.0 where
+    cachestat is unavailable: unknown)."""
+    files = [path] if path.is_file() else [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
+    cached = total = 0
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = segments._LIBC.cached_pages(fd, 0, max(os.fstat(fd).st_size, 1))
+        finally:
+            os.close(fd)
+        if got is None:
+            return 1.0
+        cached, total = cached + got[0], total + got[1]
+    return cached / total if total else 1.0
+
+
+def hot_pass(path: Path, timed_pass: Callable[[], float], *, warm: bool = True) -> float:
+    """Seconds of ``timed_pass`` with the files under ``path`` in the page cache. Other
+    sessions on a shared machine drop the page cache now and then (a file's cached pages
+    were seen gone within 2 s): a pass after which less than 99 % is still cached is
+    measured again, up to HOT_TRIES times."""
+    best = None
+    for _ in range(HOT_TRIES):
+        if warm:
+            warm_cache(path)
+        before = cached_fraction(path)
+        seconds = timed_pass()
+        if min(before, cached_fraction(path)) >= 0.99:
+            return seconds
+        best = seconds if best is None else min(best, seconds)
+        warm = True
+    return best
 
 
 def warm_cache(path: Path) -> None:
@@ -144,7 +185,7 @@ def raw_run(w: Workload, workdir: Path) -> dict[str, float]:
 
     drop_cache(path)
     cold_s = read_all()
-    hot_s = read_all()
+    hot_s = hot_pass(path, read_all, warm=False)  # the cold pass left the file cached
     path.unlink()
     return {"write_gbps": gbps(w.total, write_s), "cold_read_gbps": gbps(w.total, cold_s),
             "hot_read_gbps": gbps(w.total, hot_s)}
@@ -192,8 +233,7 @@ def ceiling_run(w: Workload, workdir: Path) -> dict[str, float]:
 
     drop_cache(path)
     cold_s = timed(os.O_RDONLY | os.O_DIRECT, read_into)
-    warm_cache(path)
-    hot_s = timed(os.O_RDONLY, read_into)
+    hot_s = hot_pass(path, lambda: timed(os.O_RDONLY, read_into))
     path.unlink()
     return {"write_gbps": gbps(w.total, write_s), "cold_read_gbps": gbps(w.total, cold_s),
             "hot_read_gbps": gbps(w.total, hot_s)}
@@ -232,15 +272,18 @@ def store_run(name: str, w: Workload, workdir: Path) -> dict[str, float]:
         np.testing.assert_array_equal(outs[0], w.payloads[last[0]])
     finally:
         store.close()
-    warm_cache(path)
-    store = open_store(path, max_bytes)
-    try:
-        for o in outs:
-            o.fill(0)
-        hot_s = read_all(store)
-        np.testing.assert_array_equal(outs[0], w.payloads[last[0]])
-    finally:
-        store.close()
+    def hot_read_all() -> float:
+        store = open_store(path, max_bytes)  # a fresh handle per pass
+        try:
+            for o in outs:
+                o.fill(0)
+            seconds = read_all(store)
+            np.testing.assert_array_equal(outs[0], w.payloads[last[0]])
+            return seconds
+        finally:
+            store.close()
+
+    hot_s = hot_pass(path, hot_read_all)
     shutil.rmtree(path)
     return {"write_gbps": gbps(w.total, write_s), "cold_read_gbps": gbps(w.total, cold_s),
             "hot_read_gbps": gbps(w.total, hot_s)}

@@ -20,8 +20,8 @@ filesystem takes it: no page-cache copy and writeback), then ``fdatasync``. Only
 the store commit the index entries, so a crash leaves at most unindexed bytes at a
 segment's tail: misses, reclaimed by ``gc``.
 
-Reads: an extent (records adjacent in one segment) whose pages are all in the page cache
-(``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
+Reads: an extent (records adjacent in one segment) whose pages are (3/4 or more) in the
+page cache (``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
 otherwise with ``O_DIRECT`` into an aligned bounce buffer (parallel, several extents in
 flight), or with buffered ``preadv`` after ``POSIX_FADV_WILLNEED`` when direct I/O is off.
 Deleting or evicting a record punches a hole over it (``fallocate(PUNCH_HOLE)``), so the
@@ -419,9 +419,10 @@ class SegmentFiles:
                 then(t)
 
     def _cached(self, fd: int, offset: int, length: int) -> bool:
-        """Whether the page cache holds all of the range (unknown: True, read buffered)."""
+        """Whether the page cache holds (at least 3/4 of) the range: then a buffered read
+        beats O_DIRECT. Unknown (no cachestat): True, read buffered."""
         got = _LIBC.cached_pages(fd, offset, length)
-        return got is None or got[0] >= got[1]
+        return got is None or 4 * got[0] >= 3 * got[1]
 
     def _bounce(self, nbytes: int) -> np.ndarray:
         buf = getattr(self._local, "bounce", None)
