@@ -375,34 +375,48 @@ class SegmentFiles:
     # ------------------------------------------------------------------ reads
     def read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None = None) -> None:
         """Read every task's record parts (sets ``task.ok``), then call ``then(task)`` on
-        each one read (in the reading thread, while its bytes are in the CPU cache);
-        extents in parallel."""
+        each one read (in the reading thread, while its bytes are in the CPU cache).
+
+        Extents the page cache holds are read in the calling thread (a memory copy: no
+        thread hand-offs); the others in parallel on the I/O threads meanwhile."""
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
-        extents = _extents(tasks)
-        if len(extents) == 1 or self.io_threads <= 1:
-            for ext in extents:
-                self._read_extent(ext, then)
+        hot: list[tuple[list[ReadTask], int, bool]] = []
+        cold: list[tuple[list[ReadTask], int, bool]] = []
+        for ext in _extents(tasks):
+            try:
+                fd = self._fd(ext[0].loc.segment, direct=False)
+            except OSError:
+                continue  # reclaimed by gc (or unreadable): every record of it is a miss
+            first, end = ext[0].loc.offset, ext[-1].loc.end
+            cached = self._cached(fd, first, end - first)
+            (hot if cached else cold).append((ext, fd, cached))
+        futures = []
+        if len(cold) > 1 and self.io_threads > 1:
+            pool = self.pool()
+            futures = [pool.submit(self._read_extent, ext, fd, cached, then) for ext, fd, cached in cold]
         else:
-            list(self.pool().map(lambda ext: self._read_extent(ext, then), extents))
-
-    def _read_extent(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+            hot = cold + hot
         try:
-            self._read_extent_of(ext, then)
+            for ext, fd, cached in hot:
+                self._read_extent(ext, fd, cached, then)
+        finally:
+            for f in futures:
+                f.result()
+
+    def _read_extent(self, ext: list[ReadTask], fd: int, cached: bool,
+                     then: Callable[[ReadTask], None] | None) -> None:
+        try:
+            self._read_extent_of(ext, fd, cached, then)
         except OSError:
             # EIO, or the fd of a segment gc unlinked was closed under us (only records no
             # longer indexed live there): what was not read is a miss
             pass
 
-    def _read_extent_of(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
-        seg = ext[0].loc.segment
+    def _read_extent_of(self, ext: list[ReadTask], fd: int, cached: bool,
+                        then: Callable[[ReadTask], None] | None) -> None:
         first, end = ext[0].loc.offset, ext[-1].loc.end
-        try:
-            fd = self._fd(seg, direct=False)
-        except FileNotFoundError:
-            return  # reclaimed by gc: every record of it is a miss
-        cached = self._cached(fd, first, end - first)
         if not cached and self.direct_io is not False:  # None: try it (EINVAL turns it off)
             try:
                 self._read_direct(ext, first, end, then)
