@@ -50,7 +50,7 @@ limit ``put_many`` raises :class:`StoreFullError` and the transaction is aborted
 
 Stores of format version 1 (records inside LMDB, before segment files) are refused with
 an error that says what to do: the disk tier is a cache, so remove the directory (or use
-another path) and it refills; or open it with tiered_kv < 0.2 and copy what matters.
+another path) and it refills as prompts are served. There is no in-place migration.
 """
 
 from __future__ import annotations
