@@ -622,8 +622,9 @@ class LmdbStore(BlockStore):
             if bytes(t.tail) != checksum:
                 return
             try:
-                parsed = parse_header(t.header, t.loc.length)
-                t.result = verify_record_parts(t.header, t.payload, t.tail, parsed=parsed, expect_key=key,
+                header = t.header.tobytes()  # (struct reads bytes several times faster than a numpy row)
+                parsed = parse_header(header, t.loc.length)
+                t.result = verify_record_parts(header, t.payload, t.tail, parsed=parsed, expect_key=key,
                                                expect_fingerprint=fp, expect_token_digest=digest)
             except CorruptRecordError:
                 pass
