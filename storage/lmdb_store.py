@@ -1,44 +1,61 @@
-"""LMDB block store: the embedded default (one directory, ACID, multi-process, zero-copy reads).
+"""LMDB block store: the embedded default (one directory, ACID index, multi-process).
 
-Layout of one environment directory (``data.mdb`` + ``lock.mdb``, both 0o600)::
+LMDB is the index; the records (record.py format, unchanged) live in append-only segment
+files beside it (see segments.py). Layout of one store directory (files 0o600, dirs 0o700)::
+
+    data.mdb, lock.mdb        the LMDB environment (the index)
+    segments/00000001.seg     records, appended in 4 KiB-aligned batches
 
     sub-db    key                                 value
     -------   ---------------------------------   -----------------------------------------
-    records   RecordKey.to_bytes() (33 B)         the record (record.py format)
+    records   RecordKey.to_bytes() (33 B)         u32 segment, u64 offset, u64 record bytes,
+                                                  16 B xxh3-128 checksum (all LE; the record's own)
     meta      b"format_version"                   u16 LE, STORE_FORMAT_VERSION
               b"record_format_version"            u16 LE, record.FORMAT_VERSION
               b"layout_fingerprint"               ascii
               b"record_bytes"                     u64 LE, sum of the accounted record sizes
+              b"next_segment"                     u32 LE, the next segment id to hand out
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
 
+Writes: a ``put_many`` stages its new records in an aligned buffer, appends them to this
+process's active segment (``O_DIRECT`` where the filesystem takes it, ``fdatasync``), then
+commits their index entries in one LMDB transaction (``sync=True, metasync=True``): durable
+when it returns, all-or-nothing on a crash. A crash between the two leaves unindexed bytes
+in a segment: misses, given back by :meth:`LmdbStore.gc`. Each writer process appends to
+its own segment (flock'ed), so writers never coordinate beyond LMDB's write lock.
+
+Reads: one read transaction looks up every key; the records are then read in parallel
+(adjacent records of a segment in one transfer; from the page cache when it holds them,
+else ``O_DIRECT``) straight into the caller's buffers where possible, and each one is
+verified (header, xxh3-128 checksum against the record and the index, fingerprint, key,
+token digest). A record that fails while the index still points at it is corrupt: a miss,
+counted and unindexed. Deleting or evicting a record punches a hole over its bytes.
+
 Access times are ``time.time_ns()`` (made strictly increasing within a process) so that they
 agree between processes. ``atime`` and ``lru`` are kept together in the same write
-transactions as the records, so eviction order survives restarts and is shared by every
+transactions as the index, so eviction order survives restarts and is shared by every
 process. Reads do not write: a hit queues its access time in memory and the queue is
 applied by the next write transaction of this process (every ``put_many`` applies it before
 evicting, so in-process LRU order is exact), or on its own when it is older than
 ``access_flush_s`` or larger than 4096 entries, and at ``close()``. A crash loses at most
 those queued hints, never a record.
 
-Durability: LMDB's defaults (``sync=True, metasync=True``; no ``writemap``): a
-``put_many`` is one transaction, durable when it returns, and all-or-nothing on a crash.
-``writemap`` stays off: it writes through a shared mapping of a file sized to the map, so a
-full disk would surface as SIGBUS in the writing process instead of StoreFullError.
-Multi-process safety is LMDB's own lock file (robust mutexes): any number of processes may
-read and write one directory at once; write transactions serialize.
+Full disk: segment space is reserved with ``posix_fallocate`` before a batch is written,
+so a full disk raises :class:`StoreFullError` with nothing appended (never SIGBUS: nothing
+is written through a mapping; ``writemap`` stays off). The map starts at
+``initial_map_size`` (default ``min(map limit, 1 GiB)``) and doubles on ``MDB_MAP_FULL``
+up to the map limit, ``map_size`` if given, else ``1.5 * max_bytes + 64 MiB``; at the
+limit ``put_many`` raises :class:`StoreFullError` and the transaction is aborted.
 
-Map size: the map starts at ``initial_map_size`` (default ``min(map limit, 1 GiB)``) and
-doubles on ``MDB_MAP_FULL`` up to the map limit, ``map_size`` if given, else
-``1.5 * max_bytes + 64 MiB`` (records never exceed ``max_bytes``; the rest is B-tree
-pages, and pages freed in a transaction that a reader may still see). At the limit, or on
-ENOSPC, ``put_many`` raises :class:`StoreFullError`; the transaction is aborted, so the
-stored records and the environment are untouched. On Linux the data file grows with its
-contents, not with the map size.
+Stores of format version 1 (records inside LMDB, before segment files) are refused with
+an error that says what to do: the disk tier is a cache, so remove the directory (or use
+another path) and it refills as prompts are served. There is no in-place migration.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
@@ -61,22 +78,30 @@ from .base import (
     create_private_file,
     mkdir_private,
 )
-from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
+from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
 from .record import (
+    CHECKSUM_BYTES,
     FORMAT_VERSION,
+    HEADER_BYTES,
     RecordKey,
     RecordMeta,
     as_byte_array,
     decode_record,
     encode_record_into,
     fingerprint_field,
+    parse_header,
     record_size,
+    verify_record_parts,
 )
+from .segments import Location, ReadTask, SegmentFiles
 
-__all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION"]
+__all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 
-#: Version of the environment's layout (sub-dbs and meta keys above).
-STORE_FORMAT_VERSION = 1
+#: Version of the store's layout (sub-dbs, meta keys and segment files above). 1: records
+#: inside LMDB (refused, see the module docstring).
+STORE_FORMAT_VERSION = 2
+DEFAULT_SEGMENT_BYTES = 256 << 20
+DEFAULT_IO_THREADS = 4
 DEFAULT_MAX_BYTES = 64 << 30
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
@@ -91,6 +116,10 @@ _M_FORMAT = b"format_version"
 _M_RECORD_FORMAT = b"record_format_version"
 _M_FINGERPRINT = b"layout_fingerprint"
 _M_TOTAL = b"record_bytes"
+_M_NEXT_SEGMENT = b"next_segment"
+_U32 = struct.Struct("<I")
+#: an index entry: segment, offset, record bytes, the record's xxh3-128 checksum
+_ENTRY = struct.Struct("<IQQ16s")
 #: lifetime counters of every process that used the store: u64 LE each, StoreStats.NAMES order
 _M_COUNTERS = b"counters"
 
@@ -105,6 +134,19 @@ def _close_env(env: lmdb.Environment, ident: tuple[int, int]) -> None:
         _REGISTRY.release(ident)
 
 
+def pack_entry(loc: Location, checksum: bytes) -> bytes:
+    """The ``records`` value of a record stored at ``loc``."""
+    return _ENTRY.pack(loc.segment, loc.offset, loc.length, checksum)
+
+
+def unpack_entry(raw: Any) -> tuple[Location, bytes] | None:
+    """``(location, checksum)`` of a ``records`` value, or None if it is not an entry."""
+    if raw is None or len(raw) != _ENTRY.size:
+        return None
+    seg, off, n, checksum = _ENTRY.unpack(raw)
+    return Location(seg, off, n), checksum
+
+
 class LmdbStore(BlockStore):
     """Block store in one LMDB environment directory.
 
@@ -112,19 +154,24 @@ class LmdbStore(BlockStore):
     on the stored records (header + payload + checksum), LRU-evicted. ``map_size``: the
     largest LMDB map (default derived from ``max_bytes``, see the module docstring).
     ``readonly``: open an existing store without writing (corrupt records are misses but
-    stay; access times are not recorded).
+    stay; access times are not recorded). ``segment_bytes``: a writer starts a new segment
+    file past this size. ``direct_io``: O_DIRECT segment writes and cold reads (None: where
+    the filesystem accepts it). ``io_threads``: parallel transfers of one call.
     """
 
     supports_multiprocess = True
     supports_shared_writers = True
-    supports_mmap_reads = True
+    supports_mmap_reads = False  # records are pread (page cache or O_DIRECT) into the out buffers
 
     def __init__(self, path: str | os.PathLike[str], *, layout_fingerprint: str,
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
-                 initial_map_size: int | None = None, access_flush_s: float = 5.0) -> None:
+                 initial_map_size: int | None = None, access_flush_s: float = 5.0,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
+                 io_threads: int = DEFAULT_IO_THREADS) -> None:
         fingerprint_field(layout_fingerprint)
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size),
-                            ("initial_map_size", initial_map_size)):
+                            ("initial_map_size", initial_map_size), ("segment_bytes", segment_bytes),
+                            ("io_threads", io_threads)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.path = Path(os.path.abspath(path))
@@ -171,6 +218,9 @@ class LmdbStore(BlockStore):
         except BaseException:
             self._finalizer()
             raise
+        self._segments = SegmentFiles(self.path / "segments", new_segment_id=self._new_segment_id,
+                                      segment_bytes=segment_bytes, direct_io=direct_io,
+                                      io_threads=io_threads, readonly=readonly)
         self._closed = False
 
     # ------------------------------------------------------------------ opening
@@ -199,8 +249,14 @@ class LmdbStore(BlockStore):
             txn.put(_M_RECORD_FORMAT, _U16.pack(FORMAT_VERSION), db=self._meta)
             txn.put(_M_FINGERPRINT, self.layout_fingerprint.encode("ascii"), db=self._meta)
             txn.put(_M_TOTAL, _U64.pack(0), db=self._meta)
+            txn.put(_M_NEXT_SEGMENT, _U32.pack(1), db=self._meta)
             return
         (version,) = _U16.unpack(bytes(stored_version))
+        if version == 1:
+            raise StoreError(f"{self.path}: store format version 1 (records inside LMDB); this code "
+                             f"reads version {STORE_FORMAT_VERSION} (records in segment files). The disk "
+                             f"tier is a cache: remove this directory (or open another path) and it "
+                             f"refills as prompts are served")
         if version != STORE_FORMAT_VERSION:
             raise StoreError(f"{self.path}: store format version {version}, this code reads "
                              f"version {STORE_FORMAT_VERSION}")
@@ -256,17 +312,19 @@ class LmdbStore(BlockStore):
             raw = txn.get(_M_TOTAL, db=self._meta)
             return _U64.unpack(bytes(raw))[0] if raw is not None else 0
 
+    def _new_segment_id(self) -> int:
+        def take(txn: lmdb.Transaction) -> int:
+            raw = txn.get(_M_NEXT_SEGMENT, db=self._meta)
+            seg = _U32.unpack(bytes(raw))[0] if raw is not None else 1
+            txn.put(_M_NEXT_SEGMENT, _U32.pack(seg + 1), db=self._meta)
+            return seg
+
+        return self._run(take, write=True)
+
     def _now_ns(self) -> int:
         with self._access_lock:
             self._last_ns = max(time.time_ns(), self._last_ns + 1)
             return self._last_ns
-
-    def _scratch(self, size: int) -> memoryview:
-        """This thread's encode buffer, at least ``size`` bytes."""
-        buf = getattr(self._local, "scratch", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.scratch = np.empty(size, dtype=np.uint8)
-        return memoryview(buf)
 
     def _check_writable(self) -> None:
         if self.readonly:
@@ -286,8 +344,12 @@ class LmdbStore(BlockStore):
         txn.put(kb, _ATIME.pack(ns, size), db=self._atime)
         txn.put(_LRU_NS.pack(ns) + kb, b"", db=self._lru)
 
-    def _remove(self, txn: lmdb.Transaction, kb: bytes) -> int:
-        """Delete record ``kb`` and its access entries; returns its accounted bytes."""
+    def _remove(self, txn: lmdb.Transaction, kb: bytes, freed: list[Location]) -> int:
+        """Unindex record ``kb`` and its access entries (its location is appended to
+        ``freed``, to punch once the transaction committed); returns its accounted bytes."""
+        found = unpack_entry(txn.get(kb, db=self._records))
+        if found is not None:
+            freed.append(found[0])
         size = 0
         old = txn.get(kb, db=self._atime)
         if old is not None:
@@ -301,8 +363,8 @@ class LmdbStore(BlockStore):
         raw = txn.get(_M_TOTAL, db=self._meta)
         return _U64.unpack(raw)[0] if raw is not None else 0
 
-    def _evict_for(self, txn: lmdb.Transaction, total: int, need: int, *, limit: int | None = None,
-                   max_records: int | None = None) -> tuple[int, int]:
+    def _evict_for(self, txn: lmdb.Transaction, total: int, need: int, freed: list[Location], *,
+                   limit: int | None = None, max_records: int | None = None) -> tuple[int, int]:
         """Evict least recently accessed records until ``need`` more bytes fit in ``limit``
         (default ``max_bytes``), or ``max_records`` were evicted."""
         bound = self.max_bytes if limit is None else limit
@@ -313,7 +375,7 @@ class LmdbStore(BlockStore):
                 raise StoreError(f"{self.path}: accounting broken: {total} bytes recorded but no "
                                  f"record left to evict")
             kb = bytes(cur.key()[_LRU_NS.size:])
-            total -= self._remove(txn, kb)
+            total -= self._remove(txn, kb, freed)
             evicted += 1
         return total, evicted
 
@@ -385,50 +447,102 @@ class LmdbStore(BlockStore):
             if size > self.max_bytes:
                 raise StoreFullError(f"{self.path}: record {item.key!r} of {size} bytes is larger "
                                      f"than max_bytes={self.max_bytes}")
-        # Records are encoded one at a time into a reused per-thread buffer, inside the
-        # transaction: LMDB copies the value anyway, and fresh 0.5 MB buffers cost a page
-        # fault per 4 KiB on every put.
-        scratch = self._scratch(max(sizes))
-
-        def write(txn: lmdb.Transaction) -> tuple[list[bool], int, int, int]:
-            self._apply_access(txn, taken)
-            total = self._get_total(txn)
-            results: list[bool] = []
-            evicted = corrupt = written = 0
-            for item, size in zip(items, sizes):
-                key = item.key
-                kb = key.to_bytes()
-                old = txn.get(kb, db=self._records)
-                if old is not None:
-                    try:
-                        decode_record(old, expect_key=key, expect_fingerprint=self.layout_fingerprint)
-                    except CorruptRecordError:
-                        corrupt += 1
-                        total -= self._remove(txn, kb)
-                    else:
-                        self._touch(txn, kb, self._now_ns())
-                        results.append(False)
-                        continue
-                total, n = self._evict_for(txn, total, size)
-                evicted += n
-                encode_record_into(scratch, key=key, parent_hash=item.parent_hash, token_digest=item.token_digest,
-                                   layout_fingerprint=self.layout_fingerprint, payload=item.payload)
-                txn.put(kb, scratch[:size], db=self._records)
-                self._touch(txn, kb, self._now_ns(), size=size)
-                total += size
-                written += size
-                results.append(True)
-            txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
-            return results, evicted, corrupt, written
-
-        taken = self._take_access()
-        try:
-            results, evicted, corrupt, written = self._run(write, write=True, need=sum(sizes))
-        except BaseException:
-            self._restore_access(taken)
-            raise
+        kbs = [item.key.to_bytes() for item in items]
+        # Keys already indexed: kept if their record verifies (write-once), replaced if not.
+        seen = self._run(lambda txn: [txn.get(kb, db=self._records) for kb in kbs], write=False)
+        seen = [bytes(v) if v is not None else None for v in seen]
+        present = {i for i, v in enumerate(seen) if v is not None}
+        corrupt_seen = self._corrupt_among([(i, items[i].key, seen[i]) for i in sorted(present)])
+        first: dict[bytes, int] = {}
+        for i, kb in enumerate(kbs):
+            first.setdefault(kb, i)
+        new = [i for i, kb in enumerate(kbs) if first[kb] == i and (i not in present or i in corrupt_seen)]
+        with self._segments.write_lock:
+            locs = self._append(items, sizes, new)
+            taken = self._take_access()
+            try:
+                results, evicted, corrupt, written, freed = self._run(
+                    lambda txn: self._index_puts(txn, items, kbs, sizes, seen, new, locs, taken),
+                    write=True, need=8 << 10)
+            except BaseException:
+                self._restore_access(taken)
+                if locs:  # nothing indexed them: the active segment's tail goes back
+                    self._segments.rollback(min(loc.offset for loc, _ in locs.values()))
+                raise
+        self._segments.punch(freed)
         self._stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
         return results
+
+    def _append(self, items: Sequence[PutItem], sizes: list[int], new: list[int]) -> dict[int, tuple[Location, bytes]]:
+        """Encode items ``new`` into the staging buffer and append them durably (under the
+        segment write lock); returns index -> (location, checksum)."""
+        if not new:
+            return {}
+        lengths = [sizes[i] for i in new]
+        checksums: list[bytes] = []
+
+        def fill(j: int, dst: np.ndarray) -> None:
+            item = items[new[j]]
+            encode_record_into(dst, key=item.key, parent_hash=item.parent_hash, token_digest=item.token_digest,
+                               layout_fingerprint=self.layout_fingerprint, payload=item.payload)
+            checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
+
+        try:
+            locs = self._segments.append(lengths, fill)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
+                                     f"stored records are intact") from e
+            raise
+        return {i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}
+
+    def _corrupt_among(self, present: list[tuple[int, RecordKey, bytes]]) -> set[int]:
+        """Which of the indexed records ``(index, key, index value)`` fail their checks."""
+        if not present:
+            return set()
+        with self._rw.shared():
+            check_open(self._closed, str(self.path))
+            _, failed = self._read_verified([(i, key, value, None, None) for i, key, value in present])
+        return set(failed)
+
+    def _index_puts(self, txn: lmdb.Transaction, items: Sequence[PutItem], kbs: list[bytes], sizes: list[int],
+                    seen: list[bytes | None], new: list[int], locs: dict[int, tuple[Location, bytes]],
+                    taken: dict[bytes, int]) -> tuple[list[bool], int, int, int, list[Location]]:
+        self._apply_access(txn, taken)
+        total = self._get_total(txn)
+        freed: list[Location] = []
+        results: list[bool] = []
+        evicted = corrupt = written = 0
+        new_set = set(new)
+        for i, (kb, size) in enumerate(zip(kbs, sizes)):
+            now = txn.get(kb, db=self._records)
+            now = bytes(now) if now is not None else None
+            if i not in new_set:
+                if now is not None:
+                    self._touch(txn, kb, self._now_ns())
+                    results.append(False)
+                    continue
+                # gone meanwhile (deleted / evicted): nothing of ours to index for it
+                results.append(False)
+                continue
+            loc, checksum = locs[i]
+            if now is not None:
+                if now != seen[i]:  # another writer stored it meanwhile: keep theirs
+                    freed.append(loc)
+                    self._touch(txn, kb, self._now_ns())
+                    results.append(False)
+                    continue
+                corrupt += 1  # the corrupt record we saw: replaced
+                total -= self._remove(txn, kb, freed)
+            total, n = self._evict_for(txn, total, size, freed)
+            evicted += n
+            txn.put(kb, pack_entry(loc, checksum), db=self._records)
+            self._touch(txn, kb, self._now_ns(), size=size)
+            total += size
+            written += size
+            results.append(True)
+        txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
+        return results, evicted, corrupt, written, freed
 
     def delete(self, key: RecordKey) -> bool:
         check_open(self._closed, str(self.path))
@@ -436,80 +550,155 @@ class LmdbStore(BlockStore):
         kb = key.to_bytes()
         with self._access_lock:
             self._access.pop(kb, None)
+        freed: list[Location] = []
 
         def remove(txn: lmdb.Transaction) -> bool:
             if txn.get(kb, db=self._records) is None:
                 return False
-            total = self._get_total(txn) - self._remove(txn, kb)
+            total = self._get_total(txn) - self._remove(txn, kb, freed)
             txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
             return True
 
-        return self._run(remove, write=True)
+        gone = self._run(remove, write=True)
+        self._segments.punch(freed)
+        return gone
 
-    def _remove_if_corrupt(self, bad: list[tuple[RecordKey, bytes | None]]) -> None:
-        """Delete the records that still fail their check (another process may have
-        replaced one with a valid record since we read it)."""
+    def _remove_if_corrupt(self, bad: list[tuple[bytes, bytes]]) -> int:
+        """Unindex the records of ``bad`` (key bytes, the index value that failed) whose
+        index value is still that one (another process may have replaced it); returns how
+        many were removed."""
+        freed: list[Location] = []
 
-        def remove(txn: lmdb.Transaction) -> None:
+        def remove(txn: lmdb.Transaction) -> int:
             total = self._get_total(txn)
-            for key, digest in bad:
-                kb = key.to_bytes()
-                rec = txn.get(kb, db=self._records)
-                if rec is None:
-                    continue
-                try:
-                    decode_record(rec, expect_key=key, expect_fingerprint=self.layout_fingerprint,
-                                  expect_token_digest=digest)
-                except CorruptRecordError:
-                    total -= self._remove(txn, kb)
+            n = 0
+            for kb, value in bad:
+                now = txn.get(kb, db=self._records)
+                if now is not None and bytes(now) == value:
+                    total -= self._remove(txn, kb, freed)
+                    n += 1
             txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
+            return n
 
         try:
-            self._run(remove, write=True)
+            n = self._run(remove, write=True)
         except StoreFullError:
             # Deleting needs fresh pages (copy-on-write); on a full disk the bad record
-            # stays, and stays a miss: every read verifies it again.
-            pass
+            # stays indexed, and stays a miss: every read verifies it again.
+            return 0
+        self._segments.punch(freed)
+        return n
 
     # ------------------------------------------------------------------ reads
+    def _read_verified(self, jobs: list[tuple[int, RecordKey, bytes, Any, bytes | None]]
+                       ) -> tuple[dict[int, RecordMeta], list[int]]:
+        """Read and verify records. ``jobs``: (index, key, index value, out uint8 array or
+        None, expected token digest). Returns index -> meta for the good ones and the
+        indices that failed (read or check). ValueError: an out buffer of the wrong size
+        for a valid record."""
+        fp = self.layout_fingerprint
+        tasks: list[ReadTask] = []
+        heads = np.empty((len(jobs), HEADER_BYTES), np.uint8)
+        tails = np.empty((len(jobs), CHECKSUM_BYTES), np.uint8)
+        odd: list[tuple[int, RecordKey, Location, Any, bytes | None]] = []
+        info: dict[int, tuple[RecordKey, bytes, bytes | None]] = {}
+        failed: list[int] = []
+        for i, key, value, out, digest in jobs:
+            found = unpack_entry(value)
+            if found is None:
+                failed.append(i)
+                continue
+            loc, checksum = found
+            info[i] = (key, checksum, digest)
+            payload_bytes = loc.length - HEADER_BYTES - CHECKSUM_BYTES
+            if out is None:
+                out = np.empty(max(payload_bytes, 0), np.uint8)
+            if payload_bytes < 0 or out.nbytes != payload_bytes:
+                odd.append((i, key, loc, out, digest))
+                continue
+            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)]))
+        def check(t: ReadTask) -> None:  # in the reading thread
+            key, checksum, digest = info[t.index]
+            if bytes(t.tail) != checksum:
+                return
+            try:
+                header = t.header.tobytes()  # (struct reads bytes several times faster than a numpy row)
+                parsed = parse_header(header, t.loc.length)
+                t.result = verify_record_parts(header, t.payload, t.tail, parsed=parsed, expect_key=key,
+                                               expect_fingerprint=fp, expect_token_digest=digest)
+            except CorruptRecordError:
+                pass
+
+        if tasks:
+            self._segments.read(tasks, check)
+        metas: dict[int, RecordMeta] = {}
+        for t in tasks:
+            if t.result is None:
+                failed.append(t.index)
+            else:
+                metas[t.index] = t.result
+        for i, key, loc, out, digest in odd:  # stored size differs from the out buffer's
+            whole = np.empty(max(loc.length, 0), np.uint8)
+            task = ReadTask(i, loc, whole[:0], whole, whole[:0])
+            self._segments.read([task])
+            try:
+                if not task.ok:
+                    raise CorruptRecordError(RecordCheck.TRUNCATED, "record bytes could not be read")
+                metas[i] = decode_record(whole, expect_key=key, expect_fingerprint=fp, expect_token_digest=digest,
+                                         out=out)
+            except CorruptRecordError:
+                failed.append(i)
+        return metas, sorted(failed)
+
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         check_open(self._closed, str(self.path))
         keys, dsts, digests = self._check_get_args(keys, outs, token_digests)
-
-        def read(txn: lmdb.Transaction) -> tuple[list[RecordMeta | None], list[int]]:
-            metas: list[RecordMeta | None] = []
-            bad: list[int] = []
-            for i, key in enumerate(keys):
-                rec = txn.get(key.to_bytes(), db=self._records)
-                if rec is None:
-                    metas.append(None)
-                    continue
-                try:
-                    metas.append(decode_record(rec, expect_key=key, expect_fingerprint=self.layout_fingerprint,
-                                               expect_token_digest=digests[i], out=dsts[i]))
-                except CorruptRecordError:
-                    metas.append(None)
-                    bad.append(i)
-            return metas, bad
-
-        metas, bad = self._run(read, write=False)
-        hits = sum(m is not None for m in metas)
+        kbs = [key.to_bytes() for key in keys]
+        values = self._run(lambda txn: [None if (v := txn.get(kb, db=self._records)) is None else bytes(v)
+                                        for kb in kbs], write=False)
+        jobs = [(i, keys[i], v, dsts[i], digests[i]) for i, v in enumerate(values) if v is not None]
+        with self._rw.shared():
+            check_open(self._closed, str(self.path))
+            good, failed = self._read_verified(jobs)
+        bad = self._still_indexed([(kbs[i], values[i]) for i in failed])
+        metas: list[RecordMeta | None] = [good.get(i) for i in range(len(keys))]
+        hits = len(good)
         self._stats.add(hits=hits, misses=len(metas) - hits, corrupt=len(bad))
         if bad and not self.readonly:
-            self._remove_if_corrupt([(keys[i], digests[i]) for i in bad])
+            self._remove_if_corrupt(bad)
         if hits and not self.readonly:
             ns = self._now_ns()
             with self._access_lock:
-                for key, meta in zip(keys, metas):
+                for kb, meta in zip(kbs, metas):
                     if meta is not None:
-                        self._access[key.to_bytes()] = ns
+                        self._access[kb] = ns
             self._maybe_flush_access()
         return metas
+
+    def _still_indexed(self, failed: list[tuple[bytes, bytes | None]]) -> list[tuple[bytes, bytes]]:
+        """The failed reads whose index entry is unchanged: corrupt. The others raced with
+        a delete, an eviction or a replacement by another writer: plain misses."""
+        if not failed:
+            return []
+
+        def check(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+            out = []
+            for kb, value in failed:
+                now = txn.get(kb, db=self._records)
+                if value is not None and now is not None and bytes(now) == value:
+                    out.append((kb, value))
+            return out
+
+        return self._run(check, write=False)
 
     def contains(self, key: RecordKey) -> bool:
         kb = key.to_bytes()
         return self._run(lambda txn: txn.get(kb, db=self._records) is not None, write=False)
+
+    def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
+        kbs = [key.to_bytes() for key in keys]
+        return self._run(lambda txn: [txn.get(kb, db=self._records) is not None for kb in kbs], write=False)
 
     def __iter__(self) -> Iterator[RecordKey]:
         def keys(txn: lmdb.Transaction) -> list[bytes]:
@@ -538,6 +727,9 @@ class LmdbStore(BlockStore):
         out.update(self._stats.as_dict())
         out["map_size"] = self._env.info()["map_size"]
         out["map_limit"] = self.map_limit
+        out["segments"] = len(self._segments.segment_ids())
+        out["segment_disk_bytes"] = self._segments.disk_bytes()
+        out["direct_io"] = self._segments.direct_io
         return out
 
     def _maybe_flush_access_now(self) -> None:
@@ -548,74 +740,109 @@ class LmdbStore(BlockStore):
 
     # ------------------------------------------------------------------ maintenance
     def verify(self, *, repair: bool = False) -> dict[str, Any]:
-        """Check every record (see :meth:`BlockStore.verify`) in one read transaction; with
-        ``repair`` the bad ones are deleted in one write transaction, each checked again
-        there (another process may have replaced it meanwhile). Also reports
-        ``accounted_bytes`` (the store's running total) and ``actual_bytes`` (the sizes
-        of the records found); ``repair`` sets the total to the actual bytes."""
+        """Check every record (see :meth:`BlockStore.verify`): every index entry is read
+        and verified, in batches; with ``repair`` the bad ones are unindexed (each only if
+        its entry is still the one that failed). Also reports ``accounted_bytes`` (the
+        store's running total) and ``actual_bytes`` (the sizes of the indexed records);
+        ``repair`` sets the total to the actual bytes and gives back unindexed segment
+        space (as :meth:`gc` does)."""
         check_open(self._closed, str(self.path))
         if repair:
             self._check_writable()
-        fp = self.layout_fingerprint
 
-        def check(kb: bytes, rec: Any) -> bool:
+        def scan(txn: lmdb.Transaction) -> tuple[list[tuple[bytes, bytes]], int]:
+            return ([(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._records)], self._get_total(txn))
+
+        entries, accounted = self._run(scan, write=False)
+        actual = 0
+        bad: list[tuple[bytes, bytes]] = []
+        batch: list[tuple[int, RecordKey, bytes, Any, bytes | None]] = []
+        batch_bytes = 0
+
+        def run_batch() -> None:
+            nonlocal batch, batch_bytes
+            with self._rw.shared():
+                _, failed = self._read_verified(batch)
+            bad.extend(entries[i] for i in failed)
+            batch, batch_bytes = [], 0
+
+        for i, (kb, value) in enumerate(entries):
+            found = unpack_entry(value)
+            actual += found[0].length if found is not None else 0
             try:
-                decode_record(rec, expect_key=RecordKey.from_bytes(kb), expect_fingerprint=fp)
-            except (CorruptRecordError, ValueError):  # ValueError: the stored key is not a RecordKey
-                return False
-            return True
-
-        def scan(txn: lmdb.Transaction) -> tuple[int, int, int, list[bytes]]:
-            checked = actual = 0
-            bad: list[bytes] = []
-            for kb, rec in txn.cursor(db=self._records):
-                kb = bytes(kb)
-                checked += 1
-                actual += len(rec)
-                if not check(kb, rec):
-                    bad.append(kb)
-            return checked, actual, self._get_total(txn), bad
-
-        checked, actual, accounted, bad = self._run(scan, write=False)
+                key = RecordKey.from_bytes(kb)
+            except ValueError:  # the stored key is not a RecordKey
+                bad.append((kb, value))
+                continue
+            batch.append((i, key, value, None, None))
+            batch_bytes += found[0].length if found is not None else 0
+            if batch_bytes >= (64 << 20) or len(batch) >= 256:
+                run_batch()
+        if batch:
+            run_batch()
         removed = 0
         if repair:
-            def fix(txn: lmdb.Transaction) -> int:
-                gone = 0
-                for kb in bad:
-                    rec = txn.get(kb, db=self._records)
-                    if rec is not None and not check(kb, rec):
-                        self._remove(txn, kb)
-                        gone += 1
-                total = 0
-                for kb, rec in txn.cursor(db=self._records):
-                    kb = bytes(kb)
-                    total += len(rec)
-                    if txn.get(kb, db=self._atime) is None:  # not in the LRU index: add it
-                        self._touch(txn, kb, self._now_ns(), size=len(rec))
-                txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
-                return gone
+            removed = self._remove_if_corrupt(bad)
+            freed: list[Location] = []
 
-            removed = self._run(fix, write=True)
+            def fix(txn: lmdb.Transaction) -> None:
+                total = 0
+                for kb, value in txn.cursor(db=self._records):
+                    kb = bytes(kb)
+                    found = unpack_entry(value)
+                    if found is None:
+                        total -= self._remove(txn, kb, freed)
+                        continue
+                    total += found[0].length
+                    if txn.get(kb, db=self._atime) is None:  # not in the LRU index: add it
+                        self._touch(txn, kb, self._now_ns(), size=found[0].length)
+                txn.put(_M_TOTAL, _U64.pack(max(total, 0)), db=self._meta)
+
+            self._run(fix, write=True)
+            self._segments.punch(freed)
             self._stats.add(corrupt=removed)
-        return {"checked": checked, "corrupt": len(bad), "removed": removed,
-                "corrupt_keys": [kb.hex() for kb in bad], "accounted_bytes": accounted,
+            self._reclaim()
+        return {"checked": len(entries), "corrupt": len(bad), "removed": removed,
+                "corrupt_keys": [kb.hex() for kb, _ in bad], "accounted_bytes": accounted,
                 "actual_bytes": actual}
+
+    def _reclaim(self) -> dict[str, int]:
+        """Give back the segment space no index entry covers (see SegmentFiles.reclaim)."""
+        def live(txn: lmdb.Transaction) -> dict[int, list[tuple[int, int]]]:
+            out: dict[int, list[tuple[int, int]]] = {}
+            for value in txn.cursor(db=self._records).iternext(keys=False, values=True):
+                found = unpack_entry(value)
+                if found is not None:
+                    loc = found[0]
+                    out.setdefault(loc.segment, []).append((loc.offset, loc.end))
+            for ranges in out.values():
+                ranges.sort()
+            return out
+
+        # A writer that appends now only writes its own (flock'ed, skipped) segment, so a
+        # snapshot of the index is enough for the sealed ones.
+        return self._segments.reclaim(self._run(live, write=False))
 
     def gc(self, max_bytes: int) -> dict[str, Any]:
         """Evict least recently accessed records until at most ``max_bytes`` remain (see
         :meth:`BlockStore.gc`); queued access times are applied first, so the order is
-        exact. Evicts in transactions of at most 4096 records."""
+        exact. Evicts in transactions of at most 4096 records. Then gives back segment
+        space that no record uses (bytes of crashed writers, of removed records): sealed
+        segments with nothing indexed are unlinked, the rest get holes punched.
+        Also returns ``segments_removed`` and ``punched_bytes``."""
         check_open(self._closed, str(self.path))
         self._check_writable()
         self._check_gc_bound(max_bytes)
-        evicted = freed = 0
+        evicted = freed_bytes = 0
         while True:
             taken = self._take_access()
+            freed: list[Location] = []
 
-            def evict(txn: lmdb.Transaction, taken: dict[bytes, int] = taken) -> tuple[int, int, int]:
+            def evict(txn: lmdb.Transaction, taken: dict[bytes, int] = taken,
+                      freed: list[Location] = freed) -> tuple[int, int, int]:
                 self._apply_access(txn, taken)
                 total = self._get_total(txn)
-                left, n = self._evict_for(txn, total, 0, limit=max_bytes, max_records=_ACCESS_QUEUE_MAX)
+                left, n = self._evict_for(txn, total, 0, freed, limit=max_bytes, max_records=_ACCESS_QUEUE_MAX)
                 txn.put(_M_TOTAL, _U64.pack(left), db=self._meta)
                 return n, total - left, left
 
@@ -624,13 +851,15 @@ class LmdbStore(BlockStore):
             except BaseException:
                 self._restore_access(taken)
                 raise
+            self._segments.punch(freed)
             evicted += n
-            freed += gone
+            freed_bytes += gone
             if left <= max_bytes or n == 0:
                 break
         self._stats.add(evictions=evicted)
         records = self._run(lambda txn: txn.stat(self._records)["entries"], write=False)
-        return {"evicted": evicted, "freed_bytes": freed, "bytes": left, "records": records}
+        return {"evicted": evicted, "freed_bytes": freed_bytes, "bytes": left, "records": records,
+                **self._reclaim()}
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -640,7 +869,10 @@ class LmdbStore(BlockStore):
             self._maybe_flush_access_now()  # on a full disk the last hints are lost; records are not
         with self._rw.exclusive():
             self._closed = True
-            self._finalizer()
+            try:
+                self._segments.close()
+            finally:
+                self._finalizer()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("readonly" if self.readonly else "open")

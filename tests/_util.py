@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tiered_kv.layout import EntryFormat, KVLayout, LayerKind
@@ -14,3 +16,52 @@ FLASH_MINI = KVLayout(name="flash-mini", layer_kinds=(LayerKind.SWA_ONLY, LayerK
 def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+# ------------------------------------------------------------------ raw LMDB-store access
+def lmdb_raw_read(path: Path, kb: bytes) -> bytes:
+    """The stored record of key bytes ``kb`` in the LMDB store at ``path`` (closed), read
+    straight from its segment file."""
+    import lmdb
+
+    from tiered_kv.storage.lmdb_store import unpack_entry
+    from tiered_kv.storage.segments import segment_name
+
+    env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            loc, _ = unpack_entry(txn.get(kb, db=env.open_db(b"records", txn=txn, create=False)))
+    finally:
+        env.close()
+    with open(path / "segments" / segment_name(loc.segment), "rb") as f:
+        f.seek(loc.offset)
+        return f.read(loc.length)
+
+
+def lmdb_raw_write(path: Path, kb: bytes, data: bytes) -> None:
+    """Make key bytes ``kb`` of the LMDB store at ``path`` (closed) hold ``data``, as a bad
+    disk or a foreign writer would: overwritten in place when it fits, else appended to a
+    segment file of its own and indexed there (the index keeps the old checksum)."""
+    import lmdb
+
+    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
+    from tiered_kv.storage.segments import Location, segment_name
+
+    env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"records", txn=txn, create=False)
+            loc, checksum = unpack_entry(txn.get(kb, db=db))
+            if len(data) <= loc.length:
+                with open(path / "segments" / segment_name(loc.segment), "r+b") as f:
+                    f.seek(loc.offset)
+                    f.write(data)
+                new = Location(loc.segment, loc.offset, len(data))
+            else:
+                new = Location(0xFFFFFF00 + len(list((path / "segments").glob("ffffff*"))), 0, len(data))
+                seg = path / "segments" / segment_name(new.segment)
+                seg.write_bytes(data)
+                seg.chmod(0o600)
+            txn.put(kb, pack_entry(new, checksum), db=db)
+    finally:
+        env.close()

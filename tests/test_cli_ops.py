@@ -17,6 +17,8 @@ from tiered_kv import presets
 from tiered_kv.cli.main import ExitCode, command_modules, main
 from tiered_kv.storage import LmdbStore, RecordKind
 
+from _util import lmdb_raw_read, lmdb_raw_write
+
 TINY_FP = presets.tiny().fingerprint
 PROMPTS = [
     {"id": "p1", "text": "The prefix cache keeps 128-token blocks. " * 8},                    # 328
@@ -99,16 +101,15 @@ def test_stats_table(filled: tuple[Path, Path, dict], capsys: pytest.CaptureFixt
 def _corrupt_one_record(path: Path) -> str:
     """Flip one payload byte of the first record, straight in LMDB; returns its key as
     ``verify`` names it."""
-    env = lmdb.open(str(path), max_dbs=4, subdir=True)
+    env = lmdb.open(str(path), max_dbs=4, subdir=True, readonly=True, lock=False)
     try:
-        db = env.open_db(b"records")
-        with env.begin(write=True) as txn:
-            key, value = next(iter(txn.cursor(db=db)))
-            value = bytearray(value)
-            value[len(value) // 2] ^= 0xFF
-            txn.put(key, bytes(value), db=db)
+        with env.begin() as txn:
+            key = bytes(next(iter(txn.cursor(db=env.open_db(b"records", txn=txn, create=False))))[0])
     finally:
         env.close()
+    value = bytearray(lmdb_raw_read(path, key))
+    value[len(value) // 2] ^= 0xFF  # a payload byte, in the segment file
+    lmdb_raw_write(path, key, bytes(value))
     kind = "block" if key[0] == RecordKind.BLOCK else "snapshot"
     return f"{kind}:{bytes(key[1:]).hex()}"
 

@@ -15,7 +15,7 @@ import torch
 from tiered_kv import TieredKVCache, presets
 from tiered_kv.storage import LayoutMismatchError, RecordKey, open_store
 
-from _util import FLASH_MINI, random_tokens
+from _util import FLASH_MINI, lmdb_raw_read, lmdb_raw_write, random_tokens
 
 HERE = Path(__file__).parent
 
@@ -68,24 +68,9 @@ def test_corrupt_block_on_disk_is_a_counted_miss_never_data(tmp_path: Path, tiny
 
 
 def _flip_lmdb_record(path: Path, key: bytes) -> None:
-    import lmdb
-
-    env = lmdb.open(str(path), max_dbs=16, subdir=True)
-    with env.begin(write=True) as txn:
-        for name, _ in list(txn.cursor()):
-            try:
-                db = env.open_db(name, txn=txn, create=False)
-            except lmdb.Error:
-                continue
-            value = txn.get(key, db=db)
-            if value is not None and len(value) > 1000:
-                bad = bytearray(value)
-                bad[len(bad) // 2] ^= 0x01
-                txn.put(key, bytes(bad), db=db)
-                break
-        else:
-            raise AssertionError("record not found")
-    env.close()
+    rec = bytearray(lmdb_raw_read(path, key))
+    rec[len(rec) // 2] ^= 0x01  # one payload bit, in the segment file
+    lmdb_raw_write(path, key, bytes(rec))
 
 
 def test_full_store_keeps_the_cache_serving(tmp_path: Path, tiny_layout, tiny_model) -> None:

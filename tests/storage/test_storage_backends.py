@@ -27,37 +27,43 @@ SIZES_100K = {make_key(i): 100_000 for i in range(200)}
 
 
 # ------------------------------------------------------------------ LMDB
+SIZES_10 = {make_key(i): 10 for i in range(5000)}
+
+
 def test_lmdb_map_full_raises_and_keeps_data(tmp_path: Path) -> None:
-    """The map limit (here map_size=1 MiB) is a clean StoreFullError; reads keep working."""
-    store = LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 30, map_size=1 << 20)
-    stored = []
+    """The map (the index; here map_size=256 KiB) full is a clean StoreFullError; reads
+    keep working, and the segment bytes of the refused batch are given back."""
+    store = LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 30, map_size=256 << 10)
+    stored: list = []
     with pytest.raises(StoreFullError, match="map full"):
-        for i in range(50):
-            store.put_many([item_for(make_key(i), 100_000)])
-            stored.append(make_key(i))
-    assert 3 <= len(stored) < 11
-    assert verify_all(store, sizes=SIZES_100K) == len(stored)
+        for start in range(0, 5000, 50):
+            keys = [make_key(i) for i in range(start, start + 50)]
+            store.put_many([item_for(k, 10) for k in keys])
+            stored.extend(keys)
+    assert 100 <= len(stored) < 5000
+    assert verify_all(store, sizes=SIZES_10) == len(stored)
+    assert store.stats()["segment_disk_bytes"] <= len(stored) * record_size(10) + (64 << 10)
     assert store.delete(stored[0])
     store.close()
-    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 30, map_size=1 << 20) as store:
-        assert verify_all(store, sizes=SIZES_100K) == len(stored) - 1
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 30, map_size=256 << 10) as store:
+        assert verify_all(store, sizes=SIZES_10) == len(stored) - 1
 
 
 def test_lmdb_map_full_batch_is_all_or_nothing(tmp_path: Path) -> None:
-    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 30, map_size=1 << 20) as store:
-        store.put_many([item_for(make_key(0), 100_000)])
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 30, map_size=256 << 10) as store:
+        store.put_many([item_for(make_key(0), 10)])
         with pytest.raises(StoreFullError):
-            store.put_many([item_for(make_key(i), 100_000) for i in range(1, 20)])
+            store.put_many([item_for(make_key(i), 10) for i in range(1, 5000)])
         assert set(store) == {make_key(0)}
 
 
 def test_lmdb_map_grows_up_to_the_limit(tmp_path: Path) -> None:
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=64 << 20, initial_map_size=256 << 10) as store:
         assert store.stats()["map_size"] == 256 << 10
-        store.put_many([item_for(make_key(i), 100_000) for i in range(20)])  # 2 MB > the initial map
+        store.put_many([item_for(make_key(i), 10) for i in range(2000)])  # the index outgrows 256 KiB
         s = store.stats()
         assert (256 << 10) < s["map_size"] <= s["map_limit"] == (96 << 20) + (64 << 20)
-        assert verify_all(store, sizes=SIZES_100K) == 20
+        assert verify_all(store, sizes=SIZES_10) == 2000
 
 
 def test_lmdb_map_limit_derived_from_max_bytes(tmp_path: Path) -> None:
@@ -107,7 +113,7 @@ def test_lmdb_stats_extra_fields(tmp_path: Path) -> None:
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=1 << 20) as store:
         s = store.stats()
         assert s["backend"] == "lmdb" and s["max_bytes"] == 1 << 20 and s["map_size"] <= s["map_limit"]
-        assert LmdbStore.supports_multiprocess and LmdbStore.supports_mmap_reads
+        assert LmdbStore.supports_multiprocess and not LmdbStore.supports_mmap_reads
 
 
 def test_lmdb_sub_databases(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -28,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from _util import lmdb_raw_read, lmdb_raw_write
 from storage_helpers import FP, OTHER_FP, digest_for, item_for, make_key, payload_for, payload_size, verify_all
 from tiered_kv.prefix import PrefixHasher, token_digest
 from tiered_kv.presets import tiny
@@ -566,19 +566,11 @@ class TestLmdbStore(StoreConformance):
             options["max_bytes"] = 1 << 30
         return LmdbStore(where, **options)
 
-    def _raw(self, where: Path, fn: Any) -> Any:
-        env = lmdb.open(str(where), max_dbs=4, map_size=1 << 30)
-        try:
-            with env.begin(write=True) as txn:
-                return fn(txn, env.open_db(b"records", txn=txn, create=False))
-        finally:
-            env.close()
-
     def raw_read(self, where: Any, key: RecordKey) -> bytes:
-        return self._raw(where, lambda txn, db: bytes(txn.get(key.to_bytes(), db=db)))
+        return lmdb_raw_read(where, key.to_bytes())
 
     def raw_write(self, where: Any, key: RecordKey, data: bytes) -> None:
-        self._raw(where, lambda txn, db: txn.put(key.to_bytes(), data, db=db))
+        lmdb_raw_write(where, key.to_bytes(), data)
 
 
 class TestZarrLocalStore(StoreConformance):

@@ -1,0 +1,597 @@
+"""Append-only segment files: where the LMDB store keeps its records (WiscKey-style).
+
+LMDB holds the index (key -> segment, offset, length, checksum); the records themselves
+(record.py format, unchanged) are appended to segment files, one writer process per
+segment::
+
+    <store>/segments/00000001.seg   0o600, append-only, written in 4 KiB-aligned batches
+                     00000002.seg   ...
+
+A writer process owns its *active* segment: it created it (ids come from a counter in the
+index, so a segment is never reused) and holds an exclusive ``flock`` on it until it rolls
+over to a new one or closes. A segment nobody holds is sealed: nothing is ever appended
+to it again, so :meth:`SegmentFiles.reclaim` (the store's ``gc``) may punch holes into its
+unindexed ranges or unlink it when nothing in it is indexed.
+
+One batch is staged in a page-aligned buffer (records packed back to back, the batch
+padded to 4 KiB), space is reserved with ``posix_fallocate`` (a full disk is ENOSPC here,
+before anything is written), written with parallel ``pwrite``s (``O_DIRECT`` where the
+filesystem takes it: no page-cache copy and writeback), then ``fdatasync``. Only then does
+the store commit the index entries, so a crash leaves at most unindexed bytes at a
+segment's tail: misses, reclaimed by ``gc``.
+
+Reads: an extent (records adjacent in one segment) whose pages are (3/4 or more) in the
+page cache (``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
+otherwise with ``O_DIRECT`` into an aligned bounce buffer (parallel, several extents in
+flight), or with buffered ``preadv`` after ``POSIX_FADV_WILLNEED`` when direct I/O is off.
+Deleting or evicting a record punches a hole over it (``fallocate(PUNCH_HOLE)``), so the
+disk space follows the live records without rewriting segments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .base import fsync_dir, mkdir_private
+
+__all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
+
+#: Alignment of batches in a segment and of O_DIRECT transfers.
+ALIGN = 4096
+#: A batch is written in pwrites of about this size, each sent as soon as it is staged.
+_CHUNK = 2 << 20
+#: Extents of one read: adjacent records closer than this are read in one transfer...
+_MERGE_GAP = 64 << 10
+#: ...up to this many bytes (a batch of Flash blocks: several extents, read in parallel).
+_MAX_EXTENT = 2 << 20
+SEGMENT_SUFFIX = ".seg"
+#: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
+_SWEEP_S = 10.0
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_SYS_CACHESTAT = 451  # x86_64 and aarch64 (generic table)
+
+
+def _align_down(x: int) -> int:
+    return x & ~(ALIGN - 1)
+
+
+def _align_up(x: int) -> int:
+    return (x + ALIGN - 1) & ~(ALIGN - 1)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+class _Libc:
+    """fallocate(PUNCH_HOLE) and cachestat(2) through ctypes (not in the os module)."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        self.lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        self.lib.syscall.restype = ctypes.c_long
+        self.cachestat_ok = os.uname().machine in ("x86_64", "aarch64")
+
+    def punch(self, fd: int, offset: int, length: int) -> bool:
+        if length <= 0:
+            return True
+        rc = self.lib.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+        return rc == 0
+
+    def cached_pages(self, fd: int, offset: int, length: int) -> tuple[int, int] | None:
+        """(pages in the page cache, pages in the range) of ``[offset, offset+length)``, or
+        None where cachestat is not available."""
+        if not self.cachestat_ok:
+            return None
+        first = _align_down(offset)
+        rng, st = _CachestatRange(first, _align_up(offset + length) - first), _Cachestat()
+        rc = self.lib.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st),
+                              ctypes.c_uint(0))
+        if rc != 0:
+            if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+                self.cachestat_ok = False
+            return None
+        return st.cache, rng.len // mmap.PAGESIZE
+
+
+_LIBC = _Libc()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free the disk blocks of ``[offset, offset+length)`` (the bytes read back as zeros);
+    False where the filesystem cannot."""
+    return _LIBC.punch(fd, offset, length)
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned ``[nbytes] uint8`` array (anonymous mmap), for O_DIRECT transfers."""
+    mm = mmap.mmap(-1, max(ALIGN, _align_up(nbytes)))
+    return np.frombuffer(mm, np.uint8)
+
+
+def segment_name(seg_id: int) -> str:
+    return f"{seg_id:08x}{SEGMENT_SUFFIX}"
+
+
+def parse_segment_name(name: str) -> int | None:
+    if not name.endswith(SEGMENT_SUFFIX) or len(name) != 8 + len(SEGMENT_SUFFIX):
+        return None
+    try:
+        return int(name[:8], 16)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where one record lies: segment id, byte offset, record bytes."""
+
+    segment: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(slots=True)
+class ReadTask:
+    """One record to read: its location and where its parts go.
+
+    ``header``: ``[HEADER_BYTES] uint8``; ``payload``: the caller's out buffer (uint8 view);
+    ``tail``: ``[CHECKSUM_BYTES] uint8``. ``ok``: filled in by the read (False: the bytes
+    could not be read, e.g. the segment is gone).
+    """
+
+    index: int
+    loc: Location
+    header: np.ndarray
+    payload: np.ndarray
+    tail: np.ndarray
+    ok: bool = False
+    result: Any = None
+
+
+class _DirectUnsupported(Exception):
+    pass
+
+
+class SegmentFiles:
+    """The segment directory of one open store: this process's active segment and the
+    read side (an fd cache, the I/O thread pool).
+
+    ``new_segment_id``: allocates a fresh id (a write transaction on the index).
+    ``direct_io``: True / False, or None to use O_DIRECT where the filesystem accepts it.
+    """
+
+    def __init__(self, path: Path, *, new_segment_id: Callable[[], int], segment_bytes: int,
+                 direct_io: bool | None, io_threads: int, readonly: bool) -> None:
+        self.path = path
+        self._new_id = new_segment_id
+        self.segment_bytes = segment_bytes
+        self.direct_io = direct_io
+        self.io_threads = io_threads
+        self.readonly = readonly
+        if not readonly:
+            mkdir_private(path)
+        self._lock = threading.Lock()          # fd cache
+        self._write_lock = threading.Lock()    # the active segment (one batch at a time)
+        self._fds: dict[int, int] = {}          # segment -> buffered O_RDONLY fd
+        self._direct_fds: dict[int, int] = {}   # segment -> O_DIRECT O_RDONLY fd
+        self._active: int | None = None
+        self._active_fd = -1
+        self._active_end = 0
+        self._staging: np.ndarray | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._swept = time.monotonic()
+        self._can_reserve = True
+
+    # ------------------------------------------------------------------ plumbing
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="tkv-seg")
+        return self._pool
+
+    def file(self, seg: int) -> Path:
+        return self.path / segment_name(seg)
+
+    def segment_ids(self) -> list[int]:
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        return sorted(i for i in map(parse_segment_name, names) if i is not None)
+
+    def _fd(self, seg: int, *, direct: bool) -> int:
+        """A cached read fd of segment ``seg`` (FileNotFoundError once it was reclaimed)."""
+        cache = self._direct_fds if direct else self._fds
+        fd = cache.get(seg)
+        if fd is not None:
+            return fd
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(self.file(seg), flags)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _DirectUnsupported() from e
+            raise
+        with self._lock:
+            if seg in cache:
+                os.close(fd)
+                return cache[seg]
+            cache[seg] = fd
+        return fd
+
+    def forget_removed(self) -> None:
+        """Close cached fds of segments that were unlinked (by gc in any process), so that
+        their disk space is released."""
+        with self._lock:
+            for cache in (self._fds, self._direct_fds):
+                for seg, fd in list(cache.items()):
+                    if os.fstat(fd).st_nlink == 0:
+                        os.close(fd)
+                        del cache[seg]
+
+    # ------------------------------------------------------------------ writes
+    def _open_active(self) -> None:
+        seg = self._new_id()
+        path = self.file(seg)
+        # Created and flock'ed under a temporary name, then renamed: a gc in another
+        # process never sees this writer's segment unlocked.
+        tmp = path.with_name(path.name + ".new")
+        fd = -1
+        direct = self.direct_io is not False
+        while True:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+            try:
+                fd = os.open(tmp, flags, 0o600)
+                break
+            except OSError as e:
+                if direct and self.direct_io is None and e.errno == errno.EINVAL:
+                    direct = False  # the filesystem refuses O_DIRECT: buffered + fdatasync
+                    continue
+                raise
+        try:
+            os.fchmod(fd, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, path)
+            fsync_dir(self.path)  # the new file's name is durable before records point into it
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.direct_io is None:
+            self.direct_io = direct
+        self._active, self._active_fd, self._active_end = seg, fd, 0
+
+    def _close_active(self) -> None:
+        if self._active_fd >= 0:
+            os.close(self._active_fd)  # releases the flock: the segment is sealed
+        self._active, self._active_fd, self._active_end = None, -1, 0
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """The aligned staging buffer of one batch, at least ``nbytes`` (under write_lock)."""
+        if self._staging is None or self._staging.nbytes < nbytes:
+            self._staging = aligned_buffer(max(nbytes, 8 << 20))
+        return self._staging
+
+    @property
+    def write_lock(self) -> threading.Lock:
+        return self._write_lock
+
+    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> list[Location]:
+        """Durably append records of ``lengths`` bytes to the active segment, back to back;
+        ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
+        Records are staged in order and each 4 KiB-aligned chunk is written as soon as it
+        is complete, while the next records are staged. Call under :attr:`write_lock`.
+        Raises OSError (ENOSPC: nothing was appended)."""
+        total = sum(lengths)
+        padded = _align_up(total)
+        staged = self.staging(padded)
+        if self._active is None or (self._active_end and self._active_end + padded > self.segment_bytes):
+            self._close_active()
+            self._open_active()
+        fd, start = self._active_fd, self._active_end
+        view = memoryview(staged)
+
+        def write(off: int, end: int) -> None:
+            done = off
+            while done < end:
+                done += os.pwrite(fd, view[done:end], start + done)
+
+        pending = []
+        try:
+            self._reserve(fd, start, padded)  # ENOSPC here: nothing written
+            pool = self.pool()
+            pos = sent = 0
+            for j, n in enumerate(lengths):
+                fill(j, staged[pos:pos + n])
+                pos += n
+                ready = _align_down(pos)
+                if ready - sent >= _CHUNK:
+                    pending.append(pool.submit(write, sent, ready))
+                    sent = ready
+            staged[total:padded] = 0
+            if padded > sent:
+                write(sent, padded)
+            for f in pending:
+                f.result()
+            os.fdatasync(fd)
+        except BaseException:
+            for f in pending:
+                f.exception()  # wait: no write may land after the rollback
+            self.rollback(start)
+            raise
+        self._active_end = start + padded
+        locs, off = [], start
+        for n in lengths:
+            locs.append(Location(self._active, off, n))
+            off += n
+        return locs
+
+    def _reserve(self, fd: int, offset: int, length: int) -> None:
+        if not self._can_reserve:
+            return
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            self._can_reserve = False  # the filesystem cannot: ENOSPC comes from the writes
+
+    def rollback(self, end: int) -> None:
+        """Cut the active segment back to ``end`` (its records were never indexed)."""
+        if self._active_fd < 0:
+            return
+        try:
+            os.ftruncate(self._active_fd, end)
+            self._active_end = end
+        except OSError:
+            self._close_active()  # a fresh segment next time; the tail is garbage for gc
+
+    # ------------------------------------------------------------------ reads
+    def read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None = None) -> None:
+        """Read every task's record parts (sets ``task.ok``), then call ``then(task)`` on
+        each one read (in the reading thread, while its bytes are in the CPU cache).
+
+        Extents the page cache holds are read in the calling thread (a memory copy: no
+        thread hand-offs); the others in parallel on the I/O threads meanwhile."""
+        if time.monotonic() - self._swept > _SWEEP_S:
+            self._swept = time.monotonic()
+            self.forget_removed()
+        hot: list[tuple[list[ReadTask], int, bool]] = []
+        cold: list[tuple[list[ReadTask], int, bool]] = []
+        for ext in _extents(tasks):
+            try:
+                fd = self._fd(ext[0].loc.segment, direct=False)
+            except OSError:
+                continue  # reclaimed by gc (or unreadable): every record of it is a miss
+            first, end = ext[0].loc.offset, ext[-1].loc.end
+            cached = self._cached(fd, first, end - first)
+            (hot if cached else cold).append((ext, fd, cached))
+        futures = []
+        if len(cold) > 1 and self.io_threads > 1:
+            pool = self.pool()
+            futures = [pool.submit(self._read_extent, ext, fd, cached, then) for ext, fd, cached in cold]
+        else:
+            hot = cold + hot
+        try:
+            for ext, fd, cached in hot:
+                self._read_extent(ext, fd, cached, then)
+        finally:
+            for f in futures:
+                f.result()
+
+    def _read_extent(self, ext: list[ReadTask], fd: int, cached: bool,
+                     then: Callable[[ReadTask], None] | None) -> None:
+        try:
+            self._read_extent_of(ext, fd, cached, then)
+        except OSError:
+            # EIO, or the fd of a segment gc unlinked was closed under us (only records no
+            # longer indexed live there): what was not read is a miss
+            pass
+
+    def _read_extent_of(self, ext: list[ReadTask], fd: int, cached: bool,
+                        then: Callable[[ReadTask], None] | None) -> None:
+        first, end = ext[0].loc.offset, ext[-1].loc.end
+        if not cached and self.direct_io is not False:  # None: try it (EINVAL turns it off)
+            try:
+                self._read_direct(ext, first, end, then)
+                return
+            except _DirectUnsupported:
+                self.direct_io = False
+            except FileNotFoundError:
+                return
+        if not cached and len(ext) > 1:
+            os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
+        for t in ext:
+            t.ok = _preadv_all(fd, [t.header, t.payload, t.tail], t.loc.offset) == t.loc.length
+            if t.ok and then is not None:
+                then(t)
+
+    def _cached(self, fd: int, offset: int, length: int) -> bool:
+        """Whether the page cache holds (at least 3/4 of) the range: then a buffered read
+        beats O_DIRECT. Unknown (no cachestat): True, read buffered."""
+        got = _LIBC.cached_pages(fd, offset, length)
+        return got is None or 4 * got[0] >= 3 * got[1]
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.bounce = aligned_buffer(max(nbytes, _MAX_EXTENT + 2 * ALIGN))
+        return buf
+
+    def _read_direct(self, ext: list[ReadTask], first: int, end: int,
+                     then: Callable[[ReadTask], None] | None) -> None:
+        fd = self._fd(ext[0].loc.segment, direct=True)
+        lo, hi = _align_down(first), _align_up(end)
+        buf = self._bounce(hi - lo)
+        got = _preadv_all(fd, [buf[:hi - lo]], lo)
+        for t in ext:
+            a = t.loc.offset - lo
+            if a + t.loc.length > got:
+                continue  # past the end of the file: torn, a miss
+            h, p = t.header.nbytes, t.payload.nbytes
+            t.header[:] = buf[a:a + h]
+            np.copyto(t.payload, buf[a + h:a + h + p])
+            t.tail[:] = buf[a + h + p:a + t.loc.length]
+            t.ok = True
+            if then is not None:
+                then(t)
+
+    # ------------------------------------------------------------------ maintenance
+    def punch(self, locs: Sequence[Location]) -> None:
+        """Free the disk space of records that are no longer indexed."""
+        by_seg: dict[int, list[Location]] = {}
+        for loc in locs:
+            by_seg.setdefault(loc.segment, []).append(loc)
+        for seg, group in by_seg.items():
+            try:
+                fd = os.open(self.file(seg), os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:  # adjacent records in one call: the blocks they share are freed too
+                group.sort(key=lambda loc: loc.offset)
+                start, end = group[0].offset, group[0].end
+                for loc in group[1:]:
+                    if loc.offset > end:
+                        punch_hole(fd, start, end - start)
+                        start = loc.offset
+                    end = max(end, loc.end)
+                punch_hole(fd, start, end - start)
+            finally:
+                os.close(fd)
+
+    def reclaim(self, live: dict[int, list[tuple[int, int]]]) -> dict[str, int]:
+        """Give back the space of sealed segments not covered by ``live`` (segment ->
+        sorted ``(offset, end)`` of its indexed records): unlink segments with nothing
+        live, punch the gaps of the others. Segments held by a writer are skipped."""
+        removed = punched = 0
+        for seg in self.segment_ids():
+            if seg == self._active:
+                continue
+            try:
+                fd = os.open(self.file(seg), os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer's active segment
+                size = os.fstat(fd).st_size
+                ranges = live.get(seg, [])
+                if not ranges:
+                    os.unlink(self.file(seg))
+                    removed += 1
+                    continue
+                pos = 0
+                for a, b in [*ranges, (size, size)]:
+                    if a > pos and punch_hole(fd, pos, a - pos):
+                        punched += a - pos
+                    pos = max(pos, b)
+            finally:
+                os.close(fd)
+        for name in os.listdir(self.path):  # segments a writer died creating
+            if name.endswith(SEGMENT_SUFFIX + ".new"):
+                try:
+                    fd = os.open(self.path / name, os.O_WRONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(self.path / name)
+                except BlockingIOError:
+                    pass
+                finally:
+                    os.close(fd)
+        if removed:
+            fsync_dir(self.path)
+        self.forget_removed()
+        return {"segments_removed": removed, "punched_bytes": punched}
+
+    def disk_bytes(self) -> int:
+        """Bytes the segment files occupy on disk (holes excluded)."""
+        total = 0
+        for seg in self.segment_ids():
+            try:
+                total += os.stat(self.file(seg)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    def close(self) -> None:
+        with self._write_lock:
+            self._close_active()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        with self._lock:
+            for cache in (self._fds, self._direct_fds):
+                for fd in cache.values():
+                    os.close(fd)
+                cache.clear()
+
+
+def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int) -> int:
+    """preadv until every buffer is full or end of file; returns the bytes read."""
+    want = sum(b.nbytes for b in bufs)
+    got = os.preadv(fd, bufs, offset)  # the common case: all of it at once
+    if got == want or got <= 0:
+        return max(got, 0)
+    views = [memoryview(b).cast("B") for b in bufs if b.nbytes]
+    n = got
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
+    while views:
+        n = os.preadv(fd, views, offset + got)
+        if n <= 0:
+            break
+        got += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return min(got, want)
+
+
+def _extents(tasks: list[ReadTask]) -> list[list[ReadTask]]:
+    """Tasks grouped into runs of nearby records of one segment, in file order."""
+    out: list[list[ReadTask]] = []
+    for t in sorted(tasks, key=lambda t: (t.loc.segment, t.loc.offset)):
+        if out:
+            last = out[-1]
+            head, prev = last[0].loc, last[-1].loc
+            if (prev.segment == t.loc.segment and 0 <= t.loc.offset - prev.end <= _MERGE_GAP
+                    and t.loc.end - head.offset <= _MAX_EXTENT):
+                last.append(t)
+                continue
+        out.append([t])
+    return out
