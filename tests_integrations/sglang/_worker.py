@@ -1,14 +1,12 @@
 """One SGLang server process's L3 traffic, run as a subprocess by the tests.
 
     python _worker.py STORE write SEED FIRST N   # write pages [FIRST, FIRST+N) of chain SEED
-    python _worker.py STORE read SEED N          # print JSON: leading hits and page digests
 
 Page bytes are a function of (SEED, page number), so the parent can check them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 
@@ -34,13 +32,7 @@ def main() -> None:
             ok = backend.batch_set_v1(keys, idx)
             print(json.dumps({"written": sum(ok)}))
         else:
-            n = int(sys.argv[4])
-            keys = env.page_keys(n, seed)
-            hits = backend.batch_exists(keys)
-            idx = pool.alloc(n * env.PAGE)
-            ok = backend.batch_get_v1(keys[:hits], idx[:hits * env.PAGE])
-            digests = [hashlib.sha256(b).hexdigest() for b in env.page_bytes(pool, idx[:hits * env.PAGE])]
-            print(json.dumps({"hits": hits, "ok": ok, "digests": digests}))
+            raise SystemExit(f"unknown op {op!r}")
     finally:
         backend.close()
 
