@@ -372,6 +372,36 @@ def test_legacy_calls_round_trip_flat_pages(store_url, backends):
     assert b.get(env.page_keys(1, seed=5)[0], pool.get_dummy_flat_data_page()) is None
 
 
+def test_legacy_calls_with_deepseek_v4s_logical_kv_anchor(store_url, backends):
+    """Without ``interface_v1`` SGLang moves DeepSeek V4's KV anchor pages with the legacy
+    calls; they hold no bytes, so they succeed without touching the store."""
+    anchor, side = env.v4_pools()
+    b = _backend(backends, store_url, anchor, side, interface_v1=False)
+    keys = env.page_keys(3)
+    pages = [anchor.get_dummy_flat_data_page() for _ in keys]
+    assert b.batch_set(keys, pages) is True
+    assert b.batch_exists(keys) == 3
+    assert all(p is not None for p in b.batch_get(keys, pages))
+    assert b.counters()["store.records"] == 0
+
+
+# ---------------------------------------------------------------------- store kinds
+def test_a_chain_writes_through_to_its_far_level(tmp_path, backends):
+    """``store`` as a list: a local LMDB in front of a shared Zarr store; a server that
+    only sees the shared store reads the pages back."""
+    near, far = f"lmdb://{tmp_path / 'near'}", f"zarr://{tmp_path / 'far'}"
+    pool = env.mla_host_pool()
+    b = env.create_backend(env.storage_config([near, far]), pool)
+    written, _, keys, _ = _store_and_reload(b, pool, 3)
+    assert b.store.wait_uploads(30)
+    b.close()
+    other = _backend(backends, far, pool)
+    dst = pool.alloc(3 * PAGE)
+    assert other.batch_exists(keys) == 3
+    assert other.batch_get_v1(keys, dst) == [True] * 3
+    assert env.page_bytes(pool, dst) == written
+
+
 # ---------------------------------------------------------------------- metrics
 def test_get_stats_reports_sglangs_storage_metrics(store_url, backends):
     pool = env.mla_host_pool()

@@ -44,8 +44,8 @@ that succeeded. Store failures (full, unreachable, closed) make the affected pag
 ``False`` and are counted; they never raise into SGLang.
 
 Metrics: :meth:`get_stats` returns SGLang's ``StorageMetrics`` (pages and GB/s per
-prefetch / backup batch; exported as ``sglang:`` histograms with
-``--enable-cache-report`` storage metrics on), and :meth:`counters` our own page counters
+prefetch / backup batch; exported as ``sglang:`` histograms when the server runs
+with ``--enable-metrics``), and :meth:`counters` our own page counters
 plus the store's (hits, misses, corrupt, evictions, bytes).
 """
 
@@ -480,6 +480,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise ValueError(f"target_locations: expected one page tensor per key ({len(keys)})")
         if not keys:
             return []
+        if self._binding(PoolName.KV).logical:
+            return list(target_locations)  # an anchor pool's pages hold no bytes
         found = [self._flat_key(k) for k in keys]
         try:
             metas = self.store.get_many([f[0] for f in found], list(target_locations),
@@ -500,6 +502,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         """Store each flat page of ``values``; True if every page is stored."""
         if values is None or len(values) != len(keys):
             raise ValueError(f"values: expected one page tensor per key ({len(keys)})")
+        if self._binding(PoolName.KV).logical:
+            return True
         items = []
         for k, v in zip(keys, values):
             rkey, digest = self._flat_key(k)
@@ -521,10 +525,11 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     def clear(self) -> bool:
         """Refused: the store may be shared by other models, tenants and servers.
 
-        Trim it with ``tiered-kv gc --store URL --max-bytes N`` instead.
+        Trim it with ``open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT).gc(n)``
+        instead (docs/integrations/sglang.md).
         """
-        logger.warning("tiered_kv HiCache storage: clear() refused; the store may be shared. "
-                       "Use `tiered-kv gc` to trim it.")
+        logger.warning("tiered_kv HiCache storage: clear() refused; the store may be shared by other "
+                       "servers. Trim it with BlockStore.gc (docs/integrations/sglang.md).")
         return False
 
     def get_stats(self) -> Any:
