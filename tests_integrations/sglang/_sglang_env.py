@@ -18,10 +18,16 @@ import _torchvision_placeholder  # noqa: E402
 _torchvision_placeholder.install()
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import MLABufferInfo  # noqa: E402
+from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName  # noqa: E402
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, LogicalHostPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
@@ -56,6 +62,22 @@ def mla_host_pool(layout: str = "page_first") -> MLATokenToKVPoolHost:
         return MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                     device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
                                     target_layer_num=LAYERS)
+
+
+def mha_host_pool(layout: str = "page_first", heads: int = 2, head_dim: int = 8) -> MHATokenToKVPoolHost:
+    """SGLang's MHA host pool (separate K and V buffers: two or more buffers per page)."""
+    def layer() -> torch.Tensor:
+        return torch.zeros(DEVICE_TOKENS, heads, head_dim, dtype=torch.bfloat16)
+
+    k, v = tuple(layer() for _ in range(LAYERS)), tuple(layer() for _ in range(LAYERS))
+    bufs = KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+                     v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
+                     layout=KVBufferLayout.NHD)
+    info = MHABufferInfo(buffers=bufs, page_size=PAGE, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    with host_memory_budget_scope(HOST_BUDGET):
+        return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
 
 
 def v4_paged_pool(name: str, item_bytes: int, layout: str = "page_first", layers: int = 2,

@@ -113,6 +113,32 @@ def test_v1_round_trip_through_mla_host_pool(store_url, backends, layout):
     assert c["pages_written"] == 5 and c["pages_read"] == 5 and c["store.records"] == 5
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_mha_tp_ranks_keep_their_own_heads_apart(store_url, backends, layout):
+    """An MHA model's TP ranks store the same page keys with different bytes (their own
+    heads); each reads back its own. K and V are separate buffers of each page."""
+    n = 3
+    keys = env.page_keys(n)
+    pools = [env.mha_host_pool(layout) for _ in range(2)]
+    ranks = [_backend(backends, store_url, pool, is_mla=False, tp_rank=r, tp_size=2)
+             for r, pool in enumerate(pools)]
+    written = []
+    for r, (b, pool) in enumerate(zip(ranks, pools)):
+        src = pool.alloc(n * PAGE)
+        env.fill_pages(pool, src, 100 + r)
+        assert b.batch_set_v1(keys, src) == [True] * n
+        written.append(env.page_bytes(pool, src))
+    assert written[0] != written[1]
+    for r, (b, pool) in enumerate(zip(ranks, pools)):
+        dst = pool.alloc(n * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * n
+        assert env.page_bytes(pool, dst) == written[r]
+    assert ranks[0].counters()["store.records"] == 2 * n
+    # both ranks share this process's one handle on the store; closing one keeps the other's
+    ranks[0].close()
+    assert ranks[1].batch_exists(keys) == n and not ranks[1].store.closed
+
+
 def test_batch_exists_counts_leading_pages(store_url, backends):
     pool = env.mla_host_pool()
     b = _backend(backends, store_url, pool)

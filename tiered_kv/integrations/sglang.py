@@ -54,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -140,6 +141,40 @@ class _Counters:
             return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
+class _OpenStores:
+    """The stores open in this process, shared by the backends that name the same store.
+
+    LMDB allows one handle per store per process, and several backends may live in one
+    process (one per attached engine, or per test); each holds a reference and the last
+    :meth:`release` closes the store.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[BlockStore, int]] = {}
+
+    def acquire(self, url: Any, options: dict[str, Any]) -> tuple[str, BlockStore]:
+        ident = json.dumps([url, options], sort_keys=True, default=str)
+        with self._lock:
+            store, refs = self._open.get(ident, (None, 0))
+            if store is None or store.closed:
+                store, refs = open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT, **options), 0
+            self._open[ident] = (store, refs + 1)
+            return ident, store
+
+    def release(self, ident: str) -> None:
+        with self._lock:
+            store, refs = self._open[ident]
+            if refs > 1:
+                self._open[ident] = (store, refs - 1)
+                return
+            del self._open[ident]
+        store.close()
+
+
+_STORES = _OpenStores()
+
+
 def _host_bytes(ptr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 view of ``nbytes`` of host memory at address ``ptr`` (no copy).
 
@@ -201,8 +236,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._counters = _Counters()
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
-        self.store: BlockStore = open_store(store_url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT,
-                                            **store_options)
+        self.store: BlockStore
+        self._store_ident: str | None
+        self._store_ident, self.store = _STORES.acquire(store_url, store_options)
         logger.info("tiered_kv HiCache storage: store %r, model %r, tenant %r, %s calls", store_url, model_id,
                     tenant, "zero-copy v1" if self.interface_v1 else "legacy")
 
@@ -554,5 +590,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return out
 
     def close(self) -> None:
-        """Close the store (SGLang calls this when the backend is detached)."""
-        self.store.close()
+        """Release the store, closing it unless another backend of this process shares it
+        (SGLang calls this when the backend is detached). Idempotent."""
+        ident, self._store_ident = self._store_ident, None
+        if ident is not None:
+            _STORES.release(ident)
