@@ -181,7 +181,7 @@ def _host_bytes(ptr: int, nbytes: int) -> np.ndarray:
     The addresses come from the host pool's ``get_page_buffer_meta``: CPU (pinned)
     memory the pool owns and keeps alive while SGLang holds the pages.
     """
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=np.uint8)
 
 
 def _config_str(extra: dict[str, Any], name: str, default: str | None = None) -> str | None:
@@ -233,6 +233,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._namespace_root = self._namespace(storage_config, model_id=model_id, tenant=tenant)
         self._bindings: dict[str, _PoolBinding] = {}
         self._lock = threading.Lock()
+        self._thread_local = threading.local()
         self._counters = _Counters()
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
@@ -401,7 +402,14 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         rkeys, digests = self._record_keys(binding, _PageFormat.BUFFERS, keys)
         # One buffer per page is read straight into the host pool; a page of several
         # buffers (e.g. layer_first) is read into a bounce buffer and scattered on success.
-        outs = [v[0] if len(v) == 1 else np.empty(binding.page_bytes, dtype=np.uint8) for v in views]
+        bounce = self._bounce(binding.page_bytes * sum(len(v) > 1 for v in views))
+        outs, used = [], 0
+        for v in views:
+            if len(v) == 1:
+                outs.append(v[0])
+            else:
+                outs.append(bounce[used:used + binding.page_bytes])
+                used += binding.page_bytes
         start = time.perf_counter()
         try:
             metas = self.store.get_many(rkeys, outs, token_digests=digests)
@@ -420,6 +428,15 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._counters.add(pages_read=hits, pages_missed=len(keys) - hits)
         self._record_metric("prefetch", hits, binding.page_bytes, time.perf_counter() - start)
         return ok
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        """This thread's reusable read buffer of at least ``nbytes`` (SGLang reads on its
+        prefetch thread; reusing the buffer spares fresh pages on every batch)."""
+        buf = getattr(self._thread_local, "bounce", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+            self._thread_local.bounce = buf
+        return buf[:nbytes]
 
     def _store_failed(self, what: str, e: BaseException) -> None:
         logger.warning("tiered_kv HiCache storage: %s failed, pages count as misses: %s: %s", what,
