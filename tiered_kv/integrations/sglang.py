@@ -284,7 +284,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
 
     def record_keys(self, keys: Sequence[str], pool: str = PoolName.KV.value) -> list[RecordKey]:
         """The store keys of SGLang page ``keys`` of a registered ``pool`` (zero-copy format;
-        for operators and tests: e.g. to look a page up with ``tiered-kv`` tools)."""
+        for operators and tests, e.g. to look a record up with the store's own API)."""
         return self._record_keys(self._binding(pool), _PageFormat.BUFFERS, keys)[0]
 
     # ------------------------------------------------------------------ pools
