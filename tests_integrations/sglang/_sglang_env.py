@@ -51,16 +51,16 @@ def storage_config(store: Any, *, model: str = "deepseek-ai/DeepSeek-V4-Flash", 
         extra_config={**BACKEND, "store": store, "tenant": tenant, "interface_v1": int(interface_v1), **extra})
 
 
-def mla_host_pool(layout: str = "page_first") -> MLATokenToKVPoolHost:
+def mla_host_pool(layout: str = "page_first", device_tokens: int = DEVICE_TOKENS) -> MLATokenToKVPoolHost:
     """SGLang's MLA host pool (``[size, layers, 1, 40] bf16`` for page_first) over CPU buffers."""
-    bufs = tuple(torch.zeros(DEVICE_TOKENS, 1, KV_LORA + ROPE, dtype=torch.bfloat16) for _ in range(LAYERS))
+    bufs = tuple(torch.zeros(device_tokens, 1, KV_LORA + ROPE, dtype=torch.bfloat16) for _ in range(LAYERS))
     info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
                          layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
                          kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, kv_cache_dim=KV_LORA + ROPE,
                          dtype=torch.bfloat16, device=torch.device("cpu"))
     with host_memory_budget_scope(HOST_BUDGET):
         return MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+                                    device_capacity_tokens=device_tokens, start_layer=0, end_layer=LAYERS,
                                     target_layer_num=LAYERS)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +21,16 @@ import _sglang_env as env
 import lmdb
 import pytest
 import torch
+from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
 from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
     HiCacheStorageExtraInfo,
     HiCacheStorageFailureInjector,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
 )
+from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from tiered_kv.integrations.sglang import SGLANG_LAYOUT_FINGERPRINT, TieredKVHiCacheStorage
@@ -211,6 +215,56 @@ def test_a_different_host_layout_does_not_read_the_pages(store_url, backends):
     a.close()
     b = _backend(backends, store_url, env.mla_host_pool("layer_first"))
     assert b.batch_exists(keys) == 0  # its page bytes are ordered differently
+
+
+def _controller(backend):
+    """SGLang's ``HiCacheController`` with only its storage side set up (no GPU pools, no
+    threads): its own ``_page_backup`` / ``_storage_hit_query`` / ``_page_transfer`` then
+    run against the backend exactly as its backup and prefetch threads run them, including
+    the split into ``STORAGE_BATCH_SIZE`` batches, ``interface_v1`` selecting the zero-copy
+    calls."""
+    ctrl = HiCacheController.__new__(HiCacheController)
+    ctrl.storage_backend = backend
+    ctrl.page_size = PAGE
+    ctrl.page_get_func = ctrl._page_get_zero_copy
+    ctrl.page_set_func = ctrl._page_set_zero_copy
+    ctrl.prefetch_sync_queue = queue.Queue()
+    return ctrl
+
+
+def test_sglangs_controller_backs_up_queries_and_prefetches_across_batches(tmp_path, backends):
+    n = STORAGE_BATCH_SIZE + 6  # crosses one storage batch boundary
+    url = f"lmdb://{tmp_path / 'kv'}"
+    pool = env.mla_host_pool(device_tokens=n * PAGE)
+    b = env.create_backend(env.storage_config(url), pool)
+    ctrl = _controller(b)
+    tokens = torch.randint(0, 50_000, (n * PAGE,), generator=torch.Generator().manual_seed(3)).tolist()
+    src = pool.alloc(n * PAGE)
+    env.fill_pages(pool, src, 12)
+    written = env.page_bytes(pool, src)
+    backup = StorageOperation(src, tokens, hash_value=get_hash_str(tokens, None, page_size=PAGE), prefix_keys=[])
+    ctrl._page_backup(backup)
+    assert backup.completed_tokens == n * PAGE
+
+    def prefetch() -> tuple[int, int, list[bytes]]:
+        op = PrefetchOperation("req-1", tokens, prefix_keys=[])
+        hashes, hit_tokens = ctrl._storage_hit_query(op)
+        op.hash_value, op.host_indices = hashes, pool.alloc(len(hashes) * PAGE)
+        done = ctrl._page_transfer(op)
+        got = env.page_bytes(pool, op.host_indices[:done * PAGE])
+        pool.free(op.host_indices)
+        return hit_tokens, done, got
+
+    hit_tokens, done, got = prefetch()
+    assert (hit_tokens, done) == (n * PAGE, n) and got == written
+    bad = b.record_keys([backup.hash_value[STORAGE_BATCH_SIZE + 2]])[0]
+    b.close()
+    _corrupt(tmp_path / "kv", bad)
+    ctrl = _controller(_backend(backends, url, pool))  # a restart over the damaged store
+    hit_tokens, done, got = prefetch()
+    # the query trusts presence; the verified read stops the prefetch at the corrupt page
+    assert hit_tokens == n * PAGE and done == STORAGE_BATCH_SIZE + 2
+    assert got == written[:done]
 
 
 # ---------------------------------------------------------------------- failures
