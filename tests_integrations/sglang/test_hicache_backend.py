@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from tiered_kv.integrations.sglang import SGLANG_LAYOUT_FINGERPRINT, TieredKVHiCacheStorage
+from tiered_kv.integrations.sglang import TieredKVHiCacheStorage
 from tiered_kv.storage import LayoutMismatchError, open_store
 
 HERE = Path(__file__).resolve().parent
