@@ -281,7 +281,7 @@ def test_under_sglangs_failure_injector_a_true_page_always_holds_the_right_bytes
         flaky.batch_set_v1(keys, src)
     inner.batch_set_v1(keys, src)  # a write that got through
     saw_failure = saw_success = False
-    for round_ in range(20):
+    for _ in range(20):
         dst = pool.alloc(n * PAGE)
         hits = flaky.batch_exists(keys)
         ok = flaky.batch_get_v1(keys[:hits], dst[:hits * PAGE])
