@@ -15,7 +15,7 @@ BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
 BENCHES := $(wildcard bench/*.py)
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench clean venv-sglang test-sglang
 
 venv: $(STAMP)
 
@@ -51,7 +51,31 @@ bench: venv
 		echo "== $$b --quick"; $(BIN)/python $$b --quick; \
 	done
 
+# SGLang adapter (tiered_kv.integrations.sglang) against the real SGLang 0.5.23 classes, in its
+# own venv: SGLang pins its own torch, so it never shares .venv. torch==2.13.0 (CPU) first, then
+# sglang and the packages its storage / host-pool modules import, all --no-deps (the full set
+# pulls CUDA kernels), then this project editable.
+SGL_VENV  := .venv-sglang
+SGL_BIN   := $(SGL_VENV)/bin
+SGL_STAMP := $(SGL_VENV)/.installed
+SGL_REQS  := tests_integrations/sglang/requirements.txt
+SGLANG    := sglang==0.5.23
+
+venv-sglang: $(SGL_STAMP)
+
+$(SGL_STAMP): pyproject.toml $(SGL_REQS)
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_BIN)/python -m pip install -q $(TORCH) $(BUILD_DEPS)
+	$(SGL_BIN)/python -m pip install -q --no-deps $(SGLANG) -r $(SGL_REQS)
+	$(SGL_BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-sglang: venv-sglang
+	@rc=0; $(SGL_BIN)/python -m pytest -q -p no:cacheprovider tests_integrations/sglang $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-sglang: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
 # Build outputs and caches; keeps .venv (remove it by hand for a fresh set-up).
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis .mypy_cache
-	find . -path ./$(VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(SGL_VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,100 @@
+"""Overhead of the SGLang adapter over its store: pages/s of batch_set_v1 / batch_get_v1
+against put_many / get_many of the same records on the same LMDB store (the baseline).
+
+    .venv-sglang/bin/python tests_integrations/sglang/bench_backend.py [--pages 32] [--repeat 5]
+
+Geometry: DeepSeek-V3/R1-like MLA rows (576 bf16 = 1152 B), 61 layers, 16-token pages
+(1.12 MB a page). Prints medians of --repeat runs, each on a fresh store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _sglang_env as env  # noqa: E402
+import torch  # noqa: E402
+from sglang.srt.mem_cache.device_pool_info import MLABufferInfo  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+
+from tiered_kv.storage import PutItem, open_store  # noqa: E402
+from tiered_kv.integrations.sglang import SGLANG_LAYOUT_FINGERPRINT  # noqa: E402
+
+LAYERS, KV_LORA, ROPE, PAGE = 61, 512, 64, 16
+
+
+def pool(layout: str, pages: int) -> MLATokenToKVPoolHost:
+    bufs = tuple(torch.zeros(PAGE, 1, KV_LORA + ROPE, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+                         layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
+                         kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, kv_cache_dim=KV_LORA + ROPE,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    with host_memory_budget_scope(8 << 30):
+        return MLATokenToKVPoolHost(info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=2 * pages * PAGE, start_layer=0, end_layer=LAYERS,
+                                    target_layer_num=LAYERS)
+
+
+def run_adapter(layout: str, pages: int) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as d:
+        p = pool(layout, pages)
+        b = env.create_backend(env.storage_config(f"lmdb://{d}/kv"), p)
+        keys = env.page_keys(pages)
+        src, dst = p.alloc(pages * PAGE), p.alloc(pages * PAGE)
+        p.kv_buffer.view(torch.uint8).random_(0, 256)
+        t0 = time.perf_counter()
+        assert all(b.batch_set_v1(keys, src))
+        t1 = time.perf_counter()
+        assert all(b.batch_get_v1(keys, dst))
+        t2 = time.perf_counter()
+        b.close()
+        return t1 - t0, t2 - t1
+
+
+def run_store(pages: int) -> tuple[float, float]:
+    page_bytes = PAGE * LAYERS * (KV_LORA + ROPE) * 2
+    with tempfile.TemporaryDirectory() as d:
+        store = open_store(f"lmdb://{d}/kv", layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT)
+        payloads = [torch.randint(0, 256, (page_bytes,), dtype=torch.uint8).numpy() for _ in range(pages)]
+        outs = [torch.zeros(page_bytes, dtype=torch.uint8).numpy() for _ in range(pages)]  # touched, like a pool
+        from tiered_kv.storage import RecordKey
+        keys = [RecordKey.block(bytes([i % 256, i // 256]) + bytes(30)) for i in range(pages)]
+        t0 = time.perf_counter()
+        store.put_many([PutItem(k, bytes(32), bytes(32), v) for k, v in zip(keys, payloads)])
+        t1 = time.perf_counter()
+        assert all(m is not None for m in store.get_many(keys, outs))
+        t2 = time.perf_counter()
+        store.close()
+        return t1 - t0, t2 - t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+    page_mb = PAGE * LAYERS * (KV_LORA + ROPE) * 2 / 1e6
+    run_store(a.pages)  # warm-up
+    runs: dict[str, list[tuple[float, float]]] = {"store": [], "page_first": [], "layer_first": []}
+    for _ in range(a.repeat):  # interleaved, so machine noise hits all three alike
+        runs["store"].append(run_store(a.pages))
+        for layout in ("page_first", "layer_first"):
+            runs[layout].append(run_adapter(layout, a.pages))
+    med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in runs.items()}
+    bw, br = med["store"]
+    gb = a.pages * page_mb / 1e3
+    print(f"{a.pages} pages x {page_mb:.2f} MB, medians of {a.repeat}")
+    print(f"{'':28s} {'write GB/s':>10s} {'read GB/s':>10s} {'ratio to store w / r':>22s}")
+    print(f"{'store put_many/get_many':28s} {gb / bw:10.2f} {gb / br:10.2f} {'(baseline)':>22s}")
+    for layout in ("page_first", "layer_first"):
+        w, r = med[layout]
+        print(f"{'adapter v1 ' + layout:28s} {gb / w:10.2f} {gb / r:10.2f} {bw / w:12.2f} / {br / r:.2f}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,531 @@
+"""tiered_kv as SGLang's HiCache L3, driven through SGLang 0.5.23's real classes.
+
+The backend is created by SGLang's ``StorageBackendFactory`` (``dynamic``), registered
+with SGLang's host pools built on CPU, and called the way ``CacheController`` /
+``HybridCacheController`` call it: ``batch_set_v1`` after a backup, ``batch_exists`` to plan
+a prefetch, ``batch_get_v1`` into freshly allocated host pages; the ``*_v2`` calls with
+``PoolTransfer``s for DeepSeek V4's side pools. Every read is compared byte for byte with
+what was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+from pathlib import Path
+
+import _sglang_env as env
+import lmdb
+import pytest
+import torch
+from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorageExtraInfo,
+    HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from tiered_kv.integrations.sglang import TieredKVHiCacheStorage
+from tiered_kv.storage import LayoutMismatchError, open_store
+
+HERE = Path(__file__).resolve().parent
+PAGE = env.PAGE
+
+
+def _backend(backends, store, pool, side=None, **cfg):
+    b = env.create_backend(env.storage_config(store, **cfg), pool, side)
+    backends.append(b)
+    return b
+
+
+def _store_and_reload(backend, pool, n, seed=1, key_seed=0):
+    """Write n random pages, then read them into other host pages; returns both byte lists."""
+    keys = env.page_keys(n, key_seed)
+    src = pool.alloc(n * PAGE)
+    env.fill_pages(pool, src, seed)
+    assert backend.batch_set_v1(keys, src, HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * n
+    dst = pool.alloc(n * PAGE)
+    assert backend.batch_exists(keys) == n
+    assert backend.batch_get_v1(keys, dst) == [True] * n
+    return env.page_bytes(pool, src), env.page_bytes(pool, dst), keys, dst
+
+
+def _corrupt(store_path: Path, record_key, offset_from_end: int = 40) -> None:
+    """Flip one payload byte of a record in a closed LMDB store."""
+    db_env = lmdb.open(str(store_path), max_dbs=4, map_size=1 << 30)
+    try:
+        records = db_env.open_db(b"records")
+        with db_env.begin(write=True) as txn:
+            raw = bytearray(txn.get(record_key.to_bytes(), db=records))
+            raw[len(raw) - offset_from_end] ^= 0xFF
+            txn.put(record_key.to_bytes(), bytes(raw), db=records)
+    finally:
+        db_env.close()
+
+
+# ---------------------------------------------------------------------- loading
+def test_factory_loads_the_dynamic_backend(store_url, backends):
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    assert isinstance(b, TieredKVHiCacheStorage)
+    assert b.interface_v1 and b.model_id == "deepseek-ai/DeepSeek-V4-Flash"
+
+
+def test_factory_wraps_it_in_sglangs_failure_injector_when_asked(store_url, backends, monkeypatch):
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "1.0")
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    assert isinstance(b, HiCacheStorageFailureInjector)
+    keys = env.page_keys(2)
+    idx = pool.alloc(2 * PAGE)
+    assert b.batch_set_v1(keys, idx) == [False, False]
+    assert b.batch_exists(keys) == 0
+
+
+def test_config_errors_name_what_was_expected(tmp_path):
+    cfg = env.storage_config(None)
+    with pytest.raises(ValueError, match='expected "store"'):
+        TieredKVHiCacheStorage(cfg, {})
+    cfg = env.storage_config(f"lmdb://{tmp_path}/s", model=None)
+    with pytest.raises(ValueError, match="model id"):
+        TieredKVHiCacheStorage(cfg, {})
+
+
+def test_a_store_of_another_layout_is_refused(tmp_path):
+    open_store(f"lmdb://{tmp_path}/kv", layout_fingerprint="tiny-other").close()
+    with pytest.raises(LayoutMismatchError):
+        TieredKVHiCacheStorage(env.storage_config(f"lmdb://{tmp_path}/kv"), {})
+
+
+# ---------------------------------------------------------------------- v1 zero-copy
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_v1_round_trip_through_mla_host_pool(store_url, backends, layout):
+    pool = env.mla_host_pool(layout)
+    b = _backend(backends, store_url, pool)
+    written, read, _, _ = _store_and_reload(b, pool, 5)
+    assert read == written
+    assert len({p for p in written}) == 5  # the pages differ: a mix-up would show
+    c = b.counters()
+    assert c["pages_written"] == 5 and c["pages_read"] == 5 and c["store.records"] == 5
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_mha_tp_ranks_keep_their_own_heads_apart(store_url, backends, layout):
+    """An MHA model's TP ranks store the same page keys with different bytes (their own
+    heads); each reads back its own. K and V are separate buffers of each page."""
+    n = 3
+    keys = env.page_keys(n)
+    pools = [env.mha_host_pool(layout) for _ in range(2)]
+    ranks = [_backend(backends, store_url, pool, is_mla=False, tp_rank=r, tp_size=2)
+             for r, pool in enumerate(pools)]
+    written = []
+    for r, (b, pool) in enumerate(zip(ranks, pools)):
+        src = pool.alloc(n * PAGE)
+        env.fill_pages(pool, src, 100 + r)
+        assert b.batch_set_v1(keys, src) == [True] * n
+        written.append(env.page_bytes(pool, src))
+    assert written[0] != written[1]
+    for r, (b, pool) in enumerate(zip(ranks, pools)):
+        dst = pool.alloc(n * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * n
+        assert env.page_bytes(pool, dst) == written[r]
+    assert ranks[0].counters()["store.records"] == 2 * n
+    # both ranks share this process's one handle on the store; closing one keeps the other's
+    ranks[0].close()
+    assert ranks[1].batch_exists(keys) == n and not ranks[1].store.closed
+
+
+def test_batch_exists_counts_leading_pages(store_url, backends):
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    keys = env.page_keys(8)
+    idx = pool.alloc(8 * PAGE)
+    env.fill_pages(pool, idx, 3)
+    assert b.batch_set_v1(keys[:5], idx[:5 * PAGE]) == [True] * 5
+    assert b.batch_set_v1(keys[6:], idx[6 * PAGE:]) == [True] * 2  # page 5 missing
+    assert b.batch_exists(keys) == 5
+    assert b.batch_exists(keys[6:]) == 2
+    assert b.batch_exists(env.page_keys(3, seed=9)) == 0
+    assert b.exists(keys[0]) and not b.exists(keys[5])
+
+
+def test_rewrite_of_a_stored_page_is_a_success_that_keeps_the_first_bytes(store_url, backends):
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    written, _, keys, _ = _store_and_reload(b, pool, 2)
+    other = pool.alloc(2 * PAGE)
+    env.fill_pages(pool, other, 77)
+    assert b.batch_set_v1(keys, other) == [True, True]  # write-once: already stored
+    dst = pool.alloc(2 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True, True]
+    assert env.page_bytes(pool, dst) == written
+    assert b.counters()["pages_already_stored"] == 2
+
+
+def test_a_corrupt_record_is_a_failed_page_never_bytes(tmp_path, backends):
+    url = f"lmdb://{tmp_path / 'kv'}"
+    pool = env.mla_host_pool()
+    b = env.create_backend(env.storage_config(url), pool)
+    written, _, keys, _ = _store_and_reload(b, pool, 4)
+    bad = b.record_keys([keys[2]])[0]
+    b.close()
+    _corrupt(tmp_path / "kv", bad)
+
+    b = _backend(backends, url, pool)  # a restart over the damaged store
+    dst = pool.alloc(4 * PAGE)
+    ok = b.batch_get_v1(keys, dst)
+    assert ok == [True, True, False, True]
+    assert env.page_bytes(pool, dst)[:2] == written[:2]
+    c = b.counters()
+    assert c["pages_missed"] == 1 and c["store.corrupt"] == 1
+    assert b.batch_exists(keys) == 2  # the corrupt record was removed: SGLang re-fetches from page 2
+    # ... and the page can be stored again
+    src = pool.alloc(4 * PAGE)
+    env.fill_pages(pool, src, 1)
+    assert b.batch_set_v1(keys, src) == [True] * 4
+    assert b.batch_exists(keys) == 4
+
+
+def test_pages_of_another_model_tenant_or_mha_shard_are_invisible(store_url, backends):
+    pool = env.mla_host_pool()
+    a = _backend(backends, store_url, pool, tenant="a")
+    _, _, keys, _ = _store_and_reload(a, pool, 3)
+    a.close()
+    for cfg in ({"tenant": "b"}, {"tenant": "a", "model": "other/model"},
+                {"tenant": "a", "is_mla": False, "tp_rank": 1, "tp_size": 2}):
+        other = _backend(backends, store_url, env.mla_host_pool(), **cfg)
+        assert other.batch_exists(keys) == 0, cfg
+        other.close()
+    again = _backend(backends, store_url, pool, tenant="a")
+    assert again.batch_exists(keys) == 3
+
+
+def test_a_different_host_layout_does_not_read_the_pages(store_url, backends):
+    pool = env.mla_host_pool("page_first")
+    a = _backend(backends, store_url, pool)
+    _, _, keys, _ = _store_and_reload(a, pool, 2)
+    a.close()
+    b = _backend(backends, store_url, env.mla_host_pool("layer_first"))
+    assert b.batch_exists(keys) == 0  # its page bytes are ordered differently
+
+
+def _controller(backend):
+    """SGLang's ``HiCacheController`` with only its storage side set up (no GPU pools, no
+    threads): its own ``_page_backup`` / ``_storage_hit_query`` / ``_page_transfer`` then
+    run against the backend exactly as its backup and prefetch threads run them, including
+    the split into ``STORAGE_BATCH_SIZE`` batches, ``interface_v1`` selecting the zero-copy
+    calls."""
+    ctrl = HiCacheController.__new__(HiCacheController)
+    ctrl.storage_backend = backend
+    ctrl.page_size = PAGE
+    ctrl.page_get_func = ctrl._page_get_zero_copy
+    ctrl.page_set_func = ctrl._page_set_zero_copy
+    ctrl.prefetch_sync_queue = queue.Queue()
+    return ctrl
+
+
+def test_sglangs_controller_backs_up_queries_and_prefetches_across_batches(tmp_path, backends):
+    n = STORAGE_BATCH_SIZE + 6  # crosses one storage batch boundary
+    url = f"lmdb://{tmp_path / 'kv'}"
+    pool = env.mla_host_pool(device_tokens=n * PAGE)
+    b = env.create_backend(env.storage_config(url), pool)
+    ctrl = _controller(b)
+    tokens = torch.randint(0, 50_000, (n * PAGE,), generator=torch.Generator().manual_seed(3)).tolist()
+    src = pool.alloc(n * PAGE)
+    env.fill_pages(pool, src, 12)
+    written = env.page_bytes(pool, src)
+    backup = StorageOperation(src, tokens, hash_value=get_hash_str(tokens, None, page_size=PAGE), prefix_keys=[])
+    ctrl._page_backup(backup)
+    assert backup.completed_tokens == n * PAGE
+
+    def prefetch() -> tuple[int, int, list[bytes]]:
+        op = PrefetchOperation("req-1", tokens, prefix_keys=[])
+        hashes, hit_tokens = ctrl._storage_hit_query(op)
+        op.hash_value, op.host_indices = hashes, pool.alloc(len(hashes) * PAGE)
+        done = ctrl._page_transfer(op)
+        got = env.page_bytes(pool, op.host_indices[:done * PAGE])
+        pool.free(op.host_indices)
+        return hit_tokens, done, got
+
+    hit_tokens, done, got = prefetch()
+    assert (hit_tokens, done) == (n * PAGE, n) and got == written
+    bad = b.record_keys([backup.hash_value[STORAGE_BATCH_SIZE + 2]])[0]
+    b.close()
+    _corrupt(tmp_path / "kv", bad)
+    ctrl = _controller(_backend(backends, url, pool))  # a restart over the damaged store
+    hit_tokens, done, got = prefetch()
+    # the query trusts presence; the verified read stops the prefetch at the corrupt page
+    assert hit_tokens == n * PAGE and done == STORAGE_BATCH_SIZE + 2
+    assert got == written[:done]
+
+
+# ---------------------------------------------------------------------- failures
+def test_under_sglangs_failure_injector_a_true_page_always_holds_the_right_bytes(store_url, backends):
+    pool = env.mla_host_pool()
+    inner = _backend(backends, store_url, pool)
+    flaky = HiCacheStorageFailureInjector(inner, random_delay_limit=0.0, failure_prob=0.3)
+    n = 6
+    keys = env.page_keys(n)
+    src = pool.alloc(n * PAGE)
+    env.fill_pages(pool, src, 5)
+    expected = env.page_bytes(pool, src)
+    for _ in range(20):  # writes fail at random; retry like the next backup would
+        flaky.batch_set_v1(keys, src)
+    inner.batch_set_v1(keys, src)  # a write that got through
+    saw_failure = saw_success = False
+    for _ in range(20):
+        dst = pool.alloc(n * PAGE)
+        hits = flaky.batch_exists(keys)
+        ok = flaky.batch_get_v1(keys[:hits], dst[:hits * PAGE])
+        got = env.page_bytes(pool, dst)
+        for i, page_ok in enumerate(ok):
+            if page_ok:
+                assert got[i] == expected[i]
+        saw_failure |= hits < n or not all(ok)
+        saw_success |= hits == n and all(ok)
+        pool.free(dst)
+    assert saw_failure and saw_success
+
+
+def test_a_closed_or_failing_store_gives_failed_pages_not_exceptions(store_url, backends):
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    keys = env.page_keys(3)
+    idx = pool.alloc(3 * PAGE)
+    b.store.close()  # the store goes away under the server
+    assert b.batch_set_v1(keys, idx) == [False] * 3
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, idx) == [False] * 3
+    assert b.counters()["store_errors"] == 3
+
+
+def test_a_bounded_store_evicts_old_pages_and_keeps_serving(tmp_path, backends):
+    pool = env.mla_host_pool()
+    page = PAGE * env.LAYERS * (env.KV_LORA + env.ROPE) * 2
+    url = f"lmdb://{tmp_path / 'kv'}"
+    b = _backend(backends, url, pool, store_options={"max_bytes": 4 * (page + 1024)})
+    keys = env.page_keys(6)
+    idx = pool.alloc(6 * PAGE)
+    env.fill_pages(pool, idx, 2)
+    for i in range(6):  # one backup per page, as decode extends the sequence
+        assert b.batch_set_v1(keys[i:i + 1], idx[i * PAGE:(i + 1) * PAGE]) == [True]
+    assert b.batch_exists(keys) == 0  # the first pages were evicted
+    assert b.batch_exists(keys[2:]) == 4
+    dst = pool.alloc(4 * PAGE)
+    assert b.batch_get_v1(keys[2:], dst) == [True] * 4
+    assert env.page_bytes(pool, dst) == env.page_bytes(pool, idx[2 * PAGE:])
+
+
+def test_clear_is_refused_on_a_shared_store(store_url, backends):
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    _, _, keys, _ = _store_and_reload(b, pool, 2)
+    assert b.clear() is False
+    assert b.batch_exists(keys) == 2
+
+
+# ---------------------------------------------------------------------- v2: pools
+def _v2_transfers(pools, keys, indices, policies=None):
+    policies = policies or {}
+    return [PoolTransfer(name=PoolName(name), host_indices=indices[name], keys=keys,
+                         hit_policy=policies.get(name, PoolHitPolicy.ALL_PAGES)) for name in pools]
+
+
+def test_v2_deepseek_v4_pools_round_trip_and_stay_apart(store_url, backends):
+    anchor, side = env.v4_pools()
+    b = _backend(backends, store_url, anchor, side)
+    n = 4
+    keys = env.page_keys(n)
+    src = {name: pool.alloc(n * PAGE) for name, pool in side.items()}
+    for i, (name, pool) in enumerate(side.items()):
+        env.fill_pages(pool, src[name], 10 + i)
+    # the KV anchor holds no bytes: its v1 calls succeed without storing anything
+    assert b.batch_set_v1(keys, anchor.alloc(n * PAGE)) == [True] * n
+    result = b.batch_set_v2(_v2_transfers(side, keys, src))
+    assert result == {PoolName(name): [True] * n for name in side}
+    assert b.counters()["store.records"] == n * len(side)  # same page keys, one record per pool
+
+    exists = b.batch_exists_v2(keys, _v2_transfers(side, keys, src))
+    assert exists.kv_hit_pages == n and exists.restorable_prefix_pages == list(range(1, n + 1))
+    dst = {name: pool.alloc(n * PAGE) for name, pool in side.items()}
+    assert b.batch_get_v2(_v2_transfers(side, keys, dst)) == {PoolName(name): [True] * n for name in side}
+    for name, pool in side.items():
+        assert env.page_bytes(pool, dst[name]) == env.page_bytes(pool, src[name]), name
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_v2_missing_pages_shrink_the_hit_per_pool_policy(store_url, backends, layout):
+    c4 = PoolName.DEEPSEEK_V4_C4.value
+    state = PoolName.DEEPSEEK_V4_C4_STATE.value
+    anchor = env.LogicalHostPool(size=24 * PAGE, page_size=PAGE)
+    side = {c4: env.v4_paged_pool(c4, 584, layout), state: env.v4_paged_pool(state, 256, layout)}
+    b = _backend(backends, store_url, anchor, side)
+    n = 6
+    keys = env.page_keys(n)
+    idx = {name: pool.alloc(n * PAGE) for name, pool in side.items()}
+    for name, pool in side.items():
+        env.fill_pages(pool, idx[name], 1)
+    # C4 pages 0..4 stored; the state pool only at pages 1 and 3 (a state every other page)
+    b.batch_set_v2([PoolTransfer(name=PoolName(c4), host_indices=idx[c4][:5 * PAGE], keys=keys[:5])])
+    for p in (1, 3):
+        b.batch_set_v2([PoolTransfer(name=PoolName(state), host_indices=idx[state][p * PAGE:(p + 1) * PAGE],
+                                     keys=keys[p:p + 1])])
+    transfers = [PoolTransfer(name=PoolName(c4), keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+                 PoolTransfer(name=PoolName(state), keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    r = b.batch_exists_v2(keys, transfers)
+    # KV anchor: all 6; C4: 5 leading pages; state (window 1): stop points 2 and 4
+    assert r.restorable_prefix_pages == [2, 4]
+    assert r.kv_hit_pages == 4
+    assert r.extra_pool_hit_pages[PoolName(c4)] == 5 and r.extra_pool_hit_pages[PoolName(state)] == 4
+    dst = side[state].alloc(PAGE)
+    assert b.batch_get_v2([PoolTransfer(name=PoolName(state), host_indices=dst, keys=keys[3:4])]) == \
+        {PoolName(state): [True]}
+    assert env.page_bytes(side[state], dst) == env.page_bytes(side[state], idx[state][3 * PAGE:4 * PAGE])
+
+
+def test_v2_kv_derived_sidecar_reads_with_the_kv_indices(store_url, backends):
+    """``CacheController._page_transfer_kv_batch``: an indexer sidecar read with the KV
+    pool's host indices, after the KV read."""
+    pool = env.mla_host_pool()
+    indexer = env.v4_paged_pool(PoolName.INDEXER.value, 132, pages=32)
+    b = _backend(backends, store_url, pool, {PoolName.INDEXER.value: indexer})
+    n = 3
+    keys = env.page_keys(n)
+    src = pool.alloc(n * PAGE)
+    env.fill_pages(pool, src, 4)
+    env.fill_pages(indexer, src, 5)
+    assert b.batch_set_v1(keys, src) == [True] * n
+    assert b.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=src, keys=keys)]) == \
+        {PoolName.INDEXER: [True] * n}
+    dst = pool.alloc(n * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True] * n
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=dst, keys=keys)]) == \
+        {PoolName.INDEXER: [True] * n}
+    assert env.page_bytes(pool, dst) == env.page_bytes(pool, src)
+    assert env.page_bytes(indexer, dst) == env.page_bytes(indexer, src)
+
+
+def test_v2_a_corrupt_side_pool_record_fails_only_that_page(tmp_path, backends):
+    url = f"lmdb://{tmp_path / 'kv'}"
+    anchor, side = env.v4_pools()
+    name = PoolName.DEEPSEEK_V4_C4_INDEXER.value
+    b = env.create_backend(env.storage_config(url), anchor, side)
+    keys = env.page_keys(3)
+    src = side[name].alloc(3 * PAGE)
+    env.fill_pages(side[name], src, 8)
+    b.batch_set_v2([PoolTransfer(name=PoolName(name), host_indices=src, keys=keys)])
+    bad = b.record_keys(keys[1:2], pool=name)[0]
+    b.close()
+    _corrupt(tmp_path / "kv", bad)
+    b = _backend(backends, url, anchor, side)
+    dst = side[name].alloc(3 * PAGE)
+    assert b.batch_get_v2([PoolTransfer(name=PoolName(name), host_indices=dst, keys=keys)]) == \
+        {PoolName(name): [True, False, True]}
+
+
+# ---------------------------------------------------------------------- legacy calls
+def test_legacy_calls_round_trip_flat_pages(store_url, backends):
+    """``CacheController._generic_page_set/_get``: flat pages via get_data_page /
+    set_from_flat_data_page (SGLang's path without ``interface_v1``)."""
+    pool = env.mla_host_pool("layer_first")
+    b = _backend(backends, store_url, pool, interface_v1=False)
+    n = 3
+    keys = env.page_keys(n)
+    src = pool.alloc(n * PAGE)
+    env.fill_pages(pool, src, 6)
+    assert b.batch_set(keys, [pool.get_data_page(src[i * PAGE]) for i in range(n)]) is True
+    assert b.batch_exists(keys) == n and b.exists(keys[1])
+    got = b.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    dst = pool.alloc(n * PAGE)
+    for i, page in enumerate(got):
+        assert page is not None
+        pool.set_from_flat_data_page(dst[i * PAGE], page)
+    assert env.page_bytes(pool, dst) == env.page_bytes(pool, src)
+    assert b.get(env.page_keys(1, seed=5)[0], pool.get_dummy_flat_data_page()) is None
+
+
+def test_legacy_calls_with_deepseek_v4s_logical_kv_anchor(store_url, backends):
+    """Without ``interface_v1`` SGLang moves DeepSeek V4's KV anchor pages with the legacy
+    calls; they hold no bytes, so they succeed without touching the store."""
+    anchor, side = env.v4_pools()
+    b = _backend(backends, store_url, anchor, side, interface_v1=False)
+    keys = env.page_keys(3)
+    pages = [anchor.get_dummy_flat_data_page() for _ in keys]
+    assert b.batch_set(keys, pages) is True
+    assert b.batch_exists(keys) == 3
+    assert all(p is not None for p in b.batch_get(keys, pages))
+    assert b.counters()["store.records"] == 0
+
+
+# ---------------------------------------------------------------------- store kinds
+def test_a_chain_writes_through_to_its_far_level(tmp_path, backends):
+    """``store`` as a list: a local LMDB in front of a shared Zarr store; a server that
+    only sees the shared store reads the pages back."""
+    near, far = f"lmdb://{tmp_path / 'near'}", f"zarr://{tmp_path / 'far'}"
+    pool = env.mla_host_pool()
+    b = env.create_backend(env.storage_config([near, far]), pool)
+    written, _, keys, _ = _store_and_reload(b, pool, 3)
+    assert b.store.wait_uploads(30)
+    b.close()
+    other = _backend(backends, far, pool)
+    dst = pool.alloc(3 * PAGE)
+    assert other.batch_exists(keys) == 3
+    assert other.batch_get_v1(keys, dst) == [True] * 3
+    assert env.page_bytes(pool, dst) == written
+
+
+# ---------------------------------------------------------------------- metrics
+def test_get_stats_reports_sglangs_storage_metrics(store_url, backends):
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool, metrics=True)
+    _store_and_reload(b, pool, 3)
+    m = b.get_stats()
+    assert isinstance(m, StorageMetrics)
+    assert m.backup_pgs == [3] and m.prefetch_pgs == [3]
+    assert m.backup_bandwidth[0] > 0 and m.prefetch_bandwidth[0] > 0
+    assert b.get_stats().prefetch_pgs == []  # drained
+
+
+# ---------------------------------------------------------------------- processes
+def _expected_pages(seed: int, n: int) -> list[bytes]:
+    """The page bytes _worker.py writes for pages [0, n) of chain ``seed``."""
+    pool = env.mla_host_pool()
+    idx = torch.arange(0, PAGE)
+    out = []
+    for page in range(n):
+        env.fill_pages(pool, idx, seed * 1000 + page)
+        out.append(env.page_bytes(pool, idx)[0])
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_store_across_a_restart(store_url):
+    # two server processes write into one LMDB store at the same time: one the head of a
+    # chain, the other its tail
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_worker.py"), store_url, "write", *a],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+             for a in (["1", "0", "4"], ["1", "4", "3"])]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"written": int(p.args[-1])}
+    # both have exited (the restart); a new server process finds the whole chain, byte-exact
+    pool = env.mla_host_pool()
+    b = env.create_backend(env.storage_config(store_url), pool)
+    try:
+        keys = env.page_keys(8, 1)
+        assert b.batch_exists(keys) == 7
+        dst = pool.alloc(7 * PAGE)
+        assert b.batch_get_v1(keys[:7], dst) == [True] * 7
+        assert env.page_bytes(pool, dst) == _expected_pages(1, 7)
+    finally:
+        b.close()
