@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from _vllm_engine import Engine
+
+# The project's SeaweedFS test server (tests/seaweedfs.py) and its session fixture ``seaweedfs``.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+pytest_plugins = ["seaweedfs"]
+
+from _vllm_engine import Engine  # noqa: E402
 
 
 @pytest.fixture

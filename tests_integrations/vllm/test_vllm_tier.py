@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from tiered_kv.integrations.vllm import TieredKVTier, TieredKVTierInfo, TieredKVTierMetrics, VllmKeyMapper
 from tiered_kv.storage import LmdbStore
 
+from seaweedfs import SeaweedFS  # tests/seaweedfs.py, put on sys.path by conftest
 from _vllm_engine import CHUNK_BYTES, TIER_MODULE, Engine, chunk_bytes, chunk_keys, offload_config
 
 HERE = Path(__file__).parent
@@ -218,3 +222,39 @@ def test_two_processes_on_one_store_and_a_killed_writer(tmp_path: Path, engines:
     with LmdbStore(path, layout_fingerprint=reader.tier.keys.layout_fingerprint) as store:
         report = store.verify()
     assert report["corrupt"] == 0 and report["checked"] == len(present)
+
+
+@pytest.mark.s3
+@pytest.mark.slow  # ~15 s: a SeaweedFS server, frozen then killed, then restarted
+def test_object_store_dies_mid_job(tmp_path: Path, engines: list[Engine], seaweedfs: SeaweedFS) -> None:
+    """Zarr on S3: the server freezes with jobs in flight, then is SIGKILLed. The scheduler
+    never waits on it, the jobs fail (counted), lookups answer MISS; after a restart the
+    chunks stored before are all back, byte for byte."""
+    seaweedfs.make_bucket("vllm-tier")
+    url = seaweedfs.url("vllm-tier", f"t-{uuid.uuid4().hex[:12]}")
+    creds = {"access_key_id": seaweedfs.access_key, "secret_access_key": seaweedfs.secret_key, "timeout_s": 2.0}
+    engine = Engine(url, num_chunks=8, store_options=creds)
+    engines.append(engine)
+    before = chunk_keys("s3-before", 4)
+    engine.store(before)
+    engine.wait_jobs()
+    assert engine.counter(tiered("CHUNKS_STORED")) == 4
+
+    os.kill(seaweedfs.pid, signal.SIGSTOP)     # frozen: requests hang until the timeout
+    try:
+        t0 = time.monotonic()
+        engine.store(chunk_keys("s3-during", 8))   # pushes `before` out of the primary tier too
+        assert time.monotonic() - t0 < 1.0, "the scheduler waited on the store"
+        assert engine.manager.has_pending_work()   # the cascade job is in flight, stuck
+    finally:
+        seaweedfs.stop()                        # SIGKILL, mid-job
+    engine.wait_jobs()
+    assert engine.counter("kv_offload_tiering_cascade_job_failures", TIER) == 1
+    assert engine.counter(tiered("JOB_ERRORS"), "unavailable") == 1
+    assert engine.load(before) == {k: None for k in before}     # store down: recompute
+    engine.close()
+
+    seaweedfs.restart()
+    again = Engine(url, num_chunks=8, store_options=creds)
+    engines.append(again)
+    assert again.load(before) == {k: chunk_bytes(k) for k in before}
