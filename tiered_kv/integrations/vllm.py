@@ -190,13 +190,14 @@ def _display_url(store: str | Sequence[str]) -> str:
     return ",".join(str(u).split("?", 1)[0] for u in urls)
 
 
-def _error_kind(exc: BaseException) -> str:
+def _error_kind(exc: BaseException, store: BlockStore) -> str:
+    """The ``error`` label of a failed job (TieredKVTierMetrics.ERROR_KINDS)."""
     if isinstance(exc, StoreFullError):
         return "full"
-    if isinstance(exc, (ConnectionError, TimeoutError, OSError)):
+    if store.closed:
+        return "closed"
+    if isinstance(exc, OSError):   # ConnectionError (ObjectStoreUnavailable), TimeoutError, EIO...
         return "unavailable"
-    if isinstance(exc, StoreError):
-        return "closed" if "closed" in str(exc) else "error"
     return "error"
 
 
@@ -381,7 +382,7 @@ class TieredKVTier(SecondaryTierManager):
         self._finished.put((result, keys, True))
 
     def _job_failed(self, what: str, job_id: JobId, keys: list[OffloadKey], exc: BaseException) -> None:
-        kind = _error_kind(exc)
+        kind = _error_kind(exc, self.store)
         self.counters.add(TieredKVTierMetrics.JOB_ERRORS, 1, (kind,))
         if kind == "error":
             log.error("tiered_kv %s job %s (%d chunks) failed", what, job_id, len(keys), exc_info=exc)
