@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from tiered_kv.integrations.vllm import TieredKVTier, TieredKVTierInfo, TieredKVTierMetrics, VllmKeyMapper
-from tiered_kv.storage import LmdbStore
+from tiered_kv.storage import LmdbStore, StoreChain, record_size
 
 from seaweedfs import SeaweedFS  # tests/seaweedfs.py, put on sys.path by conftest
 from _vllm_engine import CHUNK_BYTES, TIER_MODULE, Engine, chunk_bytes, chunk_keys, offload_config
@@ -258,3 +258,22 @@ def test_object_store_dies_mid_job(tmp_path: Path, engines: list[Engine], seawee
     again = Engine(url, num_chunks=8, store_options=creds)
     engines.append(again)
     assert again.load(before) == {k: chunk_bytes(k) for k in before}
+
+
+def test_chain_bounds_the_near_level_and_serves_from_the_far_one(tmp_path: Path, engines: list[Engine]) -> None:
+    """``store`` as a list: a small LMDB (``max_bytes`` = 5 records) in front of a Zarr
+    directory standing in for the shared bucket."""
+    near, far = tmp_path / "near", tmp_path / "far"
+    engine = Engine([f"lmdb://{near}", f"zarr://{far}"], num_chunks=4, max_bytes=5 * record_size(CHUNK_BYTES))
+    engines.append(engine)
+    chain = engine.tier.store
+    assert isinstance(chain, StoreChain)
+    keys = chunk_keys("chain", 8)
+    for batch in (keys[:4], keys[4:]):          # the second evicts the first from the primary tier
+        engine.store(batch)
+        engine.wait_jobs()
+        assert chain.wait_uploads(timeout_s=30)
+    near_level, far_level = chain.levels()
+    assert near_level is not None and far_level is not None
+    assert len(near_level) == 5 and len(far_level) == 8
+    assert engine.load(keys[:4]) == {k: chunk_bytes(k) for k in keys[:4]}   # 3 of them from the far level
