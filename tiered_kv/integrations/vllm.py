@@ -293,8 +293,12 @@ class TieredKVTier(SecondaryTierManager):
                                       tiered_kv_io_threads=io_threads)
 
         self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
-            self.events = []
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                log.warning("enable_kv_events is set on tier %r but KV cache events are disabled globally; "
+                            "the tier emits none", tier_type)
         self.counters = _Counters()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads,
                                                            thread_name_prefix="tiered_kv_vllm")
