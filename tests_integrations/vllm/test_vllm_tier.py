@@ -277,3 +277,34 @@ def test_chain_bounds_the_near_level_and_serves_from_the_far_one(tmp_path: Path,
     assert near_level is not None and far_level is not None
     assert len(near_level) == 5 and len(far_level) == 8
     assert engine.load(keys[:4]) == {k: chunk_bytes(k) for k in keys[:4]}   # 3 of them from the far level
+
+
+def test_a_requests_lookups_and_loads_are_batched(tmp_path: Path, engines: list[Engine],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", num_chunks=8)
+    engines.append(engine)
+    keys = chunk_keys("batched", 6)
+    engine.store(keys)
+    engine.wait_jobs()
+    engine.store(chunk_keys("evictor", 8))
+    engine.wait_jobs()
+    store = engine.tier.store
+    batches: list[int] = []
+    real = store.contains_many
+
+    def counting(record_keys):  # type: ignore[no-untyped-def]
+        batches.append(len(record_keys))
+        return real(record_keys)
+
+    loads: list[int] = []
+    real_get = store.get_many
+
+    def counting_get(record_keys, outs, **kw):  # type: ignore[no-untyped-def]
+        loads.append(len(record_keys))
+        return real_get(record_keys, outs, **kw)
+
+    monkeypatch.setattr(store, "contains_many", counting)
+    monkeypatch.setattr(store, "get_many", counting_get)
+    assert engine.load(keys) == {k: chunk_bytes(k) for k in keys}
+    assert batches == [6]                       # one lookup round trip for the request's 6 chunks
+    assert loads == [6]                         # and one load job (vLLM batches a step's promotions)
