@@ -14,6 +14,7 @@ of the rows ``prepare_load`` names. Here the test writes and reads those rows di
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -43,14 +44,17 @@ TIER_MODULE = "tiered_kv.integrations.vllm"
 
 
 def offload_config(tier: dict[str, Any], *, num_chunks: int = 8, model: str = "org/tiny-model",
-                   engine_id: str | None = None) -> OffloadingConfig:
-    """The normalized config vLLM builds from ``--kv-transfer-config`` for one small model."""
-    extra = {"cpu_bytes_to_use": num_chunks * CHUNK_BYTES, "block_size": 16 * BLOCKS_PER_CHUNK,
+                   engine_id: str | None = None,
+                   worker_bytes_per_block: int = WORKER_BYTES_PER_BLOCK) -> OffloadingConfig:
+    """The normalized config vLLM builds from ``--kv-transfer-config`` for one small model;
+    ``tier``: the secondary tier's config (a TieredKVTier unless it names another ``type``)."""
+    chunk_size = worker_bytes_per_block * BLOCKS_PER_CHUNK
+    extra = {"cpu_bytes_to_use": num_chunks * chunk_size, "block_size": 16 * BLOCKS_PER_CHUNK,
              "secondary_tiers": [{"type": "TieredKVTier", "module_path": TIER_MODULE, **tier}]}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.self_attn.attn",),
                                       group_id=0),),
-        worker_kv_bytes_per_block=WORKER_BYTES_PER_BLOCK,
+        worker_kv_bytes_per_block=worker_bytes_per_block,
         enable_kv_cache_events=False,
         extra_config=extra,
         engine_id=engine_id or f"tkv-test-{uuid.uuid4().hex[:12]}",
@@ -67,27 +71,33 @@ def chunk_keys(seed: str, n: int, group: int = 0) -> list[OffloadKey]:
     return [make_offload_key(hashlib.sha256(f"{seed}:{i}".encode()).digest(), group) for i in range(n)]
 
 
-def chunk_bytes(key: OffloadKey) -> bytes:
-    """Deterministic KV bytes of the chunk under ``key`` (CHUNK_BYTES of them)."""
+@functools.lru_cache(maxsize=512)
+def chunk_bytes(key: OffloadKey, size: int = CHUNK_BYTES) -> bytes:
+    """Deterministic KV bytes of the chunk under ``key``."""
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(bytes(key)).digest()[:8], "little"))
-    return rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8).tobytes()
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 class Engine:
     """One vLLM engine's scheduler-side offloading stack with a TieredKVTier."""
 
-    def __init__(self, store: str | Sequence[str], *, num_chunks: int = 8, model: str = "org/tiny-model",
-                 engine_id: str | None = None, **tier_options: Any) -> None:
-        tier_options.setdefault("io_threads", 2)
-        self.spec = TieringOffloadingSpec(offload_config({"store": store, **tier_options},
-                                                         num_chunks=num_chunks, model=model,
-                                                         engine_id=engine_id))
+    def __init__(self, store: str | Sequence[str] | None, *, num_chunks: int = 8, model: str = "org/tiny-model",
+                 engine_id: str | None = None, worker_bytes_per_block: int = WORKER_BYTES_PER_BLOCK,
+                 **tier_options: Any) -> None:
+        """``store``: a TieredKVTier's; None with ``type=...`` in ``tier_options`` for
+        another tier (benchmarks compare vLLM's own)."""
+        if store is not None:
+            tier_options = {"store": store, "io_threads": 2, **tier_options}
+        self.spec = TieringOffloadingSpec(offload_config(tier_options, num_chunks=num_chunks, model=model,
+                                                         engine_id=engine_id,
+                                                         worker_bytes_per_block=worker_bytes_per_block))
+        self.chunk_size = worker_bytes_per_block * BLOCKS_PER_CHUNK
         manager = self.spec.get_manager()
         assert isinstance(manager, TieringOffloadingManager)
         self.manager = manager
         (tier,) = manager.secondary_tiers
-        assert isinstance(tier, TieredKVTier)
-        self.tier = tier
+        assert isinstance(tier, TieredKVTier) or store is None
+        self.tier: TieredKVTier = tier  # type: ignore[assignment]
         self.stats: dict[str, float] = {}
         self.closed = False
         self._next_req = 0
@@ -108,18 +118,25 @@ class Engine:
     def store(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """One request offloads ``keys``: GPU -> primary (the worker's copy, by hand here),
         then vLLM cascades them to the secondary tier. Returns the keys newly stored."""
+        stored = self.try_store(keys)
+        assert stored is not None, "primary tier could not take the chunks"
+        return stored
+
+    def try_store(self, keys: Sequence[OffloadKey]) -> list[OffloadKey] | None:
+        """:meth:`store`, or None where the primary tier had no free slot (vLLM then skips
+        the offload: every slot is pinned by transfers in flight)."""
         ctx = self._request()
         with self.manager.lock:
             out = self.manager.prepare_store(keys, ctx)
-            assert out is not None, "primary tier could not take the chunks"
-            rows = self._rows()
-            for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
-                rows[int(chunk)] = np.frombuffer(chunk_bytes(key), dtype=np.uint8)
-            del rows
-            self.manager.complete_store(out.keys_to_store, ctx)
+            if out is not None:
+                rows = self._rows()
+                for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
+                    rows[int(chunk)] = np.frombuffer(chunk_bytes(key, self.chunk_size), dtype=np.uint8)
+                del rows
+                self.manager.complete_store(out.keys_to_store, ctx)
             self.manager.on_request_finished(ctx)
         self.step(ctx.req_id)
-        return list(out.keys_to_store)
+        return None if out is None else list(out.keys_to_store)
 
     def wait_jobs(self) -> None:
         """Let the tier finish its jobs, then one step so vLLM processes them."""
