@@ -15,7 +15,7 @@ BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
 BENCHES := $(wildcard bench/*.py)
 
-.PHONY: venv demo test bench clean venv-sglang test-sglang
+.PHONY: venv demo test bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations
 
 venv: $(STAMP)
 
@@ -51,6 +51,33 @@ bench: venv
 		echo "== $$b --quick"; $(BIN)/python $$b --quick; \
 	done
 
+# ---------------------------------------------------------------- engine integrations
+# Each engine pins its own torch, so each adapter is tested in a venv of its own against the
+# engine's real classes (tests_integrations/<engine>/). `make test-integrations` runs them
+# all; .ci/run calls it after `make test`.
+test-integrations: test-vllm test-sglang
+
+# vLLM 0.33 without its ~9 GB CUDA dependency set: torch==2.13.0 CPU first, then vLLM and
+# exactly the modules its tiering package imports, all --no-deps and pinned
+# (tests_integrations/vllm/requirements.txt), then tiered_kv editable.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQS  := tests_integrations/vllm/requirements.txt
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): $(VLLM_REQS) pyproject.toml | $(VLLM_VENV)/bin/python
+	$(VLLM_VENV)/bin/python -m pip install $(TORCH) $(BUILD_DEPS)
+	$(VLLM_VENV)/bin/python -m pip install --no-deps -r $(VLLM_REQS)
+	$(VLLM_VENV)/bin/python -m pip install --no-deps --no-build-isolation -e .
+	touch $@
+
+test-vllm: venv-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests_integrations/vllm $(PYTEST_ARGS)
+
 # SGLang adapter (tiered_kv.integrations.sglang) against the real SGLang 0.5.23 classes, in its
 # own venv: SGLang pins its own torch, so it never shares .venv. torch==2.13.0 (CPU) first, then
 # sglang and the packages its storage / host-pool modules import, all --no-deps (the full set
@@ -78,4 +105,4 @@ test-sglang: venv-sglang
 # Build outputs and caches; keeps .venv (remove it by hand for a fresh set-up).
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis .mypy_cache
-	find . -path ./$(VENV) -prune -o -path ./$(SGL_VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(VLLM_VENV) -prune -o -path ./$(SGL_VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

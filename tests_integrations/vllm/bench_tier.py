@@ -1,0 +1,88 @@
+"""TieredKVTier (LMDB) against vLLM's own ``fs`` tier, both inside vLLM's real tiering
+manager, on the same driver, disk and chunk stream (run in .venv-vllm)::
+
+    .venv-vllm/bin/python tests_integrations/vllm/bench_tier.py [--repeats 3] [--chunks 256]
+
+Per repeat and tier: 16-chunk requests store ``--chunks`` chunks of 512 KiB through a
+64-chunk primary tier (so all but the last 64 leave it), wait for the cascades (store
+MB/s), then load 48 evicted chunks back through lookups and promotions, checking every
+byte (load MB/s). Not like for like on durability: the fs tier writes with O_DIRECT where
+the filesystem allows it (no page cache, no fsync, no checksum); LMDB commits durably
+(fsync) and reads, verified, through the page cache. Prints medians, the fs tier's beside
+ours, and the ratio; writes bench/results/vllm_tier.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _vllm_engine import BLOCKS_PER_CHUNK, Engine, chunk_bytes, chunk_keys
+
+WORKER_BYTES = 256 << 10
+CHUNK = WORKER_BYTES * BLOCKS_PER_CHUNK
+PRIMARY_CHUNKS = 64
+PER_REQUEST = 16
+LOADED = 48
+
+
+def run_once(name: str, root: Path, n: int, seed: str) -> tuple[float, float]:
+    if name == "tiered_kv":
+        engine = Engine(f"lmdb://{root / 'lmdb'}", num_chunks=PRIMARY_CHUNKS, worker_bytes_per_block=WORKER_BYTES,
+                        io_threads=4)
+    else:
+        engine = Engine(None, num_chunks=PRIMARY_CHUNKS, worker_bytes_per_block=WORKER_BYTES, type="fs",
+                        root_dir=str(root / "fs"), n_read_threads=4, n_write_threads=4)
+    try:
+        keys = chunk_keys(seed, n)
+        for k in keys[:LOADED]:
+            chunk_bytes(k, CHUNK)                 # generate the bytes outside the timed part
+        t0 = time.perf_counter()
+        for i in range(0, n, PER_REQUEST):
+            while engine.try_store(keys[i:i + PER_REQUEST]) is None:
+                engine.tier.drain_jobs()          # primary full of chunks in flight: wait, retry
+                engine.step()
+        engine.wait_jobs()
+        store_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(0, LOADED, PER_REQUEST):
+            batch = keys[i:i + PER_REQUEST]
+            got = engine.load(batch)
+            assert got == {k: chunk_bytes(k, CHUNK) for k in batch}, f"{name}: wrong bytes"
+        load_s = time.perf_counter() - t0
+    finally:
+        engine.close()
+    return n * CHUNK / store_s / 1e6, LOADED * CHUNK / load_s / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunks", type=int, default=256)
+    args = ap.parse_args()
+    runs: dict[str, list[tuple[float, float]]] = {"tiered_kv": [], "vllm_fs": []}
+    for r in range(args.repeats):
+        for name in runs:                         # alternate, so drift hits both alike
+            with tempfile.TemporaryDirectory(dir=Path.home()) as d:
+                runs[name].append(run_once(name, Path(d), args.chunks, f"bench-{r}"))
+    med = {name: (statistics.median(s for s, _ in v), statistics.median(lo for _, lo in v))
+           for name, v in runs.items()}
+    ours, base = med["tiered_kv"], med["vllm_fs"]
+    print(f"chunk {CHUNK >> 10} KiB, {args.chunks} stored, {LOADED} loaded back, medians of {args.repeats}")
+    print(f"store MB/s: tiered_kv LMDB {ours[0]:.0f}   vLLM fs tier {base[0]:.0f}   ratio {ours[0] / base[0]:.2f}")
+    print(f"load  MB/s: tiered_kv LMDB {ours[1]:.0f}   vLLM fs tier {base[1]:.0f}   ratio {ours[1] / base[1]:.2f}")
+    out = Path(__file__).resolve().parents[2] / "bench" / "results" / "vllm_tier.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"chunk_bytes": CHUNK, "chunks": args.chunks, "loaded": LOADED,
+                               "repeats": args.repeats, "runs_mb_s": runs,
+                               "median_mb_s": {k: {"store": v[0], "load": v[1]} for k, v in med.items()},
+                               "ratio": {"store": ours[0] / base[0], "load": ours[1] / base[1]},
+                               "machine": "2 shared CPU cores, no GPU"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""TieredKVTier inside vLLM 0.33's real tiering manager (see conftest.Engine for what runs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import lmdb
+import pytest
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from tiered_kv.integrations.vllm import TieredKVTier, TieredKVTierInfo, TieredKVTierMetrics, VllmKeyMapper
+from tiered_kv.storage import LmdbStore, StoreChain, record_size
+
+from seaweedfs import SeaweedFS  # tests/seaweedfs.py, put on sys.path by conftest
+from _vllm_engine import CHUNK_BYTES, TIER_MODULE, Engine, chunk_bytes, chunk_keys, offload_config
+
+HERE = Path(__file__).parent
+TIER = "1:TieredKVTier"
+
+
+def tiered(name: str) -> str:
+    """Our counter's name without the ``vllm:`` prefix."""
+    return getattr(TieredKVTierMetrics, name).removeprefix("vllm:")
+
+
+def test_vllm_loads_the_tier_from_its_config() -> None:
+    config = {"type": "TieredKVTier", "module_path": TIER_MODULE, "store": "lmdb:///unused"}
+    assert SecondaryTierFactory.get_tier_class(config) is TieredKVTier
+    extra = {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [config]}
+    keys = TieringOffloadingSpec.config_info_keys(extra)
+    assert set(TieredKVTierInfo.config_info_keys()) <= set(keys) and "tier" in keys
+    metrics = TieringOffloadingSpec.build_metric_definitions(extra)
+    assert TieredKVTierMetrics.CHUNKS_LOADED in metrics
+    assert metrics[TieredKVTierMetrics.JOB_ERRORS].labelnames == ("error",)
+
+
+@pytest.mark.parametrize("scheme", ["lmdb", "zarr"])
+def test_store_evict_load_back_exact_bytes(tmp_path: Path, engines: list[Engine], scheme: str) -> None:
+    engine = Engine(f"{scheme}://{tmp_path / 'store'}", num_chunks=8, tenant="team-a")
+    engines.append(engine)
+    first, second, third = chunk_keys("a", 4), chunk_keys("b", 4), chunk_keys("c", 4)
+    assert engine.store(first) == first
+    engine.wait_jobs()
+    assert engine.store(second) == second
+    engine.wait_jobs()
+    assert engine.store(third) == third        # 12 chunks through an 8-chunk primary tier:
+    engine.wait_jobs()                         # LRU evicts the first request's chunks
+    assert not any(engine.primary_holds(k) for k in first)
+    assert len(engine.tier.store) == 12
+
+    got = engine.load(first)                   # secondary -> primary promotion, then "GPU"
+    assert got == {k: chunk_bytes(k) for k in first}
+    assert all(engine.primary_holds(k) for k in first)
+
+    assert engine.counter(tiered("CHUNKS_STORED")) == 12
+    assert engine.counter(tiered("CHUNKS_LOADED")) == 4
+    assert engine.counter("kv_offload_tiering_write_bytes", TIER) == 12 * CHUNK_BYTES
+    assert engine.counter("kv_offload_tiering_read_bytes", TIER) == 4 * CHUNK_BYTES
+    assert engine.counter("kv_offload_tiering_chunk_hits", TIER) == 4
+    assert engine.counter("kv_offload_tiering_promotion_job_failures", TIER) == 0
+    with engine.manager.lock:
+        (_, info) = engine.manager.config_info()
+    assert info["tier"] == TIER and info["tiered_kv_tenant"] == "team-a"
+    assert info["tiered_kv_store"] == f"{scheme}://{tmp_path / 'store'}"
+    assert info["tiered_kv_layout"] == engine.tier.keys.layout_fingerprint
+
+
+def test_chunks_already_stored_are_not_written_twice(tmp_path: Path, engines: list[Engine]) -> None:
+    store = f"lmdb://{tmp_path / 'store'}"
+    engine = Engine(store, num_chunks=4)
+    engines.append(engine)
+    keys = chunk_keys("dup", 4)
+    engine.store(keys)
+    engine.wait_jobs()
+    engine.close()
+    again = Engine(store, num_chunks=4)        # a restart: empty primary, same store
+    engines.append(again)
+    again.store(keys)
+    again.wait_jobs()
+    assert again.counter(tiered("CHUNKS_STORED")) == 0
+    assert again.counter(tiered("CHUNKS_PRESENT")) == 4
+
+
+def _corrupt(path: Path, key_bytes: bytes) -> None:
+    """Flip one payload byte of the record under ``key_bytes``, straight in LMDB."""
+    env = lmdb.open(str(path), max_dbs=4, subdir=True)
+    try:
+        db = env.open_db(b"records", create=False)
+        with env.begin(write=True) as txn:
+            value = bytearray(txn.get(key_bytes, db=db))
+            value[len(value) // 2] ^= 0xFF
+            txn.put(key_bytes, bytes(value), db=db)
+    finally:
+        env.close()
+
+
+def test_restart_then_corrupt_record_is_a_failed_key(tmp_path: Path, engines: list[Engine]) -> None:
+    path = tmp_path / "store"
+    writer = Engine(f"lmdb://{path}", num_chunks=8)
+    engines.append(writer)
+    keys = chunk_keys("restart", 6)
+    writer.store(keys)
+    writer.wait_jobs()
+    mapper = writer.tier.keys
+    writer.close()                             # engine stops; the store stays
+    _corrupt(path, mapper.record_key(keys[2]).to_bytes())
+
+    reader = Engine(f"lmdb://{path}", num_chunks=8)
+    engines.append(reader)
+    got = reader.load(keys)
+    assert got[keys[2]] is None                # never the corrupt bytes: vLLM recomputes it
+    assert {k: v for k, v in got.items() if k != keys[2]} == {k: chunk_bytes(k) for k in keys if k != keys[2]}
+    assert not reader.primary_holds(keys[2])
+    assert reader.counter("kv_offload_tiering_promotion_job_failures", TIER) >= 1
+    assert reader.counter(tiered("LOAD_MISSES")) == 1
+    assert reader.tier.store.stats()["corrupt"] == 1
+    assert reader.load([keys[2]]) == {keys[2]: None}   # the bad record was removed: a plain miss now
+
+
+def test_store_gone_mid_run_fails_jobs_and_engine_goes_on(tmp_path: Path, engines: list[Engine]) -> None:
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", num_chunks=8)
+    engines.append(engine)
+    stored = chunk_keys("before", 4)
+    engine.store(stored)
+    engine.wait_jobs()
+    engine.tier.store.close()                  # the store goes away under the running engine
+
+    later = chunk_keys("after", 2)
+    engine.store(later)                        # the cascade job fails, reported to vLLM
+    engine.wait_jobs()
+    assert engine.counter("kv_offload_tiering_cascade_job_failures", TIER) == 1
+    assert engine.counter(tiered("JOB_ERRORS"), "closed") == 1
+    assert all(engine.primary_holds(k) for k in later)      # the primary tier still serves them
+    assert engine.load(later) == {k: chunk_bytes(k) for k in later}
+    # chunks only the store had: the lookup fails, answered MISS (recompute), no hang
+    assert engine.store(chunk_keys("evict", 8))  # push `stored` out of the primary tier
+    engine.wait_jobs()
+    assert engine.load(stored) == {k: None for k in stored}
+    assert engine.counter(tiered("LOOKUP_ERRORS")) >= 1
+    assert engine.counter("kv_offload_tiering_promotion_job_failures", TIER) == 0
+
+
+def test_tenants_and_models_never_read_each_others_chunks(tmp_path: Path, engines: list[Engine]) -> None:
+    store = f"lmdb://{tmp_path / 'store'}"
+    keys = chunk_keys("shared-prompt", 3)      # the same vLLM keys in every deployment
+    a = Engine(store, tenant="a")
+    engines.append(a)
+    a.store(keys)
+    a.wait_jobs()
+    a.close()
+    for tenant, model in [("b", "org/tiny-model"), ("a", "org/other-model")]:
+        other = Engine(store, tenant=tenant, model=model)
+        engines.append(other)
+        assert other.load(keys) == {k: None for k in keys}
+        other.close()
+    a_again = Engine(store, tenant="a")
+    engines.append(a_again)
+    assert a_again.load(keys) == {k: chunk_bytes(k) for k in keys}
+
+
+def test_key_mapping_is_stable_and_namespaced() -> None:
+    fields = {"dtype": "bfloat16", "chunk_bytes": CHUNK_BYTES}
+    m = VllmKeyMapper.create(model_id="m", tenant="t", layout_fields=fields)
+    assert m == VllmKeyMapper.create(model_id="m", tenant="t", layout_fields=dict(reversed(fields.items())))
+    assert m.layout_fingerprint.startswith("vllm-") and len(m.layout_fingerprint) == 32
+    key = chunk_keys("k", 1)[0]
+    others = [VllmKeyMapper.create(model_id="m", tenant="u", layout_fields=fields),
+              VllmKeyMapper.create(model_id="n", tenant="t", layout_fields=fields),
+              VllmKeyMapper.create(model_id="m", tenant="t", layout_fields={**fields, "dtype": "fp8"})]
+    assert len({m.record_key(key)} | {o.record_key(key) for o in others}) == 4
+    assert m.record_key(key) != m.record_key(chunk_keys("k", 1, group=1)[0])   # KV-cache groups apart
+    with pytest.raises(ValueError, match="model_id"):
+        VllmKeyMapper.create(model_id="", tenant="t", layout_fields=fields)
+
+
+def test_layout_mismatch_refuses_the_store(tmp_path: Path, engines: list[Engine]) -> None:
+    store = f"lmdb://{tmp_path / 'store'}"
+    engines.append(Engine(store))
+    engines[0].close()
+    config = offload_config({"store": store})
+    config = type(config)(**{**config.__dict__, "worker_kv_bytes_per_block": 2 * 6144})
+    with pytest.raises(ValueError, match="layout fingerprint"):
+        TieringOffloadingSpec(config).get_manager()
+
+
+@pytest.mark.slow  # ~15 s: the second process imports vLLM
+def test_two_processes_on_one_store_and_a_killed_writer(tmp_path: Path, engines: list[Engine]) -> None:
+    """A second engine process writes while this one reads, then is SIGKILLed mid-write:
+    every chunk of the store is then whole or absent."""
+    path = tmp_path / "store"
+    reader = Engine(f"lmdb://{path}", num_chunks=16)   # open first, stays open throughout
+    engines.append(reader)
+    engine_id = f"tkv-test-writer-{uuid.uuid4().hex[:12]}"
+    child = subprocess.Popen([sys.executable, str(HERE / "_writer.py"), f"lmdb://{path}", engine_id],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline() if child.stdout else ""
+        assert line.strip() == "batch-0 stored", f"writer said {line!r}"
+        first = chunk_keys("writer-0", 4)
+        assert reader.load(first) == {k: chunk_bytes(k) for k in first}
+        line = child.stdout.readline() if child.stdout else ""
+        assert line.strip() == "batch-1 stored", f"writer said {line!r}"
+    finally:
+        child.kill()                            # mid-write: it keeps storing batches until killed
+        child.wait(timeout=30)
+        Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)  # vLLM's, left by the kill
+    assert child.returncode == -9
+    keys = [k for b in range(200) for k in chunk_keys(f"writer-{b}", 4)]
+    probe = reader.tier.store
+    present = [k for k in keys if probe.contains(reader.tier.keys.record_key(k))]
+    assert len(present) >= 8
+    newest = present[-8:]                      # written around the kill: whole, or absent
+    assert reader.load(newest) == {k: chunk_bytes(k) for k in newest}
+    reader.close()
+    with LmdbStore(path, layout_fingerprint=reader.tier.keys.layout_fingerprint) as store:
+        report = store.verify()
+    assert report["corrupt"] == 0 and report["checked"] == len(present)
+
+
+@pytest.mark.s3
+@pytest.mark.slow  # ~15 s: a SeaweedFS server, frozen then killed, then restarted
+def test_object_store_dies_mid_job(tmp_path: Path, engines: list[Engine], seaweedfs: SeaweedFS) -> None:
+    """Zarr on S3: the server freezes with jobs in flight, then is SIGKILLed. The scheduler
+    never waits on it, the jobs fail (counted), lookups answer MISS; after a restart the
+    chunks stored before are all back, byte for byte."""
+    seaweedfs.make_bucket("vllm-tier")
+    url = seaweedfs.url("vllm-tier", f"t-{uuid.uuid4().hex[:12]}")
+    creds = {"access_key_id": seaweedfs.access_key, "secret_access_key": seaweedfs.secret_key, "timeout_s": 2.0}
+    engine = Engine(url, num_chunks=8, store_options=creds)
+    engines.append(engine)
+    before = chunk_keys("s3-before", 4)
+    engine.store(before)
+    engine.wait_jobs()
+    assert engine.counter(tiered("CHUNKS_STORED")) == 4
+
+    os.kill(seaweedfs.pid, signal.SIGSTOP)     # frozen: requests hang until the timeout
+    try:
+        t0 = time.monotonic()
+        engine.store(chunk_keys("s3-during", 8))   # pushes `before` out of the primary tier too
+        assert time.monotonic() - t0 < 1.0, "the scheduler waited on the store"
+        assert engine.manager.has_pending_work()   # the cascade job is in flight, stuck
+    finally:
+        seaweedfs.stop()                        # SIGKILL, mid-job
+    engine.wait_jobs()
+    assert engine.counter("kv_offload_tiering_cascade_job_failures", TIER) == 1
+    assert engine.counter(tiered("JOB_ERRORS"), "unavailable") == 1
+    assert engine.load(before) == {k: None for k in before}     # store down: recompute
+    engine.close()
+
+    seaweedfs.restart()
+    again = Engine(url, num_chunks=8, store_options=creds)
+    engines.append(again)
+    assert again.load(before) == {k: chunk_bytes(k) for k in before}
+
+
+def test_chain_bounds_the_near_level_and_serves_from_the_far_one(tmp_path: Path, engines: list[Engine]) -> None:
+    """``store`` as a list: a small LMDB (``max_bytes`` = 5 records) in front of a Zarr
+    directory standing in for the shared bucket."""
+    near, far = tmp_path / "near", tmp_path / "far"
+    engine = Engine([f"lmdb://{near}", f"zarr://{far}"], num_chunks=4, max_bytes=5 * record_size(CHUNK_BYTES))
+    engines.append(engine)
+    chain = engine.tier.store
+    assert isinstance(chain, StoreChain)
+    keys = chunk_keys("chain", 8)
+    for batch in (keys[:4], keys[4:]):          # the second evicts the first from the primary tier
+        engine.store(batch)
+        engine.wait_jobs()
+        assert chain.wait_uploads(timeout_s=30)
+    near_level, far_level = chain.levels()
+    assert near_level is not None and far_level is not None
+    assert len(near_level) == 5 and len(far_level) == 8
+    assert engine.load(keys[:4]) == {k: chunk_bytes(k) for k in keys[:4]}   # 3 of them from the far level
+
+
+def test_a_requests_lookups_and_loads_are_batched(tmp_path: Path, engines: list[Engine],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", num_chunks=8)
+    engines.append(engine)
+    keys = chunk_keys("batched", 6)
+    engine.store(keys)
+    engine.wait_jobs()
+    engine.store(chunk_keys("evictor", 8))
+    engine.wait_jobs()
+    store = engine.tier.store
+    batches: list[int] = []
+    real = store.contains_many
+
+    def counting(record_keys):  # type: ignore[no-untyped-def]
+        batches.append(len(record_keys))
+        return real(record_keys)
+
+    loads: list[int] = []
+    real_get = store.get_many
+
+    def counting_get(record_keys, outs, **kw):  # type: ignore[no-untyped-def]
+        loads.append(len(record_keys))
+        return real_get(record_keys, outs, **kw)
+
+    monkeypatch.setattr(store, "contains_many", counting)
+    monkeypatch.setattr(store, "get_many", counting_get)
+    assert engine.load(keys) == {k: chunk_bytes(k) for k in keys}
+    assert batches == [6]                       # one lookup round trip for the request's 6 chunks
+    assert loads == [6]                         # and one load job (vLLM batches a step's promotions)
