@@ -11,10 +11,15 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .device import empty_host
 from .prefix import token_digest
 
 if TYPE_CHECKING:
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
     from .layout import KVLayout
     from .prefix import PrefixHasher
     from .state_pool import SnapshotPool, StatePool
-    from .transfer import CopyEngine
+    from .transfer import CopyEngine, CopyHandle
 
 __all__ = ["TierMoves", "record_key"]
 
@@ -50,6 +55,18 @@ class TierMoves:
     hasher: PrefixHasher
     _host_of_block: dict[int, int]
     _counters: dict[str, int]
+
+    #: Disk reads of ``open()``: blocks per batch (one ``get_many``; 8 Flash blocks are
+    #: 3.9 MB) and batches in flight (the staging ring's slots).
+    resume_batch_blocks: int = 8
+    resume_read_depth: int = 3
+    #: The newest copy out of host memory into the pools (a later read into host memory
+    #: that copy may still be reading waits for it; copies on one stream finish in order).
+    _last_load: CopyHandle | None = None
+    _ring: torch.Tensor | None = None
+    _ring_ready: list[Callable[[], None] | None]
+    _snap_staging: torch.Tensor | None = None
+    _snap_staging_ready: Callable[[], None] | None = None
 
     # ------------------------------------------------------- prefix matching
     def _match_prefix(self, slot: int, tokens: list[int], hashes: list[bytes]) -> tuple[list[int], int]:
@@ -121,71 +138,174 @@ class TierMoves:
     def _acquire_blocks(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
         """Take a reference on the GPU block of each hash, loading it from host or disk.
 
-        Stops at the first block that cannot be had; returns the blocks acquired.
+        Blocks the GPU already holds are referenced first, so that allocating blocks for
+        the others cannot evict them. The others load in order, run by run: host records
+        with one copy per run of adjacent records, disk records through the read pipeline
+        (:meth:`_load_from_disk`). Stops at the first block that cannot be had (a miss, a
+        record that fails verification, a full pool); returns the blocks acquired, a
+        prefix of ``hashes``.
         """
-        bt = self.layout.block_tokens
-        got: list[int] = []
-        for i, h in enumerate(hashes):
+        got: list[int | None] = []
+        for h in hashes:
             b = self.blocks.lookup(h)
             if b is not None:
                 self.blocks.incref(b)
-                got.append(b)
+            got.append(b)
+        n, i, cut = len(hashes), 0, len(hashes)
+        while i < n:
+            if got[i] is not None:
+                i += 1
                 continue
-            fetched = self._fetch_record(h, tokens[i * bt:(i + 1) * bt])
-            b = self.blocks.allocate() if fetched is not None else None
-            if b is None:
-                if fetched is not None and fetched[1] is not None:
-                    self._drop_host_ref(fetched[1])
+            on_host = self._host_has(hashes[i])
+            j = i + 1
+            while j < n and got[j] is None and self._host_has(hashes[j]) == on_host:
+                j += 1
+            load = self._load_from_host if on_host else self._load_from_disk
+            loaded = load(tokens, hashes, i, j)
+            got[i:i + len(loaded)] = loaded
+            if len(loaded) < j - i:
+                cut = i + len(loaded)
                 break
-            record, hid = fetched
-            bid = torch.tensor([b])
-            if self.hisparse is not None:
-                assert hid is not None
-                self.copies.load_blocks(record[:, self.layout.csa_kv_block_bytes:], bid,
-                                        self.classical.rest_parts).make_stream_wait()
-                self._host_of_block[b] = hid  # the GPU block keeps the host reference
-            else:
-                self.copies.load_blocks(record, bid, self.classical.parts).make_stream_wait()
-                if hid is not None:
-                    self._drop_host_ref(hid)
-            self.blocks.cache(b, h)
+            i = j
+        for b in reversed(got[cut:]):
+            if b is not None:
+                self._release_block(b)
+        return [b for b in got[:cut] if b is not None]
+
+    def _host_has(self, h: bytes) -> bool:
+        return self.host is not None and self.host.blocks.lookup(h) is not None
+
+    def _allocate_blocks(self, n: int) -> list[int]:
+        """Up to ``n`` GPU blocks (refcount 1 each), fewer when the pool runs out."""
+        got: list[int] = []
+        while len(got) < n:
+            b = self.blocks.allocate()
+            if b is None:
+                break
             got.append(b)
         return got
 
-    def _fetch_record(self, h: bytes, block_tokens: list[int]) -> tuple[torch.Tensor, int | None] | None:
-        """Block ``h``'s record ``[1, block_bytes]`` from the host tier, or read from disk.
-
-        With a host tier the record is a referenced host record (id returned; a disk read
-        lands there, promoting the block); without one, a temporary CPU tensor (id None).
-        None when no tier has a good copy.
-        """
+    def _load_from_host(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
+        """Blocks ``hashes[lo:hi]`` (all in the host tier) into new GPU blocks."""
         host = self.host
-        if host is not None:
+        assert host is not None
+        hids: list[int] = []
+        for h in hashes[lo:hi]:  # referenced first: allocating GPU blocks may offload to host
             hid = host.blocks.lookup(h)
-            if hid is not None:
-                host.blocks.incref(hid)
-                self._counters["blocks_from_host"] += 1
-                return host.records[hid:hid + 1], hid
-        if self.disk is None:
-            return None
-        hid = None
-        if host is not None:
-            hid = self._allocate_host_record()
-            if hid is None:
-                return None
-            record = host.records[hid:hid + 1]
-        else:
-            record = torch.empty(1, self.layout.block_bytes, dtype=torch.uint8)
-        if not self.disk.read(record_key("block", h), record[0], token_digest(block_tokens)):
-            if hid is not None:
+            assert hid is not None
+            host.blocks.incref(hid)
+            hids.append(hid)
+        bids = self._allocate_blocks(len(hids))
+        for hid in hids[len(bids):]:
+            self._drop_host_ref(hid)
+        self._load_host_records(hids[:len(bids)], bids)
+        for b, h in zip(bids, hashes[lo:]):
+            self.blocks.cache(b, h)
+        self._counters["blocks_from_host"] += len(bids)
+        return bids
+
+    def _load_host_records(self, hids: list[int], bids: list[int]) -> None:
+        """Copy host records ``hids`` into GPU blocks ``bids``, one copy per run of adjacent
+        records. With HiSparse the GPU block keeps its host reference (the CSA part lives
+        there); otherwise the reference is dropped (the record stays cached on the host,
+        and a later read into it first waits for this copy: see :meth:`_load_from_disk`)."""
+        assert self.host is not None
+        for start, stop in _runs(hids):
+            records = self.host.records[hids[start]:hids[start] + (stop - start)]
+            self._load_records(records, bids[start:stop])
+        for b, hid in zip(bids, hids):
+            if self.hisparse is not None:
+                self._host_of_block[b] = hid
+            else:
                 self._drop_host_ref(hid)
-            self._counters["disk_read_failures"] += 1
-            return None
-        if hid is not None:
-            assert host is not None
-            host.blocks.cache(hid, h)
-        self._counters["blocks_from_disk"] += 1
-        return record, hid
+
+    def _load_records(self, records: torch.Tensor, bids: list[int]) -> None:
+        """Scatter host records ``[n, block_bytes]`` into GPU blocks ``bids`` on the copy
+        engine's stream; the current stream waits for it (the host does not)."""
+        ids = torch.tensor(bids, dtype=torch.int64)
+        if self.hisparse is not None:
+            handle = self.copies.load_blocks(records[:, self.layout.csa_kv_block_bytes:], ids,
+                                             self.classical.rest_parts)
+        else:
+            handle = self.copies.load_blocks(records, ids, self.classical.parts)
+        handle.make_stream_wait()
+        self._last_load = handle
+
+    def _load_from_disk(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
+        """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch.
+
+        Pipeline (``resume_read_depth`` batches of ``resume_batch_blocks`` in flight)::
+
+            reader threads:  read+verify b0 | read+verify b1 | read+verify b2 | ...
+            this thread:                      copy b0 -> pool | copy b1 -> pool | ...
+
+        Records land in host memory that the copy engine can read: the host tier's
+        records when there is one (promoting the block there, as a host hit would), else a
+        ring of ``resume_read_depth`` staging buffers (pinned on CUDA). A buffer is read
+        into again only after the copy that last read it is done (the reader thread
+        waits on the copy's event; on CPU copies are synchronous). The first record that
+        is absent or fails verification ends the load (a counted miss): the blocks
+        before it are kept, reads already in flight are waited for and dropped.
+        """
+        if self.disk is None:
+            return []
+        bt, size = self.layout.block_tokens, self.resume_batch_blocks
+        batches = [(k, min(k + size, hi)) for k in range(lo, hi, size)]
+        ring = self._staging_ring() if self.host is None else None
+        inflight: deque[_DiskBatch] = deque()
+        loaded: list[int] = []
+        stopped = False
+
+        def submit(k: int) -> None:
+            a, b = batches[k]
+            if ring is not None:
+                slot = k % ring.shape[0]
+                hids: list[int] = []
+                outs = list(ring[slot, :b - a])
+                ready = self._ring_ready[slot]
+            else:
+                hids = self._allocate_host_records(b - a)
+                outs = [self.host.records[hid] for hid in hids]
+                last = self._last_load  # the newest copy out of host records: waiting for it
+                ready = last.wait_event if last is not None else None  # covers any older one
+                slot = -1
+            keys = [record_key("block", h) for h in hashes[a:a + len(outs)]]
+            digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, a + len(outs))]
+            future = self.disk.read_async(keys, outs, digests, ready) if outs else None
+            inflight.append(_DiskBatch(a, b, slot, hids, future))
+
+        for k in range(min(len(batches), self.resume_read_depth)):
+            submit(k)
+        k = 0
+        while inflight:
+            batch = inflight.popleft()
+            ok = batch.future.result() if batch.future is not None else []
+            if stopped:
+                self._drop_host_refs(batch.hids)
+                continue
+            good = next((i for i, f in enumerate(ok) if not f), len(ok))
+            if good < len(ok):
+                self._counters["disk_read_failures"] += 1
+            bids = self._allocate_blocks(good)
+            if ring is not None:
+                if bids:
+                    self._load_records(ring[batch.slot, :len(bids)], bids)
+                    self._ring_ready[batch.slot] = self._last_load.wait_event
+            else:
+                for hid, h in zip(batch.hids[:good], hashes[batch.lo:]):
+                    self.host.blocks.cache(hid, h)  # verified: promoted to the host tier
+                self._load_host_records(batch.hids[:len(bids)], bids)
+                self._drop_host_refs(batch.hids[len(bids):])
+            for b, h in zip(bids, hashes[batch.lo:]):
+                self.blocks.cache(b, h)
+            loaded += bids
+            self._counters["blocks_from_disk"] += len(bids)
+            k += 1
+            if len(bids) < batch.hi - batch.lo:
+                stopped = True  # wait for the reads in flight (they write our buffers), use none
+            elif k + len(inflight) < len(batches):
+                submit(k + len(inflight))
+        return loaded
 
     def _allocate_host_record(self) -> int | None:
         """A host record id (refcount 1), evicting host LRU records as needed.
@@ -203,8 +323,40 @@ class TierMoves:
         assert self.host is not None
         self.host.blocks.free(hid)
 
+    def _drop_host_refs(self, hids: list[int]) -> None:
+        for hid in hids:
+            self._drop_host_ref(hid)
+
+    def _staging_ring(self) -> torch.Tensor:
+        """``[resume_read_depth, resume_batch_blocks, block_bytes]`` uint8 host buffers
+        (pinned on CUDA) that disk reads land in when there is no host tier."""
+        shape = (self.resume_read_depth, self.resume_batch_blocks, self.layout.block_bytes)
+        ring = self._ring
+        if ring is None or tuple(ring.shape) != shape:
+            if ring is not None:  # resized: the copies out of the old ring must be done first
+                for ready in self._ring_ready:
+                    if ready is not None:
+                        ready()
+            ring = self._ring = empty_host(shape, pinned=self.device.type == "cuda")
+            self._ring_ready = [None] * shape[0]
+        return ring
+
+    def _allocate_host_records(self, n: int) -> list[int]:
+        """Up to ``n`` host records (refcount 1 each), fewer when the host tier runs out."""
+        got: list[int] = []
+        while len(got) < n:
+            hid = self._allocate_host_record()
+            if hid is None:
+                break
+            got.append(hid)
+        return got
+
     def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int) -> bool:
-        """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``."""
+        """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``.
+
+        Nearest first: the GPU snapshot pool, the host tier, the disk. A snapshot found
+        farther away is promoted into the GPU snapshot pool so the next open hits it there.
+        """
         ids = self.snapshots.ids
         sid = ids.lookup(h)
         if sid is not None:
@@ -216,23 +368,57 @@ class TierMoves:
         data = self.host.lookup_snapshot(h) if self.host is not None else None
         if data is not None:
             self._counters["snapshots_from_host"] += 1
-        elif self.disk is not None:
-            data = torch.empty(self.layout.snapshot_bytes, dtype=torch.uint8)
-            bt = self.layout.block_tokens
-            if not self.disk.read(record_key("snapshot", h), data, token_digest(tokens[(n - 1) * bt:n * bt])):
-                self._counters["disk_read_failures"] += 1
-                return False
-            self._counters["snapshots_from_disk"] += 1
-        else:
+            self.states.restore(slot, data.to(self.device))
+            self._counters["snapshot_hits"] += 1
+            sid = ids.allocate()
+            if sid is not None:
+                self.snapshots.data[sid].copy_(data)
+                ids.cache(sid, h)
+                ids.free(sid)
+            return True
+        if self.disk is None:
             return False
-        self.states.restore(slot, data.to(self.device))
-        self._counters["snapshot_hits"] += 1
-        # promote into the GPU snapshot pool so the next open hits it there
+        bt = self.layout.block_tokens
+        return self._snapshot_from_disk(slot, h, token_digest(tokens[(n - 1) * bt:n * bt]))
+
+    def _snapshot_from_disk(self, slot: int, h: bytes, digest: bytes) -> bool:
+        """Read snapshot ``h`` from disk into a GPU snapshot slot and restore ``slot`` from it.
+
+        On CPU the record is read straight into the snapshot slot (no other copy); on CUDA
+        into a pinned staging buffer, then uploaded on the copy engine's stream (the
+        staging is read into again only after that upload is done). Without a free
+        snapshot slot the State is restored from the staging and nothing is promoted.
+        """
+        assert self.disk is not None
+        ids = self.snapshots.ids
         sid = ids.allocate()
-        if sid is not None:
-            self.snapshots.data[sid].copy_(data)
-            ids.cache(sid, h)
-            ids.free(sid)
+        cuda = self.device.type == "cuda"
+        if cuda or sid is None:
+            if self._snap_staging is None:
+                self._snap_staging = empty_host(self.layout.snapshot_bytes, pinned=cuda)
+            buf = self._snap_staging
+            ready = self._snap_staging_ready
+        else:
+            buf, ready = self.snapshots.data[sid], None
+        if ready is not None:
+            ready()
+        if not self.disk.read_many([record_key("snapshot", h)], [buf], [digest])[0]:
+            if sid is not None:
+                ids.free(sid)  # never cached: back to the free list
+            self._counters["disk_read_failures"] += 1
+            return False
+        self._counters["snapshots_from_disk"] += 1
+        self._counters["snapshot_hits"] += 1
+        if sid is None:
+            self.states.restore(slot, buf)
+            return True
+        if buf is not self.snapshots.data[sid]:
+            handle = self.copies.copy(self.snapshots.data[sid], buf)
+            handle.make_stream_wait()
+            self._snap_staging_ready = handle.wait_event
+        self.states.restore(slot, self.snapshots.data[sid])
+        ids.cache(sid, h)
+        ids.free(sid)
         return True
 
     # ----------------------------------------------------- tier movements
@@ -264,6 +450,31 @@ class TierMoves:
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
         if self.host is not None:
             self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
+
+
+@dataclass(slots=True)
+class _DiskBatch:
+    """One batch of :meth:`TierMoves._load_from_disk`: blocks ``[lo, hi)`` of the range,
+    read into ring slot ``slot`` (-1: into host records ``hids``)."""
+
+    lo: int
+    hi: int
+    slot: int
+    hids: list[int]
+    future: Future[list[bool]] | None
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of ``ids`` whose values increase by one: [3, 4, 7] ->
+    [(0, 2), (2, 3)]."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            if i > start:
+                runs.append((start, i))
+            start = i
+    return runs
 
 
 def record_key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey
