@@ -249,38 +249,41 @@ class TierMoves:
         """
         if self.disk is None:
             return []
-        bt, size = self.layout.block_tokens, self.resume_batch_blocks
-        batches = [(k, min(k + size, hi)) for k in range(lo, hi, size)]
+        bt, size, depth = self.layout.block_tokens, self.resume_batch_blocks, self.resume_read_depth
         ring = self._staging_ring() if self.host is None else None
         inflight: deque[_DiskBatch] = deque()
         loaded: list[int] = []
-        stopped = False
+        next_lo, submitted, stopped = lo, 0, False
 
-        def submit(k: int) -> None:
-            a, b = batches[k]
+        def submit() -> bool:
+            """Start reading the next batch; False when no host record is free for it now."""
+            nonlocal next_lo, submitted
+            a = next_lo
+            n = min(size, hi - a)
             if ring is not None:
-                slot = k % ring.shape[0]
-                hids: list[int] = []
-                outs = list(ring[slot, :b - a])
+                slot, hids = submitted % depth, []
+                outs = list(ring[slot, :n])
                 ready = self._ring_ready[slot]
-            else:
-                hids = self._allocate_host_records(b - a)
+            else:  # a short batch when the host tier is short; none while its records are in use
+                slot, hids = -1, self._allocate_host_records(n)
+                if not hids:
+                    return False
                 outs = [self.host.records[hid] for hid in hids]
                 last = self._last_load  # the newest copy out of host records: waiting for it
                 ready = last.wait_event if last is not None else None  # covers any older one
-                slot = -1
-            keys = [record_key("block", h) for h in hashes[a:a + len(outs)]]
-            digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, a + len(outs))]
-            future = self.disk.read_async(keys, outs, digests, ready) if outs else None
-            inflight.append(_DiskBatch(a, b, slot, hids, future))
+            b = a + len(outs)
+            keys = [record_key("block", h) for h in hashes[a:b]]
+            digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, b)]
+            inflight.append(_DiskBatch(a, b, slot, hids, self.disk.read_async(keys, outs, digests, ready)))
+            next_lo, submitted = b, submitted + 1
+            return True
 
-        for k in range(min(len(batches), self.resume_read_depth)):
-            submit(k)
-        k = 0
+        while next_lo < hi and len(inflight) < depth and submit():
+            pass
         while inflight:
             batch = inflight.popleft()
-            ok = batch.future.result() if batch.future is not None else []
-            if stopped:
+            ok = batch.future.result()
+            if stopped:  # a read in flight when the load ended: wait for it, use nothing
                 self._drop_host_refs(batch.hids)
                 continue
             good = next((i for i, f in enumerate(ok) if not f), len(ok))
@@ -300,11 +303,10 @@ class TierMoves:
                 self.blocks.cache(b, h)
             loaded += bids
             self._counters["blocks_from_disk"] += len(bids)
-            k += 1
             if len(bids) < batch.hi - batch.lo:
-                stopped = True  # wait for the reads in flight (they write our buffers), use none
-            elif k + len(inflight) < len(batches):
-                submit(k + len(inflight))
+                stopped = True
+            while not stopped and next_lo < hi and len(inflight) < depth and submit():
+                pass
         return loaded
 
     def _allocate_host_record(self) -> int | None:
@@ -461,7 +463,7 @@ class _DiskBatch:
     hi: int
     slot: int
     hids: list[int]
-    future: Future[list[bool]] | None
+    future: Future[list[bool]]
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
