@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from .layout import KVLayout
 __all__ = ["DiskTier"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DiskTier:
@@ -149,15 +150,19 @@ class DiskTier:
 
         A caller that drops the future must still wait for it before reusing ``outs``.
         """
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="tiered-kv-read")
-
-        def run() -> list[bool]:
+        def job() -> list[bool]:
             if ready is not None:
                 ready()
             return self.read_many(keys, outs, token_digests)
 
-        return self._readers.submit(run)
+        return self.run_reader(job)
+
+    def run_reader(self, job: Callable[[], T]) -> Future[T]:
+        """Run ``job`` (which reads through :meth:`read_many`, and may copy what it read
+        into place) on one of the ``read_threads`` reader threads."""
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="tiered-kv-read")
+        return self._readers.submit(job)
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:

@@ -11,12 +11,14 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .device import empty_host
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TierMoves", "record_key"]
 
-#: Blocks whose presence on disk is asked in one ``contains_many`` batch.
+#: Snapshots whose presence on disk is asked in one ``contains_many`` batch (at most).
 _DISK_BATCH = 64
 
 
@@ -90,7 +92,14 @@ class TierMoves:
         return [], 0
 
     def _available_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks some tier holds (the disk is asked in batches)."""
+        """How many leading blocks may be had: those the GPU and host tiers hold, and past
+        them, when the disk holds the next one, all of ``hashes``.
+
+        The disk is asked about one block only: asking about every block of a long prefix
+        reads the start of every record (a random read each on a cold disk) just before
+        the same records are read in full. A block missing on disk ends the load instead
+        (see :meth:`_acquire_blocks`), and :meth:`_match_prefix` tries a shorter prefix.
+        """
         n = 0
         while n < len(hashes):
             h = hashes[n]
@@ -98,25 +107,23 @@ class TierMoves:
                     self.host is not None and self.host.blocks.lookup(h) is not None):
                 n += 1
                 continue
-            if self.disk is None:
+            if self.disk is None or not self.disk.contains_many([record_key("block", h)])[0]:
                 return n
-            batch = hashes[n:n + _DISK_BATCH]
-            found = self.disk.contains_many([record_key("block", x) for x in batch])
-            run = next((i for i, f in enumerate(found) if not f), len(found))
-            n += run
-            if run < len(batch):
-                return n
+            return len(hashes)
         return n
 
     def _longest_snapshot(self, hashes: list[bytes]) -> int:
         """The longest prefix (in blocks) whose end has a snapshot in some tier.
 
-        Scans from the longest down, asking the disk in batches so a long prompt costs a
-        few concurrent round trips, not one per block.
+        Scans from the longest down, asking the disk in batches that grow 1, 4, 16, 64,
+        64, ...: a prompt resumed whole costs one key (every present snapshot asked
+        about is a read of its record's start, a random read on a cold disk), and a long
+        prompt few round trips, not one per block.
         """
-        n = len(hashes)
+        n, size = len(hashes), 1
         while n > 0:
-            batch = list(range(n, max(0, n - _DISK_BATCH), -1))  # n, n-1, ... (longest first)
+            batch = list(range(n, max(0, n - size), -1))  # n, n-1, ... (longest first)
+            size = min(4 * size, _DISK_BATCH)
             near = next((m for m in batch if self._snapshot_above_disk(hashes[m - 1])), None)
             longer = batch if near is None else batch[:batch.index(near)]  # only these can beat it
             if self.disk is not None and longer:
@@ -213,11 +220,7 @@ class TierMoves:
         for start, stop in _runs(hids):
             records = self.host.records[hids[start]:hids[start] + (stop - start)]
             self._load_records(records, bids[start:stop])
-        for b, hid in zip(bids, hids):
-            if self.hisparse is not None:
-                self._host_of_block[b] = hid
-            else:
-                self._drop_host_ref(hid)
+        self._keep_host_refs(hids, bids)
 
     def _load_records(self, records: torch.Tensor, bids: list[int]) -> None:
         """Scatter host records ``[n, block_bytes]`` into GPU blocks ``bids`` on the copy
@@ -234,47 +237,63 @@ class TierMoves:
     def _load_from_disk(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
         """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch.
 
-        Pipeline (``resume_read_depth`` batches of ``resume_batch_blocks`` in flight)::
+        Pipeline, ``resume_read_depth`` batches of ``resume_batch_blocks`` in flight on
+        the disk tier's reader threads::
 
-            reader threads:  read+verify b0 | read+verify b1 | read+verify b2 | ...
-            this thread:                      copy b0 -> pool | copy b1 -> pool | ...
+            CUDA   reader threads:  read+verify b0 | read+verify b1 | read+verify b2 ...
+                   this thread:                      H2D b0 (async)  | H2D b1 ...
+            CPU    reader threads:  read+verify+copy b0 | read+verify+copy b2 ...
+                                    read+verify+copy b1 | ...
 
-        Records land in host memory that the copy engine can read: the host tier's
-        records when there is one (promoting the block there, as a host hit would), else a
-        ring of ``resume_read_depth`` staging buffers (pinned on CUDA). A buffer is read
-        into again only after the copy that last read it is done (the reader thread
-        waits on the copy's event; on CPU copies are synchronous). The first record that
-        is absent or fails verification ends the load (a counted miss): the blocks
-        before it are kept, reads already in flight are waited for and dropped.
+        Records land in host memory the pools are loaded from: the host tier's records
+        when there is one (promoting the block there, as a host hit would), else a ring
+        of ``resume_read_depth`` staging buffers (pinned on CUDA). On CUDA a buffer is read
+        into again only after the upload that last read it is done (the reader thread
+        waits on the copy's event). On CPU the reader thread copies its batch into the
+        pool blocks allocated for it, with numpy copies (one thread each, the GIL
+        released), so batches are read and copied in parallel. The first record that is
+        absent or fails verification ends the load (a counted miss): the blocks before
+        it are kept; reads in flight are waited for and their blocks freed.
         """
         if self.disk is None:
             return []
         bt, size, depth = self.layout.block_tokens, self.resume_batch_blocks, self.resume_read_depth
         ring = self._staging_ring() if self.host is None else None
+        cuda = self.device.type == "cuda"
         inflight: deque[_DiskBatch] = deque()
         loaded: list[int] = []
         next_lo, submitted, stopped = lo, 0, False
 
         def submit() -> bool:
-            """Start reading the next batch; False when no host record is free for it now."""
+            """Start reading the next batch, shortened to the free GPU blocks and host
+            records; False when there are none now."""
             nonlocal next_lo, submitted
             a = next_lo
             n = min(size, hi - a)
+            hids: list[int] = []
+            if ring is None:  # host records are the staging
+                hids = self._allocate_host_records(n)
+                n = len(hids)
+            bids = self._allocate_blocks(n)
+            self._drop_host_refs(hids[len(bids):])
+            del hids[len(bids):]
+            if not bids:
+                return False
+            b = a + len(bids)
             if ring is not None:
-                slot, hids = submitted % depth, []
-                outs = list(ring[slot, :n])
+                slot = submitted % depth
+                records = ring[slot, :len(bids)]
                 ready = self._ring_ready[slot]
-            else:  # a short batch when the host tier is short; none while its records are in use
-                slot, hids = -1, self._allocate_host_records(n)
-                if not hids:
-                    return False
-                outs = [self.host.records[hid] for hid in hids]
+            else:
+                slot, records = -1, None
                 last = self._last_load  # the newest copy out of host records: waiting for it
                 ready = last.wait_event if last is not None else None  # covers any older one
-            b = a + len(outs)
+            outs = list(records) if records is not None else [self.host.records[hid] for hid in hids]
             keys = [record_key("block", h) for h in hashes[a:b]]
             digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, b)]
-            inflight.append(_DiskBatch(a, b, slot, hids, self.disk.read_async(keys, outs, digests, ready)))
+            job = functools.partial(self._read_batch, keys, outs, digests, ready,
+                                    None if cuda else (records, hids, bids))
+            inflight.append(_DiskBatch(a, b, slot, hids, bids, self.disk.run_reader(job)))
             next_lo, submitted = b, submitted + 1
             return True
 
@@ -283,31 +302,80 @@ class TierMoves:
         while inflight:
             batch = inflight.popleft()
             ok = batch.future.result()
-            if stopped:  # a read in flight when the load ended: wait for it, use nothing
-                self._drop_host_refs(batch.hids)
-                continue
-            good = next((i for i, f in enumerate(ok) if not f), len(ok))
-            if good < len(ok):
+            good = 0 if stopped else next((i for i, f in enumerate(ok) if not f), len(ok))
+            if good < len(ok) and not stopped:
                 self._counters["disk_read_failures"] += 1
-            bids = self._allocate_blocks(good)
-            if ring is not None:
-                if bids:
-                    self._load_records(ring[batch.slot, :len(bids)], bids)
-                    self._ring_ready[batch.slot] = self._last_load.wait_event
-            else:
+            bids = batch.bids[:good]
+            for b in batch.bids[good:]:  # read into but not verified (or past the end): never cached
+                self.blocks.free(b)
+            if ring is None:
                 for hid, h in zip(batch.hids[:good], hashes[batch.lo:]):
                     self.host.blocks.cache(hid, h)  # verified: promoted to the host tier
-                self._load_host_records(batch.hids[:len(bids)], bids)
-                self._drop_host_refs(batch.hids[len(bids):])
+                if cuda:
+                    self._load_host_records(batch.hids[:good], bids)
+                else:  # copied on the reader thread
+                    self._keep_host_refs(batch.hids[:good], bids)
+                self._drop_host_refs(batch.hids[good:])
+            elif cuda and bids:
+                self._load_records(ring[batch.slot, :good], bids)
+                self._ring_ready[batch.slot] = self._last_load.wait_event
             for b, h in zip(bids, hashes[batch.lo:]):
                 self.blocks.cache(b, h)
             loaded += bids
-            self._counters["blocks_from_disk"] += len(bids)
-            if len(bids) < batch.hi - batch.lo:
-                stopped = True
+            self._counters["blocks_from_disk"] += good
+            if good < len(batch.bids):
+                stopped = True  # the reads in flight are waited for, their blocks freed
             while not stopped and next_lo < hi and len(inflight) < depth and submit():
                 pass
         return loaded
+
+    def _read_batch(self, keys: list[Any], outs: list[torch.Tensor], digests: list[bytes],
+                    ready: Callable[[], None] | None,
+                    copy_to: tuple[torch.Tensor | None, list[int], list[int]] | None) -> list[bool]:
+        """A reader thread's job: read and verify one batch (after ``ready``); on CPU also
+        copy the leading verified records into their pool blocks (``copy_to``: the
+        staging rows or None for host records ``hids``, and the block ids)."""
+        if ready is not None:
+            ready()
+        ok = self.disk.read_many(keys, outs, digests)
+        if copy_to is not None:
+            records, hids, bids = copy_to
+            good = next((i for i, f in enumerate(ok) if not f), len(ok))
+            if records is None:
+                assert self.host is not None
+                for start, stop in _runs(hids[:good]):
+                    rows = self.host.records[hids[start]:hids[start] + (stop - start)]
+                    self._scatter_on_cpu(rows, bids[start:stop])
+            elif good:
+                self._scatter_on_cpu(records[:good], bids[:good])
+        return ok
+
+    def _scatter_on_cpu(self, records: torch.Tensor, bids: list[int]) -> None:
+        """CPU pools: block ``bids[i]`` = ``records[i]`` (``[n, block_bytes]`` uint8), with
+        numpy copies: one thread each and the GIL released, so reader threads copy in
+        parallel (torch's intra-op pool oversubscribes the CPUs when several threads
+        copy at once). With HiSparse only the parts after the CSA part are copied."""
+        rec = records.numpy()
+        start = 0
+        parts = self.classical.parts if self.hisparse is None else self.classical.rest_parts
+        if self.hisparse is not None:
+            start = self.layout.csa_kv_block_bytes
+        arrays = [p.numpy() for p in parts]
+        for i, b in enumerate(bids):
+            off = start
+            for part in arrays:
+                dst = part[:, b]
+                np.copyto(dst, rec[i, off:off + dst.size].reshape(dst.shape))
+                off += dst.size
+
+    def _keep_host_refs(self, hids: list[int], bids: list[int]) -> None:
+        """After a load from host records: with HiSparse each GPU block keeps its record's
+        reference (its CSA part lives there), otherwise the references are dropped."""
+        for b, hid in zip(bids, hids):
+            if self.hisparse is not None:
+                self._host_of_block[b] = hid
+            else:
+                self._drop_host_ref(hid)
 
     def _allocate_host_record(self) -> int | None:
         """A host record id (refcount 1), evicting host LRU records as needed.
@@ -457,12 +525,14 @@ class TierMoves:
 @dataclass(slots=True)
 class _DiskBatch:
     """One batch of :meth:`TierMoves._load_from_disk`: blocks ``[lo, hi)`` of the range,
-    read into ring slot ``slot`` (-1: into host records ``hids``)."""
+    read into ring slot ``slot`` (-1: into host records ``hids``), bound for GPU blocks
+    ``bids``."""
 
     lo: int
     hi: int
     slot: int
     hids: list[int]
+    bids: list[int]
     future: Future[list[bool]]
 
 
