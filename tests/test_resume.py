@@ -79,6 +79,48 @@ def test_corrupt_block_mid_range_resumes_at_the_last_good_block(tmp_path: Path, 
         cache.close(req)
 
 
+def test_block_missing_mid_range_ends_the_load_there(tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """Presence is not asked block by block: the read of a missing block ends the load."""
+    url = f"lmdb://{tmp_path / 's'}"
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url, snapshot_interval=1) as cache:
+        _fill(cache, tiny_model, TOKENS)
+        hashes = cache.hasher.block_hashes(TOKENS)
+        assert cache.disk.store.delete(RecordKey.block(hashes[5]))
+    prompt = TOKENS + [7]
+    with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url)) as cache:
+        req = cache.open(prompt)
+        assert req.num_cached_tokens == 5 * 128
+        s = cache.stats()
+        assert s["blocks_from_disk"] == 5 and s["disk_read_failures"] == 1 and s["store_corrupt"] == 0
+        got = tiny_model.forward(cache, req, prompt[640:])
+        assert (got - tiny_model.naive_logits(prompt)[640:]).abs().max().item() < 1e-4
+        cache.close(req)
+        cache.blocks.check_invariants()
+
+
+def test_store_error_mid_range_is_raised_and_gives_the_blocks_back(store_url: str, tiny_layout) -> None:
+    with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=2, store=store_url)) as cache:
+        store, calls = cache.disk.store, []
+        real = store.get_many
+
+        def failing(keys, outs, **kw):
+            calls.append(len(keys))
+            if len(calls) == 2:
+                raise OSError("EIO (injected)")
+            return real(keys, outs, **kw)
+
+        store.get_many = failing
+        with pytest.raises(OSError, match="injected"):
+            cache.open(TOKENS + [7])
+        assert cache.blocks.num_used == 0  # nothing loaded is left referenced (batch 0: cached, free)
+        assert cache.states.num_free == 2
+        cache.blocks.check_invariants()
+        store.get_many = real
+        req = cache.open(TOKENS + [7])  # the store works again: everything resumes
+        assert req.num_cached_tokens == 896
+        cache.close(req)
+
+
 def test_pool_smaller_than_the_prefix_resumes_what_fits(store_url: str, tiny_layout) -> None:
     with _small_batches(TieredKVCache(tiny_layout, num_blocks=5, num_state_slots=1, store=store_url)) as cache:
         req = cache.open(TOKENS + [7])

@@ -65,6 +65,8 @@ class TierMoves:
     #: The newest copy out of host memory into the pools (a later read into host memory
     #: that copy may still be reading waits for it; copies on one stream finish in order).
     _last_load: CopyHandle | None = None
+    #: The newest offload into a host record (evicted GPU block -> host tier).
+    _last_offload: CopyHandle | None = None
     _ring: torch.Tensor | None = None
     _ring_ready: list[Callable[[], None] | None]
     _snap_staging: torch.Tensor | None = None
@@ -168,7 +170,13 @@ class TierMoves:
             while j < n and got[j] is None and self._host_has(hashes[j]) == on_host:
                 j += 1
             load = self._load_from_host if on_host else self._load_from_disk
-            loaded = load(tokens, hashes, i, j)
+            try:
+                loaded = load(tokens, hashes, i, j)
+            except BaseException:  # (a store error) the loader gave back its own blocks
+                for b in reversed(got):
+                    if b is not None:
+                        self._release_block(b)
+                raise
             got[i:i + len(loaded)] = loaded
             if len(loaded) < j - i:
                 cut = i + len(loaded)
@@ -286,8 +294,7 @@ class TierMoves:
                 ready = self._ring_ready[slot]
             else:
                 slot, records = -1, None
-                last = self._last_load  # the newest copy out of host records: waiting for it
-                ready = last.wait_event if last is not None else None  # covers any older one
+                ready = self._host_records_idle()
             outs = list(records) if records is not None else [self.host.records[hid] for hid in hids]
             keys = [record_key("block", h) for h in hashes[a:b]]
             digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, b)]
@@ -301,7 +308,13 @@ class TierMoves:
             pass
         while inflight:
             batch = inflight.popleft()
-            ok = batch.future.result()
+            try:
+                ok = batch.future.result()
+            except BaseException:  # an I/O error: no reader may write our buffers after we return
+                self._abandon([batch, *inflight])
+                for b in reversed(loaded):
+                    self._release_block(b)
+                raise
             good = 0 if stopped else next((i for i, f in enumerate(ok) if not f), len(ok))
             if good < len(ok) and not stopped:
                 self._counters["disk_read_failures"] += 1
@@ -328,6 +341,33 @@ class TierMoves:
             while not stopped and next_lo < hi and len(inflight) < depth and submit():
                 pass
         return loaded
+
+    def _abandon(self, batches: list[_DiskBatch]) -> None:
+        """Wait for the reads of ``batches`` (errors ignored: one is being raised) and give
+        back their GPU blocks and host records, none of them cached."""
+        for batch in batches:
+            try:
+                batch.future.result()
+            except BaseException:  # noqa: S110 - the first error is the one reported
+                pass
+            for b in batch.bids:
+                self.blocks.free(b)
+            self._drop_host_refs(batch.hids)
+
+    def _host_records_idle(self) -> Callable[[], None] | None:
+        """What a reader thread waits for before it writes into host records just
+        allocated (CUDA): the newest copy out of host records into the pools and the
+        newest offload into them (an evicted record may still be read or written by one;
+        copies on one stream finish in order, so the newest covers the older ones)."""
+        waits = [h.wait_event for h in (self._last_load, self._last_offload) if h is not None and not h.done()]
+        if not waits:
+            return None
+
+        def wait() -> None:
+            for w in waits:
+                w()
+
+        return wait
 
     def _read_batch(self, keys: list[Any], outs: list[torch.Tensor], digests: list[bytes],
                     ready: Callable[[], None] | None,
@@ -513,6 +553,7 @@ class TierMoves:
             return
         handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
         handle.make_stream_wait()  # the block is overwritten only after the copy read it
+        self._last_offload = handle
         self.host.blocks.cache(hid, h)
         self.host.blocks.free(hid)
         self._counters["blocks_offloaded"] += 1
