@@ -22,9 +22,13 @@ from test_disk_tier import _fill, _flip_lmdb_record
 TOKENS = random_tokens(900, seed=21)
 
 
-def _small_batches(cache: TieredKVCache) -> TieredKVCache:
+def _small_batches(cache: TieredKVCache, *, copy_engine: bool = False) -> TieredKVCache:
+    """2 blocks per batch, 2 in flight; ``copy_engine``: the CUDA path's split on CPU (the
+    reader threads only read, this thread loads through the copy engine)."""
     cache.resume_batch_blocks = 2
     cache.resume_read_depth = 2
+    if copy_engine:
+        cache.resume_copy_on_readers = False
     return cache
 
 
@@ -37,14 +41,15 @@ def store_url(tmp_path_factory: pytest.TempPathFactory, tiny_layout, tiny_model)
     return url
 
 
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["readers-copy", "copy-engine"])
 @pytest.mark.parametrize("host_bytes", [None, 64 << 20, "3 records"], ids=["no-host", "host", "tiny-host"])
 def test_batched_resume_gives_the_logits_of_a_full_recompute(store_url: str, tiny_layout, tiny_model,
-                                                             host_bytes) -> None:
+                                                             host_bytes, copy_engine: bool) -> None:
     if host_bytes == "3 records":  # fewer host records than the prefix: they are recycled
         host_bytes = 3 * tiny_layout.block_bytes + int(0.25 * 3 * tiny_layout.block_bytes) + 1
     prompt = TOKENS + [7]
     with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=store_url,
-                                      host_bytes=host_bytes)) as cache:
+                                      host_bytes=host_bytes), copy_engine=copy_engine) as cache:
         req = cache.open(prompt)
         assert req.num_cached_tokens == 896
         s = cache.stats()
@@ -57,6 +62,24 @@ def test_batched_resume_gives_the_logits_of_a_full_recompute(store_url: str, tin
         again = cache.open(prompt)  # now from the GPU tier: no more disk reads
         assert again.num_cached_tokens == 896 and cache.stats()["disk_reads"] == s["disk_reads"]
         cache.close(again)
+
+
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["readers-copy", "copy-engine"])
+def test_batched_resume_with_hisparse_is_bit_identical(store_url: str, tiny_layout, tiny_model,
+                                                        copy_engine: bool) -> None:
+    """Disk -> host mirror (the CSA part stays there) + the rest into the pool, in batches."""
+    from tiered_kv.hisparse import HiSparseConfig
+
+    prompt = TOKENS + [7]
+    plain = TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1)
+    want = tiny_model.forward(plain, plain.open(prompt), prompt)[896:]
+    with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=store_url,
+                                      host_bytes=1 << 20, hisparse=HiSparseConfig(device_buffer_entries=16)),
+                        copy_engine=copy_engine) as cache:
+        req = cache.open(prompt)
+        assert req.num_cached_tokens == 896 and cache.stats()["blocks_from_disk"] == 7
+        assert torch.equal(tiny_model.forward(cache, req, prompt[896:]), want)
+        cache.close(req)
 
 
 @pytest.mark.parametrize("host_bytes", [None, 64 << 20], ids=["no-host", "host"])
@@ -157,9 +180,9 @@ def write_random_prompt(cache: TieredKVCache, tokens: list[int], seed: int) -> t
 
 
 def _resume_and_compare(url: str, layout, tokens: list[int], records: list[torch.Tensor], snap: torch.Tensor,
-                        device: str, host_bytes: int | None) -> None:
+                        device: str, host_bytes: int | None, copy_engine: bool = False) -> None:
     with _small_batches(TieredKVCache(layout, device=device, num_blocks=8, num_state_slots=1, store=url,
-                                      host_bytes=host_bytes)) as cache:
+                                      host_bytes=host_bytes), copy_engine=copy_engine) as cache:
         req = cache.open(tokens + [1])
         assert req.num_cached_tokens == len(records) * layout.block_tokens
         assert cache.stats()["blocks_from_disk"] == len(records)
@@ -177,13 +200,14 @@ def _random_prompt_store(tmp_path: Path, layout) -> tuple[str, list[int], list[t
     return url, tokens, records, snap
 
 
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["readers-copy", "copy-engine"])
 @pytest.mark.parametrize("host_bytes", [None, 8 << 20], ids=["no-host", "host"])
-def test_resumed_bytes_equal_what_was_written(tmp_path: Path, host_bytes: int | None) -> None:
-    """Byte-exact on the flash-sized records path (fp8 entries), CPU."""
+def test_resumed_bytes_equal_what_was_written(tmp_path: Path, host_bytes: int | None, copy_engine: bool) -> None:
+    """Byte-exact on the fp8_ds_mla records path, CPU."""
     from _util import FLASH_MINI
 
     url, tokens, records, snap = _random_prompt_store(tmp_path, FLASH_MINI)
-    _resume_and_compare(url, FLASH_MINI, tokens, records, snap, "cpu", host_bytes)
+    _resume_and_compare(url, FLASH_MINI, tokens, records, snap, "cpu", host_bytes, copy_engine)
 
 
 @pytest.mark.gpu

@@ -62,6 +62,9 @@ class TierMoves:
     #: 3.9 MB) and batches in flight (the staging ring's slots).
     resume_batch_blocks: int = 8
     resume_read_depth: int = 3
+    #: Who copies a batch read from disk into the pools: the reader thread (numpy copies;
+    #: CPU pools) or this thread through the copy engine (its stream: CUDA). None: by device.
+    resume_copy_on_readers: bool | None = None
     #: The newest copy out of host memory into the pools (a later read into host memory
     #: that copy may still be reading waits for it; copies on one stream finish in order).
     _last_load: CopyHandle | None = None
@@ -267,7 +270,9 @@ class TierMoves:
             return []
         bt, size, depth = self.layout.block_tokens, self.resume_batch_blocks, self.resume_read_depth
         ring = self._staging_ring() if self.host is None else None
-        cuda = self.device.type == "cuda"
+        on_readers = self.resume_copy_on_readers
+        if on_readers is None:
+            on_readers = self.device.type != "cuda"
         inflight: deque[_DiskBatch] = deque()
         loaded: list[int] = []
         next_lo, submitted, stopped = lo, 0, False
@@ -299,7 +304,7 @@ class TierMoves:
             keys = [record_key("block", h) for h in hashes[a:b]]
             digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, b)]
             job = functools.partial(self._read_batch, keys, outs, digests, ready,
-                                    None if cuda else (records, hids, bids))
+                                    (records, hids, bids) if on_readers else None)
             inflight.append(_DiskBatch(a, b, slot, hids, bids, self.disk.run_reader(job)))
             next_lo, submitted = b, submitted + 1
             return True
@@ -324,12 +329,12 @@ class TierMoves:
             if ring is None:
                 for hid, h in zip(batch.hids[:good], hashes[batch.lo:]):
                     self.host.blocks.cache(hid, h)  # verified: promoted to the host tier
-                if cuda:
-                    self._load_host_records(batch.hids[:good], bids)
-                else:  # copied on the reader thread
+                if on_readers:  # copied on the reader thread
                     self._keep_host_refs(batch.hids[:good], bids)
+                else:
+                    self._load_host_records(batch.hids[:good], bids)
                 self._drop_host_refs(batch.hids[good:])
-            elif cuda and bids:
+            elif not on_readers and bids:
                 self._load_records(ring[batch.slot, :good], bids)
                 self._ring_ready[batch.slot] = self._last_load.wait_event
             for b, h in zip(bids, hashes[batch.lo:]):
