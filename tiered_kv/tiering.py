@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .device import empty_host
-from .prefix import token_digest
+from .prefix import block_token_digests, token_digest
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
@@ -276,6 +276,7 @@ class TierMoves:
         inflight: deque[_DiskBatch] = deque()
         loaded: list[int] = []
         next_lo, submitted, stopped = lo, 0, False
+        all_digests = block_token_digests(tokens[lo * bt:hi * bt], bt)
 
         def submit() -> bool:
             """Start reading the next batch, shortened to the free GPU blocks and host
@@ -302,7 +303,7 @@ class TierMoves:
                 ready = self._host_records_idle()
             outs = list(records) if records is not None else [self.host.records[hid] for hid in hids]
             keys = [record_key("block", h) for h in hashes[a:b]]
-            digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, b)]
+            digests = all_digests[a - lo:b - lo]
             job = functools.partial(self._read_batch, keys, outs, digests, ready,
                                     (records, hids, bids) if on_readers else None)
             inflight.append(_DiskBatch(a, b, slot, hids, bids, self.disk.run_reader(job)))
