@@ -269,6 +269,9 @@ class TierMoves:
         if self.disk is None:
             return []
         bt, size, depth = self.layout.block_tokens, self.resume_batch_blocks, self.resume_read_depth
+        for name, value in (("resume_batch_blocks", size), ("resume_read_depth", depth)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
         ring = self._staging_ring() if self.host is None else None
         on_readers = self.resume_copy_on_readers
         if on_readers is None:
