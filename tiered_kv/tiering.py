@@ -276,6 +276,9 @@ class TierMoves:
         on_readers = self.resume_copy_on_readers
         if on_readers is None:
             on_readers = self.device.type != "cuda"
+        elif on_readers and self.device.type != "cpu":
+            raise ValueError(f"resume_copy_on_readers: expected False or None on {self.device} "
+                             f"(reader threads copy into CPU pools only)")
         inflight: deque[_DiskBatch] = deque()
         loaded: list[int] = []
         next_lo, submitted, stopped = lo, 0, False
