@@ -49,10 +49,8 @@ def as_token_list(token_ids: Sequence[int] | np.ndarray | torch.Tensor, what: st
             raise ValueError(f"{what}: expected a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
         token_ids = token_ids.tolist()
     out = list(token_ids)
-    if set(map(type, out)) - {int}:  # (one pass at C speed for the usual list of ints)
-        for t in out:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"{what}: expected integer token ids, got {type(t).__name__}")
-        out = [int(t) for t in out]
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{what}: expected integer token ids, got {type(t).__name__}")
     tokens_to_bytes(out)  # range check
-    return out
+    return [int(t) for t in out]
