@@ -206,7 +206,11 @@ class TieredKVCache(TierMoves):
             self._wait_host_mirrors()  # matching may read or recycle host records on the host
         bt = self.layout.block_tokens
         hashes = self.hasher.block_hashes(tokens[:limit - limit % bt])
-        block_ids, num_blocks = self._match_prefix(slot, tokens, hashes)
+        try:
+            block_ids, num_blocks = self._match_prefix(slot, tokens, hashes)
+        except BaseException:  # e.g. a store's I/O error: the slot goes back, the error up
+            self.states.free(slot)
+            raise
         P = num_blocks * bt
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)

@@ -6,6 +6,12 @@ write submitted so far. A write that fails (full disk, full map, an I/O error) i
 counted and its message kept; the data stays in the GPU and host tiers and the cache
 keeps serving. Writes are bounded: past ``max_pending`` queued writes a submit waits
 for the oldest one (back-pressure, never a dropped record).
+
+Reads come in batches: :meth:`DiskTier.read_many` is one ``get_many`` (one transaction
+or one round of concurrent requests) straight into the caller's buffers, and
+:meth:`DiskTier.read_async` runs one on a small pool of reader threads, so that
+``open()`` reads the next batch of a long prefix while it copies the last one into the
+pools (see :mod:`tiered_kv.tiering`).
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +30,7 @@ from .layout import KVLayout
 __all__ = ["DiskTier"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DiskTier:
@@ -38,13 +45,14 @@ class DiskTier:
             store opened here is closed by :meth:`close`.
         layout: the cache's layout (the store must have been created for it).
         max_pending: queued writes before a submit waits for the oldest.
+        read_threads: threads of :meth:`read_async` (batches read concurrently).
         store_options: options of :func:`~tiered_kv.storage.open_store`; for a list, the
             chain's (``timeout_s``, ``backoff_max_s``, ...) and ``level_options``, one
             dict per level.
     """
 
     def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
-                 store_options: dict[str, Any] | None = None) -> None:
+                 store_options: dict[str, Any] | None = None, read_threads: int = 2) -> None:
         from .storage import BlockStore, open_store
 
         self._owns_store = not isinstance(store, BlockStore)
@@ -57,6 +65,10 @@ class DiskTier:
         self.store = store
         self.layout = layout
         self.max_pending = max_pending
+        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
+            raise ValueError(f"read_threads: expected a positive int, got {read_threads!r}")
+        self.read_threads = read_threads
+        self._readers: ThreadPoolExecutor | None = None  # started by the first read_async
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-disk")
         self._pending: deque[Future[None]] = deque()
         self._lock = threading.Lock()
@@ -109,13 +121,48 @@ class DiskTier:
 
     def read(self, key: Any, out: torch.Tensor, token_digest: bytes | None = None) -> bool:
         """Read one record's payload into ``out`` (CPU uint8); False on a miss or a bad record."""
-        self.reads += 1
-        meta = self.store.get_many([key], [out], token_digests=[token_digest])[0]
-        if meta is None:
-            return False
-        self.read_hits += 1
-        self.read_bytes += out.numel()
-        return True
+        return self.read_many([key], [out], [token_digest])[0]
+
+    def read_many(self, keys: Sequence[Any], outs: Sequence[torch.Tensor],
+                  token_digests: Sequence[bytes | None] | None = None) -> list[bool]:
+        """Read records into ``outs`` in one ``get_many``; one bool per key (False: a miss
+        or a record that failed verification, counted by the store).
+
+        ``outs[i]``: a contiguous CPU uint8 tensor of the payload's size (pinned or not),
+        written in place; on a miss its contents are unspecified. Thread-safe.
+        """
+        if not keys:
+            return []
+        metas = self.store.get_many(list(keys), list(outs), token_digests=token_digests)
+        ok = [m is not None for m in metas]
+        got = sum(ok)
+        with self._lock:
+            self.reads += len(keys)
+            self.read_hits += got
+            self.read_bytes += sum(int(o.numel()) for o, f in zip(outs, ok) if f)
+        return ok
+
+    def read_async(self, keys: Sequence[Any], outs: Sequence[torch.Tensor],
+                   token_digests: Sequence[bytes | None] | None = None,
+                   ready: Callable[[], None] | None = None) -> Future[list[bool]]:
+        """:meth:`read_many` on a reader thread. ``ready`` (e.g. a copy handle's
+        ``wait_event``: the last reader of ``outs`` is done) is called there first.
+
+        A caller that drops the future must still wait for it before reusing ``outs``.
+        """
+        def job() -> list[bool]:
+            if ready is not None:
+                ready()
+            return self.read_many(keys, outs, token_digests)
+
+        return self.run_reader(job)
+
+    def run_reader(self, job: Callable[[], T]) -> Future[T]:
+        """Run ``job`` (which reads through :meth:`read_many`, and may copy what it read
+        into place) on one of the ``read_threads`` reader threads."""
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="tiered-kv-read")
+        return self._readers.submit(job)
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
@@ -131,5 +178,7 @@ class DiskTier:
         """Flush pending writes, stop the writer thread, close a store opened from a URL."""
         self.flush()
         self._executor.shutdown(wait=True)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         if self._owns_store:
             self.store.close()

@@ -16,7 +16,7 @@ import numpy as np
 
 from .layout import KVLayout
 
-__all__ = ["HASH_BYTES", "PrefixHasher", "token_digest", "tokens_to_bytes"]
+__all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_digest", "tokens_to_bytes"]
 
 HASH_BYTES = 32
 _MAX_TOKEN = 2**32 - 1
@@ -39,6 +39,15 @@ def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
 def token_digest(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """32-byte digest of a block's own token ids (stored in records, checked on read)."""
     return hashlib.sha256(b"tokens\0" + tokens_to_bytes(token_ids)).digest()
+
+
+def block_token_digests(token_ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes]:
+    """:func:`token_digest` of each full ``block_tokens`` block of ``token_ids``, converting
+    the ids once (a long prompt's blocks are digested together when it is resumed)."""
+    data = tokens_to_bytes(token_ids)
+    step = 4 * block_tokens
+    sha256 = hashlib.sha256
+    return [sha256(b"tokens\0" + data[i:i + step]).digest() for i in range(0, len(data) - step + 1, step)]
 
 
 class PrefixHasher:

@@ -137,7 +137,8 @@ class StatePool:
         if not isinstance(snapshot, torch.Tensor) or snapshot.dtype != torch.uint8 or snapshot.shape != (n,):
             got = f"{snapshot.dtype} {list(snapshot.shape)}" if isinstance(snapshot, torch.Tensor) else type(snapshot)
             raise ValueError(f"snapshot: expected a uint8 tensor [{n}], got {got}")
-        self.reset(slot)
+        for t in (self.csa_tail, self.idx_tail, self.hca_tail):  # the SWA ring is overwritten whole
+            t[slot].zero_()
         snapshot = snapshot.to(self.device)
         swa = self.swa[slot]
         offset = swa.numel()

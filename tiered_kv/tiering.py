@@ -11,11 +11,18 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from .prefix import token_digest
+from .device import empty_host
+from .prefix import block_token_digests, token_digest
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
@@ -26,11 +33,11 @@ if TYPE_CHECKING:
     from .layout import KVLayout
     from .prefix import PrefixHasher
     from .state_pool import SnapshotPool, StatePool
-    from .transfer import CopyEngine
+    from .transfer import CopyEngine, CopyHandle
 
 __all__ = ["TierMoves", "record_key"]
 
-#: Blocks whose presence on disk is asked in one ``contains_many`` batch.
+#: Snapshots whose presence on disk is asked in one ``contains_many`` batch (at most).
 _DISK_BATCH = 64
 
 
@@ -50,6 +57,23 @@ class TierMoves:
     hasher: PrefixHasher
     _host_of_block: dict[int, int]
     _counters: dict[str, int]
+
+    #: Disk reads of ``open()``: blocks per batch (one ``get_many``; 8 Flash blocks are
+    #: 3.9 MB) and batches in flight (the staging ring's slots).
+    resume_batch_blocks: int = 8
+    resume_read_depth: int = 3
+    #: Who copies a batch read from disk into the pools: the reader thread (numpy copies;
+    #: CPU pools) or this thread through the copy engine (its stream: CUDA). None: by device.
+    resume_copy_on_readers: bool | None = None
+    #: The newest copy out of host memory into the pools (a later read into host memory
+    #: that copy may still be reading waits for it; copies on one stream finish in order).
+    _last_load: CopyHandle | None = None
+    #: The newest offload into a host record (evicted GPU block -> host tier).
+    _last_offload: CopyHandle | None = None
+    _ring: torch.Tensor | None = None
+    _ring_ready: list[Callable[[], None] | None]
+    _snap_staging: torch.Tensor | None = None
+    _snap_staging_ready: Callable[[], None] | None = None
 
     # ------------------------------------------------------- prefix matching
     def _match_prefix(self, slot: int, tokens: list[int], hashes: list[bytes]) -> tuple[list[int], int]:
@@ -73,7 +97,14 @@ class TierMoves:
         return [], 0
 
     def _available_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks some tier holds (the disk is asked in batches)."""
+        """How many leading blocks may be had: those the GPU and host tiers hold, and past
+        them, when the disk holds the next one, all of ``hashes``.
+
+        The disk is asked about one block only: asking about every block of a long prefix
+        reads the start of every record (a random read each on a cold disk) just before
+        the same records are read in full. A block missing on disk ends the load instead
+        (see :meth:`_acquire_blocks`), and :meth:`_match_prefix` tries a shorter prefix.
+        """
         n = 0
         while n < len(hashes):
             h = hashes[n]
@@ -81,25 +112,23 @@ class TierMoves:
                     self.host is not None and self.host.blocks.lookup(h) is not None):
                 n += 1
                 continue
-            if self.disk is None:
+            if self.disk is None or not self.disk.contains_many([record_key("block", h)])[0]:
                 return n
-            batch = hashes[n:n + _DISK_BATCH]
-            found = self.disk.contains_many([record_key("block", x) for x in batch])
-            run = next((i for i, f in enumerate(found) if not f), len(found))
-            n += run
-            if run < len(batch):
-                return n
+            return len(hashes)
         return n
 
     def _longest_snapshot(self, hashes: list[bytes]) -> int:
         """The longest prefix (in blocks) whose end has a snapshot in some tier.
 
-        Scans from the longest down, asking the disk in batches so a long prompt costs a
-        few concurrent round trips, not one per block.
+        Scans from the longest down, asking the disk in batches that grow 1, 4, 16, 64,
+        64, ...: a prompt resumed whole costs one key (every present snapshot asked
+        about is a read of its record's start, a random read on a cold disk), and a long
+        prompt few round trips, not one per block.
         """
-        n = len(hashes)
+        n, size = len(hashes), 1
         while n > 0:
-            batch = list(range(n, max(0, n - _DISK_BATCH), -1))  # n, n-1, ... (longest first)
+            batch = list(range(n, max(0, n - size), -1))  # n, n-1, ... (longest first)
+            size = min(4 * size, _DISK_BATCH)
             near = next((m for m in batch if self._snapshot_above_disk(hashes[m - 1])), None)
             longer = batch if near is None else batch[:batch.index(near)]  # only these can beat it
             if self.disk is not None and longer:
@@ -121,71 +150,284 @@ class TierMoves:
     def _acquire_blocks(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
         """Take a reference on the GPU block of each hash, loading it from host or disk.
 
-        Stops at the first block that cannot be had; returns the blocks acquired.
+        Blocks the GPU already holds are referenced first, so that allocating blocks for
+        the others cannot evict them. The others load in order, run by run: host records
+        with one copy per run of adjacent records, disk records through the read pipeline
+        (:meth:`_load_from_disk`). Stops at the first block that cannot be had (a miss, a
+        record that fails verification, a full pool); returns the blocks acquired, a
+        prefix of ``hashes``.
         """
-        bt = self.layout.block_tokens
-        got: list[int] = []
-        for i, h in enumerate(hashes):
+        got: list[int | None] = []
+        for h in hashes:
             b = self.blocks.lookup(h)
             if b is not None:
                 self.blocks.incref(b)
-                got.append(b)
+            got.append(b)
+        n, i, cut = len(hashes), 0, len(hashes)
+        while i < n:
+            if got[i] is not None:
+                i += 1
                 continue
-            fetched = self._fetch_record(h, tokens[i * bt:(i + 1) * bt])
-            b = self.blocks.allocate() if fetched is not None else None
-            if b is None:
-                if fetched is not None and fetched[1] is not None:
-                    self._drop_host_ref(fetched[1])
+            on_host = self._host_has(hashes[i])
+            j = i + 1
+            while j < n and got[j] is None and self._host_has(hashes[j]) == on_host:
+                j += 1
+            load = self._load_from_host if on_host else self._load_from_disk
+            try:
+                loaded = load(tokens, hashes, i, j)
+            except BaseException:  # (a store error) the loader gave back its own blocks
+                for b in reversed(got):
+                    if b is not None:
+                        self._release_block(b)
+                raise
+            got[i:i + len(loaded)] = loaded
+            if len(loaded) < j - i:
+                cut = i + len(loaded)
                 break
-            record, hid = fetched
-            bid = torch.tensor([b])
-            if self.hisparse is not None:
-                assert hid is not None
-                self.copies.load_blocks(record[:, self.layout.csa_kv_block_bytes:], bid,
-                                        self.classical.rest_parts).make_stream_wait()
-                self._host_of_block[b] = hid  # the GPU block keeps the host reference
-            else:
-                self.copies.load_blocks(record, bid, self.classical.parts).make_stream_wait()
-                if hid is not None:
-                    self._drop_host_ref(hid)
-            self.blocks.cache(b, h)
+            i = j
+        for b in reversed(got[cut:]):
+            if b is not None:
+                self._release_block(b)
+        return [b for b in got[:cut] if b is not None]
+
+    def _host_has(self, h: bytes) -> bool:
+        return self.host is not None and self.host.blocks.lookup(h) is not None
+
+    def _allocate_blocks(self, n: int) -> list[int]:
+        """Up to ``n`` GPU blocks (refcount 1 each), fewer when the pool runs out."""
+        got: list[int] = []
+        while len(got) < n:
+            b = self.blocks.allocate()
+            if b is None:
+                break
             got.append(b)
         return got
 
-    def _fetch_record(self, h: bytes, block_tokens: list[int]) -> tuple[torch.Tensor, int | None] | None:
-        """Block ``h``'s record ``[1, block_bytes]`` from the host tier, or read from disk.
-
-        With a host tier the record is a referenced host record (id returned; a disk read
-        lands there, promoting the block); without one, a temporary CPU tensor (id None).
-        None when no tier has a good copy.
-        """
+    def _load_from_host(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
+        """Blocks ``hashes[lo:hi]`` (all in the host tier) into new GPU blocks."""
         host = self.host
-        if host is not None:
+        assert host is not None
+        hids: list[int] = []
+        for h in hashes[lo:hi]:  # referenced first: allocating GPU blocks may offload to host
             hid = host.blocks.lookup(h)
-            if hid is not None:
-                host.blocks.incref(hid)
-                self._counters["blocks_from_host"] += 1
-                return host.records[hid:hid + 1], hid
-        if self.disk is None:
-            return None
-        hid = None
-        if host is not None:
-            hid = self._allocate_host_record()
-            if hid is None:
-                return None
-            record = host.records[hid:hid + 1]
+            assert hid is not None
+            host.blocks.incref(hid)
+            hids.append(hid)
+        bids = self._allocate_blocks(len(hids))
+        for hid in hids[len(bids):]:
+            self._drop_host_ref(hid)
+        self._load_host_records(hids[:len(bids)], bids)
+        for b, h in zip(bids, hashes[lo:]):
+            self.blocks.cache(b, h)
+        self._counters["blocks_from_host"] += len(bids)
+        return bids
+
+    def _load_host_records(self, hids: list[int], bids: list[int]) -> None:
+        """Copy host records ``hids`` into GPU blocks ``bids``, one copy per run of adjacent
+        records. With HiSparse the GPU block keeps its host reference (the CSA part lives
+        there); otherwise the reference is dropped (the record stays cached on the host,
+        and a later read into it first waits for this copy: see :meth:`_load_from_disk`)."""
+        assert self.host is not None
+        for start, stop in _runs(hids):
+            records = self.host.records[hids[start]:hids[start] + (stop - start)]
+            self._load_records(records, bids[start:stop])
+        self._keep_host_refs(hids, bids)
+
+    def _load_records(self, records: torch.Tensor, bids: list[int]) -> None:
+        """Scatter host records ``[n, block_bytes]`` into GPU blocks ``bids`` on the copy
+        engine's stream; the current stream waits for it (the host does not)."""
+        ids = torch.tensor(bids, dtype=torch.int64)
+        if self.hisparse is not None:
+            handle = self.copies.load_blocks(records[:, self.layout.csa_kv_block_bytes:], ids,
+                                             self.classical.rest_parts)
         else:
-            record = torch.empty(1, self.layout.block_bytes, dtype=torch.uint8)
-        if not self.disk.read(record_key("block", h), record[0], token_digest(block_tokens)):
-            if hid is not None:
-                self._drop_host_ref(hid)
-            self._counters["disk_read_failures"] += 1
+            handle = self.copies.load_blocks(records, ids, self.classical.parts)
+        handle.make_stream_wait()
+        self._last_load = handle
+
+    def _load_from_disk(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
+        """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch.
+
+        Pipeline, ``resume_read_depth`` batches of ``resume_batch_blocks`` in flight on
+        the disk tier's reader threads::
+
+            CUDA   reader threads:  read+verify b0 | read+verify b1 | read+verify b2 ...
+                   this thread:                      H2D b0 (async)  | H2D b1 ...
+            CPU    reader threads:  read+verify+copy b0 | read+verify+copy b2 ...
+                                    read+verify+copy b1 | ...
+
+        Records land in host memory the pools are loaded from: the host tier's records
+        when there is one (promoting the block there, as a host hit would), else a ring
+        of ``resume_read_depth`` staging buffers (pinned on CUDA). On CUDA a buffer is read
+        into again only after the upload that last read it is done (the reader thread
+        waits on the copy's event). On CPU the reader thread copies its batch into the
+        pool blocks allocated for it, with numpy copies (one thread each, the GIL
+        released), so batches are read and copied in parallel. The first record that is
+        absent or fails verification ends the load (a counted miss): the blocks before
+        it are kept; reads in flight are waited for and their blocks freed.
+        """
+        if self.disk is None:
+            return []
+        bt, size, depth = self.layout.block_tokens, self.resume_batch_blocks, self.resume_read_depth
+        for name, value in (("resume_batch_blocks", size), ("resume_read_depth", depth)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        ring = self._staging_ring() if self.host is None else None
+        on_readers = self.resume_copy_on_readers
+        if on_readers is None:
+            on_readers = self.device.type != "cuda"
+        elif on_readers and self.device.type != "cpu":
+            raise ValueError(f"resume_copy_on_readers: expected False or None on {self.device} "
+                             f"(reader threads copy into CPU pools only)")
+        inflight: deque[_DiskBatch] = deque()
+        loaded: list[int] = []
+        next_lo, submitted, stopped = lo, 0, False
+        all_digests = block_token_digests(tokens[lo * bt:hi * bt], bt)
+
+        def submit() -> bool:
+            """Start reading the next batch, shortened to the free GPU blocks and host
+            records; False when there are none now."""
+            nonlocal next_lo, submitted
+            a = next_lo
+            n = min(size, hi - a)
+            hids: list[int] = []
+            if ring is None:  # host records are the staging
+                hids = self._allocate_host_records(n)
+                n = len(hids)
+            bids = self._allocate_blocks(n)
+            self._drop_host_refs(hids[len(bids):])
+            del hids[len(bids):]
+            if not bids:
+                return False
+            b = a + len(bids)
+            if ring is not None:
+                slot = submitted % depth
+                records = ring[slot, :len(bids)]
+                ready = self._ring_ready[slot]
+            else:
+                slot, records = -1, None
+                ready = self._host_records_idle()
+            outs = list(records) if records is not None else [self.host.records[hid] for hid in hids]
+            keys = [record_key("block", h) for h in hashes[a:b]]
+            digests = all_digests[a - lo:b - lo]
+            job = functools.partial(self._read_batch, keys, outs, digests, ready,
+                                    (records, hids, bids) if on_readers else None)
+            inflight.append(_DiskBatch(a, b, slot, hids, bids, self.disk.run_reader(job)))
+            next_lo, submitted = b, submitted + 1
+            return True
+
+        while next_lo < hi and len(inflight) < depth and submit():
+            pass
+        while inflight:
+            batch = inflight.popleft()
+            try:
+                ok = batch.future.result()
+            except BaseException:  # an I/O error: no reader may write our buffers after we return
+                self._abandon([batch, *inflight])
+                for b in reversed(loaded):
+                    self._release_block(b)
+                raise
+            good = 0 if stopped else next((i for i, f in enumerate(ok) if not f), len(ok))
+            if good < len(ok) and not stopped:
+                self._counters["disk_read_failures"] += 1
+            bids = batch.bids[:good]
+            for b in batch.bids[good:]:  # read into but not verified (or past the end): never cached
+                self.blocks.free(b)
+            if ring is None:
+                for hid, h in zip(batch.hids[:good], hashes[batch.lo:]):
+                    self.host.blocks.cache(hid, h)  # verified: promoted to the host tier
+                if on_readers:  # copied on the reader thread
+                    self._keep_host_refs(batch.hids[:good], bids)
+                else:
+                    self._load_host_records(batch.hids[:good], bids)
+                self._drop_host_refs(batch.hids[good:])
+            elif not on_readers and bids:
+                self._load_records(ring[batch.slot, :good], bids)
+                self._ring_ready[batch.slot] = self._last_load.wait_event
+            for b, h in zip(bids, hashes[batch.lo:]):
+                self.blocks.cache(b, h)
+            loaded += bids
+            self._counters["blocks_from_disk"] += good
+            if good < len(batch.bids):
+                stopped = True  # the reads in flight are waited for, their blocks freed
+            while not stopped and next_lo < hi and len(inflight) < depth and submit():
+                pass
+        return loaded
+
+    def _abandon(self, batches: list[_DiskBatch]) -> None:
+        """Wait for the reads of ``batches`` (errors ignored: one is being raised) and give
+        back their GPU blocks and host records, none of them cached."""
+        for batch in batches:
+            try:
+                batch.future.result()
+            except BaseException:  # noqa: S110 - the first error is the one reported
+                pass
+            for b in batch.bids:
+                self.blocks.free(b)
+            self._drop_host_refs(batch.hids)
+
+    def _host_records_idle(self) -> Callable[[], None] | None:
+        """What a reader thread waits for before it writes into host records just
+        allocated (CUDA): the newest copy out of host records into the pools and the
+        newest offload into them (an evicted record may still be read or written by one;
+        copies on one stream finish in order, so the newest covers the older ones)."""
+        waits = [h.wait_event for h in (self._last_load, self._last_offload) if h is not None and not h.done()]
+        if not waits:
             return None
-        if hid is not None:
-            assert host is not None
-            host.blocks.cache(hid, h)
-        self._counters["blocks_from_disk"] += 1
-        return record, hid
+
+        def wait() -> None:
+            for w in waits:
+                w()
+
+        return wait
+
+    def _read_batch(self, keys: list[Any], outs: list[torch.Tensor], digests: list[bytes],
+                    ready: Callable[[], None] | None,
+                    copy_to: tuple[torch.Tensor | None, list[int], list[int]] | None) -> list[bool]:
+        """A reader thread's job: read and verify one batch (after ``ready``); on CPU also
+        copy the leading verified records into their pool blocks (``copy_to``: the
+        staging rows or None for host records ``hids``, and the block ids)."""
+        if ready is not None:
+            ready()
+        ok = self.disk.read_many(keys, outs, digests)
+        if copy_to is not None:
+            records, hids, bids = copy_to
+            good = next((i for i, f in enumerate(ok) if not f), len(ok))
+            if records is None:
+                assert self.host is not None
+                for start, stop in _runs(hids[:good]):
+                    rows = self.host.records[hids[start]:hids[start] + (stop - start)]
+                    self._scatter_on_cpu(rows, bids[start:stop])
+            elif good:
+                self._scatter_on_cpu(records[:good], bids[:good])
+        return ok
+
+    def _scatter_on_cpu(self, records: torch.Tensor, bids: list[int]) -> None:
+        """CPU pools: block ``bids[i]`` = ``records[i]`` (``[n, block_bytes]`` uint8), with
+        numpy copies: one thread each and the GIL released, so reader threads copy in
+        parallel (torch's intra-op pool oversubscribes the CPUs when several threads
+        copy at once). With HiSparse only the parts after the CSA part are copied."""
+        rec = records.numpy()
+        start = 0
+        parts = self.classical.parts if self.hisparse is None else self.classical.rest_parts
+        if self.hisparse is not None:
+            start = self.layout.csa_kv_block_bytes
+        arrays = [p.numpy() for p in parts]
+        for i, b in enumerate(bids):
+            off = start
+            for part in arrays:
+                dst = part[:, b]
+                np.copyto(dst, rec[i, off:off + dst.size].reshape(dst.shape))
+                off += dst.size
+
+    def _keep_host_refs(self, hids: list[int], bids: list[int]) -> None:
+        """After a load from host records: with HiSparse each GPU block keeps its record's
+        reference (its CSA part lives there), otherwise the references are dropped."""
+        for b, hid in zip(bids, hids):
+            if self.hisparse is not None:
+                self._host_of_block[b] = hid
+            else:
+                self._drop_host_ref(hid)
 
     def _allocate_host_record(self) -> int | None:
         """A host record id (refcount 1), evicting host LRU records as needed.
@@ -203,8 +445,40 @@ class TierMoves:
         assert self.host is not None
         self.host.blocks.free(hid)
 
+    def _drop_host_refs(self, hids: list[int]) -> None:
+        for hid in hids:
+            self._drop_host_ref(hid)
+
+    def _staging_ring(self) -> torch.Tensor:
+        """``[resume_read_depth, resume_batch_blocks, block_bytes]`` uint8 host buffers
+        (pinned on CUDA) that disk reads land in when there is no host tier."""
+        shape = (self.resume_read_depth, self.resume_batch_blocks, self.layout.block_bytes)
+        ring = self._ring
+        if ring is None or tuple(ring.shape) != shape:
+            if ring is not None:  # resized: the copies out of the old ring must be done first
+                for ready in self._ring_ready:
+                    if ready is not None:
+                        ready()
+            ring = self._ring = empty_host(shape, pinned=self.device.type == "cuda")
+            self._ring_ready = [None] * shape[0]
+        return ring
+
+    def _allocate_host_records(self, n: int) -> list[int]:
+        """Up to ``n`` host records (refcount 1 each), fewer when the host tier runs out."""
+        got: list[int] = []
+        while len(got) < n:
+            hid = self._allocate_host_record()
+            if hid is None:
+                break
+            got.append(hid)
+        return got
+
     def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int) -> bool:
-        """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``."""
+        """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``.
+
+        Nearest first: the GPU snapshot pool, the host tier, the disk. A snapshot found
+        farther away is promoted into the GPU snapshot pool so the next open hits it there.
+        """
         ids = self.snapshots.ids
         sid = ids.lookup(h)
         if sid is not None:
@@ -216,23 +490,57 @@ class TierMoves:
         data = self.host.lookup_snapshot(h) if self.host is not None else None
         if data is not None:
             self._counters["snapshots_from_host"] += 1
-        elif self.disk is not None:
-            data = torch.empty(self.layout.snapshot_bytes, dtype=torch.uint8)
-            bt = self.layout.block_tokens
-            if not self.disk.read(record_key("snapshot", h), data, token_digest(tokens[(n - 1) * bt:n * bt])):
-                self._counters["disk_read_failures"] += 1
-                return False
-            self._counters["snapshots_from_disk"] += 1
-        else:
+            self.states.restore(slot, data.to(self.device))
+            self._counters["snapshot_hits"] += 1
+            sid = ids.allocate()
+            if sid is not None:
+                self.snapshots.data[sid].copy_(data)
+                ids.cache(sid, h)
+                ids.free(sid)
+            return True
+        if self.disk is None:
             return False
-        self.states.restore(slot, data.to(self.device))
-        self._counters["snapshot_hits"] += 1
-        # promote into the GPU snapshot pool so the next open hits it there
+        bt = self.layout.block_tokens
+        return self._snapshot_from_disk(slot, h, token_digest(tokens[(n - 1) * bt:n * bt]))
+
+    def _snapshot_from_disk(self, slot: int, h: bytes, digest: bytes) -> bool:
+        """Read snapshot ``h`` from disk into a GPU snapshot slot and restore ``slot`` from it.
+
+        On CPU the record is read straight into the snapshot slot (no other copy); on CUDA
+        into a pinned staging buffer, then uploaded on the copy engine's stream (the
+        staging is read into again only after that upload is done). Without a free
+        snapshot slot the State is restored from the staging and nothing is promoted.
+        """
+        assert self.disk is not None
+        ids = self.snapshots.ids
         sid = ids.allocate()
-        if sid is not None:
-            self.snapshots.data[sid].copy_(data)
-            ids.cache(sid, h)
-            ids.free(sid)
+        cuda = self.device.type == "cuda"
+        if cuda or sid is None:
+            if self._snap_staging is None:
+                self._snap_staging = empty_host(self.layout.snapshot_bytes, pinned=cuda)
+            buf = self._snap_staging
+            ready = self._snap_staging_ready
+        else:
+            buf, ready = self.snapshots.data[sid], None
+        if ready is not None:
+            ready()
+        if not self.disk.read_many([record_key("snapshot", h)], [buf], [digest])[0]:
+            if sid is not None:
+                ids.free(sid)  # never cached: back to the free list
+            self._counters["disk_read_failures"] += 1
+            return False
+        self._counters["snapshots_from_disk"] += 1
+        self._counters["snapshot_hits"] += 1
+        if sid is None:
+            self.states.restore(slot, buf)
+            return True
+        if buf is not self.snapshots.data[sid]:
+            handle = self.copies.copy(self.snapshots.data[sid], buf)
+            handle.make_stream_wait()
+            self._snap_staging_ready = handle.wait_event
+        self.states.restore(slot, self.snapshots.data[sid])
+        ids.cache(sid, h)
+        ids.free(sid)
         return True
 
     # ----------------------------------------------------- tier movements
@@ -257,6 +565,7 @@ class TierMoves:
             return
         handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
         handle.make_stream_wait()  # the block is overwritten only after the copy read it
+        self._last_offload = handle
         self.host.blocks.cache(hid, h)
         self.host.blocks.free(hid)
         self._counters["blocks_offloaded"] += 1
@@ -264,6 +573,33 @@ class TierMoves:
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
         if self.host is not None:
             self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
+
+
+@dataclass(slots=True)
+class _DiskBatch:
+    """One batch of :meth:`TierMoves._load_from_disk`: blocks ``[lo, hi)`` of the range,
+    read into ring slot ``slot`` (-1: into host records ``hids``), bound for GPU blocks
+    ``bids``."""
+
+    lo: int
+    hi: int
+    slot: int
+    hids: list[int]
+    bids: list[int]
+    future: Future[list[bool]]
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of ``ids`` whose values increase by one: [3, 4, 7] ->
+    [(0, 2), (2, 3)]."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            if i > start:
+                runs.append((start, i))
+            start = i
+    return runs
 
 
 def record_key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey
