@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # _util: raw store access
 import _sglang_env  # noqa: E402,F401  (installs the torchvision placeholder before sglang imports)
 
 

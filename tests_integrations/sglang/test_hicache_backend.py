@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import _sglang_env as env
-import lmdb
+from _util import lmdb_raw_read, lmdb_raw_write  # tests/_util.py, put on sys.path by conftest
 import pytest
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
@@ -59,16 +59,11 @@ def _store_and_reload(backend, pool, n, seed=1, key_seed=0):
 
 
 def _corrupt(store_path: Path, record_key, offset_from_end: int = 40) -> None:
-    """Flip one payload byte of a record in a closed LMDB store."""
-    db_env = lmdb.open(str(store_path), max_dbs=4, map_size=1 << 30)
-    try:
-        records = db_env.open_db(b"records")
-        with db_env.begin(write=True) as txn:
-            raw = bytearray(txn.get(record_key.to_bytes(), db=records))
-            raw[len(raw) - offset_from_end] ^= 0xFF
-            txn.put(record_key.to_bytes(), bytes(raw), db=records)
-    finally:
-        db_env.close()
+    """Flip one payload byte of a record in a closed LMDB store, in its segment file."""
+    kb = record_key.to_bytes()
+    raw = bytearray(lmdb_raw_read(store_path, kb))
+    raw[len(raw) - offset_from_end] ^= 0xFF
+    lmdb_raw_write(store_path, kb, bytes(raw))
 
 
 # ---------------------------------------------------------------------- loading

@@ -10,7 +10,6 @@ import time
 import uuid
 from pathlib import Path
 
-import lmdb
 import pytest
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -18,6 +17,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from tiered_kv.integrations.vllm import TieredKVTier, TieredKVTierInfo, TieredKVTierMetrics, VllmKeyMapper
 from tiered_kv.storage import LmdbStore, StoreChain, record_size
 
+from _util import lmdb_raw_read, lmdb_raw_write  # tests/_util.py, put on sys.path by conftest
 from seaweedfs import SeaweedFS  # tests/seaweedfs.py, put on sys.path by conftest
 from _vllm_engine import CHUNK_BYTES, TIER_MODULE, Engine, chunk_bytes, chunk_keys, offload_config
 
@@ -89,16 +89,10 @@ def test_chunks_already_stored_are_not_written_twice(tmp_path: Path, engines: li
 
 
 def _corrupt(path: Path, key_bytes: bytes) -> None:
-    """Flip one payload byte of the record under ``key_bytes``, straight in LMDB."""
-    env = lmdb.open(str(path), max_dbs=4, subdir=True)
-    try:
-        db = env.open_db(b"records", create=False)
-        with env.begin(write=True) as txn:
-            value = bytearray(txn.get(key_bytes, db=db))
-            value[len(value) // 2] ^= 0xFF
-            txn.put(key_bytes, bytes(value), db=db)
-    finally:
-        env.close()
+    """Flip one payload byte of the record under ``key_bytes``, in its segment file."""
+    value = bytearray(lmdb_raw_read(path, key_bytes))
+    value[len(value) // 2] ^= 0xFF
+    lmdb_raw_write(path, key_bytes, bytes(value))
 
 
 def test_restart_then_corrupt_record_is_a_failed_key(tmp_path: Path, engines: list[Engine]) -> None:
