@@ -907,6 +907,18 @@ class ZarrStore(BlockStore):
         with self._lock:
             return len(self._index)
 
+    def recent(self, n: int) -> list[RecordKey]:
+        """The ``n`` most recent records, newest first: by last write on an object store
+        (its last-modified time; records are written once), by last access on a local
+        directory. Lists the store (on S3 one request per 1000 records)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        check_open(self._closed, self.where)
+        self._rescan()
+        with self._lock:
+            keys = list(self._index)  # oldest first
+        return keys[::-1][:n]
+
     def stats(self) -> dict[str, Any]:
         """See :meth:`BlockStore.stats`. On an object store no request is made: ``records``
         and ``bytes`` are as of the last listing (``listed_ns``, None if never) plus this
