@@ -52,8 +52,10 @@ record evicted from level 0 before its upload is skipped (``uploads_skipped``).
 **Pending uploads are journaled** (:mod:`~.journal`) when level 0 is a local directory
 (an LMDB or local Zarr store; ``journal=False`` turns it off): ``put_many`` adds its keys
 to ``<level 0 dir>/upload-journal.mdb`` in one fsynced transaction per call (per batch,
-not per record) *before* writing level 0 and queueing them, and an upload removes its keys
-once the far level has the record. So a queued upload survives kill -9 and power loss: the
+not per record), committed on a helper thread while level 0 writes the records (so the
+call takes the longer of the two, not their sum), and queues them once both are durable;
+an upload removes its keys once the far level has the record. (A journal commit that
+fails, e.g. on a full disk, leaves the uploads queued in memory only: ``journal_errors``.) So a queued upload survives kill -9 and power loss: the
 next process that opens a chain on the same level 0 resumes the journal in the background
 (``uploads_resumed``), in chunks, never holding more than ``max_pending_uploads`` keys per
 level in memory; an entry whose level-0 record is gone (evicted, deleted) is dropped and
@@ -86,7 +88,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,7 +248,9 @@ class StoreChain(BlockStore):
         self._far = self._levels[1:]
         self.where = " -> ".join(level.where for level in self._levels)
         self._cond = threading.Condition()
-        self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures"), 0)
+        self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures",
+                                        "journal_errors"), 0)
+        self.last_journal_error: str | None = None
         self._closing = False
         self._close_deadline = 0.0
         self._pool = ThreadPoolExecutor(max_workers=max(1, 4 * len(self._far)),
@@ -255,6 +259,7 @@ class StoreChain(BlockStore):
         self._pending_promotions = 0
         self._journal = _open_journal(near, journal) if self._far else None
         self.journal_path = None if self._journal is None else self._journal.path
+        self._journal_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiered_kv.chain.journal")
         for level in self._far:
             level.scan_more = self._journal is not None  # resume what an earlier process left
         self._worker = threading.Thread(target=self._run_background, name="tiered_kv.chain.uploads", daemon=True)
@@ -316,22 +321,41 @@ class StoreChain(BlockStore):
         if not self._far:
             return self._near.put_many(items)
         sizes = [as_byte_array(item.payload, name="payload").nbytes for item in items]
-        if self._journal is not None:  # first: a kill after the local write cannot lose an upload
-            self._journal.add([level.journal_name for level in self._far],
-                              [(item.key, n) for item, n in zip(items, sizes)])
+        # The journal's commit (its fsync) runs beside level 0's write, not after it: the
+        # request path pays the longer of the two. Both are done before anything is queued.
+        journaled = None if self._journal is None else self._journal_io.submit(
+            self._journal.add, [level.journal_name for level in self._far],
+            [(item.key, n) for item, n in zip(items, sizes)])
         try:
             results = self._near.put_many(items)
         except BaseException:
-            if self._journal is not None:  # journaled, maybe not written: the journal pass sorts them out
+            if journaled is not None:  # journaled, maybe not written: the journal pass sorts them out
+                _wait_quietly(journaled)
                 with self._cond:
                     for level in self._far:
                         self._rescan(level)
             raise
+        if journaled is not None:
+            self._journal_done(journaled, len(items))
         with self._cond:
             for level in self._far:
                 for item, n in zip(items, sizes):
                     self._enqueue(level, item.key, n)
         return results
+
+    def _journal_done(self, journaled: Future[None], n: int) -> None:
+        """Wait for a journal commit. Its failure (e.g. a full disk) does not undo level 0's
+        write: the uploads are queued in memory only, counted as ``journal_errors``."""
+        try:
+            journaled.result()
+        except (StoreError, OSError, lmdb.Error) as e:
+            with self._cond:
+                first = not self._counters["journal_errors"]
+                self._counters["journal_errors"] += n
+                self.last_journal_error = f"{type(e).__name__}: {e}"
+            if first:
+                log.warning("upload journal %s: could not journal %d uploads (queued in memory only; "
+                            "counted as journal_errors): %s", self.journal_path, n, e)
 
     def _rescan(self, level: _Level) -> None:
         """Have the background thread read ``level``'s journal (again): it holds entries
@@ -429,8 +453,9 @@ class StoreChain(BlockStore):
             return
         between = self._far[:source.index - 1]
         if self._journal is not None and between:
-            self._journal.add([level.journal_name for level in between],
-                              [(item.key, as_byte_array(item.payload).nbytes) for item in items])
+            self._journal_done(self._journal_io.submit(
+                self._journal.add, [level.journal_name for level in between],
+                [(item.key, as_byte_array(item.payload).nbytes) for item in items]), len(items))
         with self._cond:
             self._counters["promotions"] += len(items)
             self._levels[0].counters["promotions_in"] += len(items)
@@ -559,7 +584,8 @@ class StoreChain(BlockStore):
         uploads_existing, upload_failures, upload_retries, pending_uploads, dropped_uploads,
         failed_uploads, uploads_skipped; journaled_uploads: entries in the journal,
         uploads_resumed: read back from it, deferred_uploads: journaled past the memory
-        bound), ``journal``: its path or None, the health counters (level_unavailable: calls that
+        bound; journal_errors: uploads that could not be journaled), ``journal``: its path
+        or None, the health counters (level_unavailable: calls that
         skipped a down level; timeouts; level_errors; auth_errors; levels_down), every
         numeric figure of level ``i`` as ``level{i}_<name>``, and ``levels``: one dict per
         level (where, up, last_error, retry_in_s, ...)."""
@@ -821,6 +847,7 @@ class StoreChain(BlockStore):
         self._worker.join()
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._journal_io.shutdown(wait=True)
         abandoned = sum(len(level.pending) for level in self._far)
         if self._journal is not None:
             abandoned = sum(self._journal.count(level.journal_name) for level in self._far)
@@ -850,6 +877,14 @@ class StoreChain(BlockStore):
 def _get_many(store: BlockStore, *, keys: list[RecordKey], outs: list[np.ndarray],
               token_digests: list[bytes | None]) -> list[RecordMeta | None]:
     return store.get_many(keys, outs, token_digests=token_digests)
+
+
+def _wait_quietly(future: Future[Any]) -> None:
+    """Wait for ``future``; its exception is not this caller's to raise."""
+    try:
+        future.result()
+    except Exception:  # the caller raises its own error; this one is secondary
+        log.debug("secondary failure while handling a level-0 write error", exc_info=True)
 
 
 def _open_journal(near: BlockStore, journal: bool | str | os.PathLike[str] | None) -> UploadJournal | None:

@@ -298,6 +298,20 @@ def test_journal_resumes_owed_uploads_in_the_next_chain(near: LmdbStore, far: Fa
     assert (s["uploads"], s["uploads_resumed"], s["uploads_skipped"], s["journaled_uploads"]) == (11, 12, 1, 0)
 
 
+def test_a_failed_journal_commit_keeps_the_local_write_and_the_upload(
+        near: LmdbStore, far: Faulty, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _chain(near, far) as chain:
+        def full(*args: Any) -> None:
+            raise StoreFullError("journal: disk full (injected)")
+
+        monkeypatch.setattr(chain._journal, "add", full)
+        key = make_key(1, salt=b"nojournal")
+        assert chain.put_many([item_for(key, N)]) == [True] and near.contains(key)
+        assert chain.flush(uploads=True, timeout_s=10) and far.inner.contains(key)
+        s = chain.stats()
+        assert s["journal_errors"] == 1 and "disk full" in chain.last_journal_error and s["uploads"] == 1
+
+
 def test_two_chains_resuming_one_journal_upload_each_record_once(near: LmdbStore, far: Faulty) -> None:
     keys = [make_key(i, salt=b"twice") for i in range(40)]
     with _chain(near, far, journal=False):
