@@ -35,6 +35,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
@@ -49,6 +50,8 @@ _INITIAL_MAP = 64 << 20         # ~500k entries; grown on demand
 _MAX_MAP = 64 << 30
 _SIZE = struct.Struct("<Q")
 _FULL_ERRNOS = (28, 122)        # ENOSPC, EDQUOT
+
+T = TypeVar("T")
 
 _envs_lock = threading.Lock()
 _envs: dict[tuple[int, int], tuple[lmdb.Environment, int]] = {}  # (st_dev, st_ino) -> (env, users)
@@ -104,6 +107,17 @@ class UploadJournal:
                 self._dbs[name] = db
             return db
 
+    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn(txn)`` in one read transaction."""
+        if self._closed:
+            raise StoreError(f"{self.path}: upload journal is closed")
+        while True:
+            try:
+                with self._env.begin() as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                self._env.set_mapsize(0)
+
     def _write(self, fn: Callable[[lmdb.Transaction], int]) -> int:
         """Run ``fn(txn)`` in one write transaction, growing the map when it is full."""
         if self._closed:
@@ -112,6 +126,8 @@ class UploadJournal:
             try:
                 with self._env.begin(write=True) as txn:
                     return fn(txn)
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                self._env.set_mapsize(0)
             except lmdb.MapFullError:
                 size = self._env.info()["map_size"]
                 if size >= _MAX_MAP:
@@ -151,12 +167,11 @@ class UploadJournal:
         """Up to ``limit`` entries of ``level`` in key order, starting after ``after``."""
         if limit <= 0:
             raise ValueError(f"limit: expected a positive int, got {limit!r}")
-        if self._closed:
-            raise StoreError(f"{self.path}: upload journal is closed")
         db = self._db(level)
-        out: list[tuple[RecordKey, int]] = []
-        with self._env.begin(db=db) as txn:
-            cur = txn.cursor()
+
+        def read(txn: lmdb.Transaction) -> list[tuple[RecordKey, int]]:
+            out: list[tuple[RecordKey, int]] = []
+            cur = txn.cursor(db=db)
             start = after.to_bytes() if after is not None else b""
             ok = cur.set_range(start) if start else cur.first()
             if ok and after is not None and cur.key() == start:
@@ -166,18 +181,18 @@ class UploadJournal:
                 if len(kb) == KEY_BYTES and len(v) == _SIZE.size:
                     out.append((RecordKey.from_bytes(kb), _SIZE.unpack(v)[0]))
                 ok = cur.next()
-        return out
+            return out
+
+        return self._read(read)
 
     def count(self, level: str) -> int:
         """Entries of ``level`` (O(1))."""
         db = self._db(level)
-        with self._env.begin() as txn:
-            return int(txn.stat(db)["entries"])
+        return self._read(lambda txn: int(txn.stat(db)["entries"]))
 
     def levels(self) -> dict[str, int]:
         """Every level with entries here, and how many."""
-        with self._env.begin() as txn:
-            names = [bytes(v).decode() for _, v in txn.cursor(db=self._names)]
+        names = self._read(lambda txn: [bytes(v).decode() for _, v in txn.cursor(db=self._names)])
         return {name: n for name in names if (n := self.count(name))}
 
     def close(self) -> None:
