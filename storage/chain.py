@@ -40,8 +40,8 @@ record evicted from level 0 before its upload is skipped (``uploads_skipped``).
   (``contains`` of an absent key: one HEAD on S3); a good probe brings it back, so no request
   ever pays for finding a level still down.
 - A failed upload batch is requeued in order. A queued upload is never dropped silently:
-  past ``max_pending_uploads`` per level a new one is not queued (``dropped_uploads``; the
-  record stays in level 0), and an item that failed ``max_upload_attempts`` times for a
+  past ``max_pending_uploads`` per level a new one waits in the journal (below) or, without
+  one, is not queued (``dropped_uploads``; the record stays in level 0), and an item that failed ``max_upload_attempts`` times for a
   reason other than an unreachable store (``ConnectionError``), refused credentials
   (``PermissionError``) or a timeout is given up (``failed_uploads``).
 - A far level that cannot be reached when the chain is opened (a ``ConnectionError`` such as
@@ -55,11 +55,11 @@ to ``<level 0 dir>/upload-journal.mdb`` in one fsynced transaction per call (per
 not per record), committed on a helper thread while level 0 writes the records (so the
 call takes the longer of the two, not their sum), and queues them once both are durable;
 an upload removes its keys once the far level has the record. (A journal commit that
-fails, e.g. on a full disk, leaves the uploads queued in memory only: ``journal_errors``.) So a queued upload survives kill -9 and power loss: the
-next process that opens a chain on the same level 0 resumes the journal in the background
-(``uploads_resumed``), in chunks, never holding more than ``max_pending_uploads`` keys per
-level in memory; an entry whose level-0 record is gone (evicted, deleted) is dropped and
-counted (``uploads_skipped``). Past ``max_pending_uploads`` a journaled upload is not lost
+fails, e.g. on a full disk, leaves the uploads queued in memory only: ``journal_errors``.)
+So a queued upload survives kill -9 and power loss: the next process that opens a chain
+on the same level 0 resumes the journal in the background (``uploads_resumed``), in
+chunks, never holding more than ``max_pending_uploads`` keys per level in memory; an entry
+whose level-0 record is gone (evicted, deleted) is dropped and counted (``uploads_skipped``). Past ``max_pending_uploads`` a journaled upload is not lost
 but deferred (``deferred_uploads``) and read back from the journal when the queue has room.
 Two processes resuming one journal may both send a record: far puts are create-only, so
 the second finds it present (``uploads_existing``) and nothing is overwritten. Without a
