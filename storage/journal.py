@@ -35,7 +35,8 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -53,8 +54,25 @@ _FULL_ERRNOS = (28, 122)        # ENOSPC, EDQUOT
 
 T = TypeVar("T")
 
+
+
+@dataclass(eq=False)
+class _Env:
+    """One journal file's LMDB environment, shared by every handle on it in this process.
+
+    ``lock`` serializes every use of ``env`` here: LMDB forbids opening sub-databases from
+    concurrent transactions of one process, and a map resize needs no live transaction.
+    Journal transactions are tiny, so this costs nothing measurable."""
+
+    env: lmdb.Environment
+    names: Any                      # the "levels" sub-database
+    users: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    dbs: dict[str, Any] = field(default_factory=dict)
+
+
 _envs_lock = threading.Lock()
-_envs: dict[tuple[int, int], tuple[lmdb.Environment, int]] = {}  # (st_dev, st_ino) -> (env, users)
+_envs: dict[tuple[int, int], _Env] = {}  # by (st_dev, st_ino) of the journal file
 
 
 def level_name(where: str) -> str:
@@ -84,59 +102,60 @@ class UploadJournal:
             os.close(fd)
         self._ident = (st.st_dev, st.st_ino)
         with _envs_lock:
-            env, users = _envs.get(self._ident, (None, 0))
-            if env is None:
+            shared = _envs.get(self._ident)
+            if shared is None:
                 env = lmdb.open(str(self.path), subdir=False, map_size=max(_INITIAL_MAP, st.st_size), max_dbs=256,
                                 mode=0o600, sync=True, metasync=True, readahead=False, max_spare_txns=4)
-            _envs[self._ident] = (env, users + 1)
-        self._env = env
-        self._names = env.open_db(b"levels")
-        self._dbs: dict[str, lmdb._Database] = {}
-        self._lock = threading.Lock()
+                shared = _envs[self._ident] = _Env(env, env.open_db(b"levels"))
+            shared.users += 1
+        self._shared = shared
+        self._env = shared.env
         self._closed = False
 
     # ------------------------------------------------------------------ internals
     def _db(self, name: str) -> lmdb._Database:
-        with self._lock:
-            db = self._dbs.get(name)
+        shared = self._shared
+        with shared.lock:
+            db = shared.dbs.get(name)
             if db is None:
                 level_id = _level_id(name)
                 db = self._env.open_db(b"l:" + level_id.hex().encode())
-                with self._env.begin(write=True) as txn:
-                    txn.put(level_id, name.encode(), db=self._names)
-                self._dbs[name] = db
+                self._write(lambda txn: txn.put(level_id, name.encode(), db=shared.names))
+                shared.dbs[name] = db
             return db
 
     def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn(txn)`` in one read transaction."""
         if self._closed:
             raise StoreError(f"{self.path}: upload journal is closed")
-        while True:
-            try:
-                with self._env.begin() as txn:
-                    return fn(txn)
-            except lmdb.MapResizedError:  # another process grew the map: adopt its size
-                self._env.set_mapsize(0)
+        with self._shared.lock:
+            while True:
+                try:
+                    with self._env.begin() as txn:
+                        return fn(txn)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                    self._env.set_mapsize(0)
 
-    def _write(self, fn: Callable[[lmdb.Transaction], int]) -> int:
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn(txn)`` in one write transaction, growing the map when it is full."""
         if self._closed:
             raise StoreError(f"{self.path}: upload journal is closed")
-        while True:
-            try:
-                with self._env.begin(write=True) as txn:
-                    return fn(txn)
-            except lmdb.MapResizedError:  # another process grew the map: adopt its size
-                self._env.set_mapsize(0)
-            except lmdb.MapFullError:
-                size = self._env.info()["map_size"]
-                if size >= _MAX_MAP:
-                    raise StoreFullError(f"{self.path}: upload journal reached {size} bytes") from None
-                self._env.set_mapsize(min(_MAX_MAP, size * 2))
-            except lmdb.Error as e:
-                if getattr(e, "errno", None) in _FULL_ERRNOS or "No space left" in str(e):
-                    raise StoreFullError(f"{self.path}: disk full writing the upload journal ({e})") from e
-                raise
+        with self._shared.lock:
+            while True:
+                try:
+                    with self._env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                    self._env.set_mapsize(0)
+                except lmdb.MapFullError:
+                    size = self._env.info()["map_size"]
+                    if size >= _MAX_MAP:
+                        raise StoreFullError(f"{self.path}: upload journal reached {size} bytes") from None
+                    self._env.set_mapsize(min(_MAX_MAP, size * 2))
+                except lmdb.Error as e:
+                    if getattr(e, "errno", None) in _FULL_ERRNOS or "No space left" in str(e):
+                        raise StoreFullError(f"{self.path}: disk full writing the upload journal ({e})") from e
+                    raise
 
     # ------------------------------------------------------------------ API
     def add(self, levels: Sequence[str], entries: Sequence[tuple[RecordKey, int]]) -> None:
@@ -192,7 +211,7 @@ class UploadJournal:
 
     def levels(self) -> dict[str, int]:
         """Every level with entries here, and how many."""
-        names = self._read(lambda txn: [bytes(v).decode() for _, v in txn.cursor(db=self._names)])
+        names = self._read(lambda txn: [bytes(v).decode() for _, v in txn.cursor(db=self._shared.names)])
         return {name: n for name in names if (n := self.count(name))}
 
     def close(self) -> None:
@@ -201,12 +220,12 @@ class UploadJournal:
             return
         self._closed = True
         with _envs_lock:
-            env, users = _envs[self._ident]
-            if users > 1:
-                _envs[self._ident] = (env, users - 1)
-            else:
+            shared = self._shared
+            shared.users -= 1
+            if not shared.users:
                 del _envs[self._ident]
-                env.close()
+                with shared.lock:
+                    shared.env.close()
 
     def __enter__(self) -> UploadJournal:
         return self
