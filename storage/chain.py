@@ -80,6 +80,7 @@ What the chain guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -251,6 +252,7 @@ class StoreChain(BlockStore):
         self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures",
                                         "journal_errors"), 0)
         self.last_journal_error: str | None = None
+        self._writing: dict[RecordKey, int] = {}  # keys in a put_many / promotion of this process
         self._closing = False
         self._close_deadline = 0.0
         self._pool = ThreadPoolExecutor(max_workers=max(1, 4 * len(self._far)),
@@ -321,27 +323,44 @@ class StoreChain(BlockStore):
         if not self._far:
             return self._near.put_many(items)
         sizes = [as_byte_array(item.payload, name="payload").nbytes for item in items]
-        # The journal's commit (its fsync) runs beside level 0's write, not after it: the
-        # request path pays the longer of the two. Both are done before anything is queued.
-        journaled = None if self._journal is None else self._journal_io.submit(
-            self._journal.add, [level.journal_name for level in self._far],
-            [(item.key, n) for item, n in zip(items, sizes)])
-        try:
-            results = self._near.put_many(items)
-        except BaseException:
-            if journaled is not None:  # journaled, maybe not written: the journal pass sorts them out
-                _wait_quietly(journaled)
-                with self._cond:
-                    for level in self._far:
-                        self._rescan(level)
-            raise
-        if journaled is not None:
-            self._journal_done(journaled, len(items))
-        with self._cond:
-            for level in self._far:
-                for item, n in zip(items, sizes):
-                    self._enqueue(level, item.key, n)
+        keys = [item.key for item in items]
+        with self._writing_keys(keys):
+            # The journal's commit (its fsync) runs beside level 0's write, not after it: the
+            # request path pays the longer of the two. Both are done before anything is queued.
+            journaled = None if self._journal is None else self._journal_io.submit(
+                self._journal.add, [level.journal_name for level in self._far], list(zip(keys, sizes)))
+            try:
+                results = self._near.put_many(items)
+            except BaseException:
+                if journaled is not None:  # journaled, maybe not written: the journal pass sorts them out
+                    _wait_quietly(journaled)
+                    with self._cond:
+                        for level in self._far:
+                            self._rescan(level)
+                raise
+            if journaled is not None:
+                self._journal_done(journaled, len(items))
+            with self._cond:
+                for level in self._far:
+                    for key, n in zip(keys, sizes):
+                        self._enqueue(level, key, n)
         return results
+
+    @contextlib.contextmanager
+    def _writing_keys(self, keys: list[RecordKey]) -> Iterator[None]:
+        """Mark ``keys`` as being written and queued by this process: their journal entries
+        may exist before their level-0 records do, so the journal pass leaves them alone."""
+        with self._cond:
+            for key in keys:
+                self._writing[key] = self._writing.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                for key in keys:
+                    left = self._writing.pop(key) - 1
+                    if left:
+                        self._writing[key] = left
 
     def _journal_done(self, journaled: Future[None], n: int) -> None:
         """Wait for a journal commit. Its failure (e.g. a full disk) does not undo level 0's
@@ -452,16 +471,17 @@ class StoreChain(BlockStore):
             log.warning("promotion into store level 0 (%s) failed: %s", self._levels[0].where, e)
             return
         between = self._far[:source.index - 1]
-        if self._journal is not None and between:
-            self._journal_done(self._journal_io.submit(
-                self._journal.add, [level.journal_name for level in between],
-                [(item.key, as_byte_array(item.payload).nbytes) for item in items]), len(items))
-        with self._cond:
-            self._counters["promotions"] += len(items)
-            self._levels[0].counters["promotions_in"] += len(items)
-            for level in between:
-                for item in items:
-                    self._enqueue(level, item.key, as_byte_array(item.payload).nbytes)
+        with self._writing_keys([item.key for item in items]):
+            if self._journal is not None and between:
+                self._journal_done(self._journal_io.submit(
+                    self._journal.add, [level.journal_name for level in between],
+                    [(item.key, as_byte_array(item.payload).nbytes) for item in items]), len(items))
+            with self._cond:
+                self._counters["promotions"] += len(items)
+                self._levels[0].counters["promotions_in"] += len(items)
+                for level in between:
+                    for item in items:
+                        self._enqueue(level, item.key, as_byte_array(item.payload).nbytes)
 
     def contains(self, key: RecordKey) -> bool:
         check_open(self._closed, self.where)
@@ -742,7 +762,7 @@ class StoreChain(BlockStore):
         entries = self._journal.scan(level.journal_name, after=after, limit=max(1, room))
         with self._cond:
             for key, nbytes in entries:
-                if key not in level.pending and key not in level.inflight_keys:
+                if key not in level.pending and key not in level.inflight_keys and key not in self._writing:
                     level.pending[key] = _Pending(nbytes)
                     level.counters["uploads_resumed"] += 1
             if len(entries) < max(1, room):
