@@ -40,8 +40,8 @@ record evicted from level 0 before its upload is skipped (``uploads_skipped``).
   (``contains`` of an absent key: one HEAD on S3); a good probe brings it back, so no request
   ever pays for finding a level still down.
 - A failed upload batch is requeued in order. A queued upload is never dropped silently:
-  past ``max_pending_uploads`` per level a new one is not queued (``dropped_uploads``; the
-  record stays in level 0), and an item that failed ``max_upload_attempts`` times for a
+  past ``max_pending_uploads`` per level a new one waits in the journal (below) or, without
+  one, is not queued (``dropped_uploads``; the record stays in level 0), and an item that failed ``max_upload_attempts`` times for a
   reason other than an unreachable store (``ConnectionError``), refused credentials
   (``PermissionError``) or a timeout is given up (``failed_uploads``).
 - A far level that cannot be reached when the chain is opened (a ``ConnectionError`` such as
@@ -49,31 +49,57 @@ record evicted from level 0 before its upload is skipped (``uploads_skipped``).
   :class:`DeferredLevel` and opened by the background thread later. Wrong credentials, a
   missing bucket or another layout's bucket raise at open: they are configuration errors.
 
-Pending uploads live in memory: :meth:`StoreChain.close` writes the pending promotions,
-keeps uploading for up to ``close_timeout_s`` (a level that is down is not waited for) and
-logs what was left (``abandoned_uploads``); those records stay in level 0, and
-:meth:`StoreChain.resync` (``tiered-kv sync``) queues them again after a restart.
-:meth:`StoreChain.wait_uploads` waits until the promotion and upload queues are empty.
+**Pending uploads are journaled** (:mod:`~.journal`) when level 0 is a local directory
+(an LMDB or local Zarr store; ``journal=False`` turns it off): ``put_many`` adds its keys
+to ``<level 0 dir>/upload-journal.mdb`` in one fsynced transaction per call (per batch,
+not per record), committed on a helper thread while level 0 writes the records (so the
+call takes the longer of the two, not their sum), and queues them once both are durable;
+an upload removes its keys once the far level has the record. (A journal commit that
+fails, e.g. on a full disk, leaves the uploads queued in memory only: ``journal_errors``.)
+So a queued upload survives kill -9 and power loss: the next process that opens a chain
+on the same level 0 resumes the journal in the background (``uploads_resumed``), in
+chunks, never holding more than ``max_pending_uploads`` keys per level in memory; an entry
+whose level-0 record is gone (evicted, deleted) is dropped and counted (``uploads_skipped``). Past ``max_pending_uploads`` a journaled upload is not lost
+but deferred (``deferred_uploads``) and read back from the journal when the queue has room.
+Two processes resuming one journal may both send a record: far puts are create-only, so
+the second finds it present (``uploads_existing``) and nothing is overwritten. Without a
+journal, pending uploads live in memory only (past the bound: ``dropped_uploads``).
+
+What the chain guarantees:
+
+- ``put_many`` returned: the records are durable in level 0 and, with a journal, their
+  uploads are durable in the journal.
+- :meth:`StoreChain.flush` returned True: promotions are written into level 0 too; with
+  ``uploads=True`` every queued and journaled upload is in the far levels (or given up:
+  ``failed_uploads``) — False if ``timeout_s`` passed first (e.g. a level is down).
+- :meth:`StoreChain.close`: writes the pending promotions, keeps uploading for up to
+  ``close_timeout_s`` (a level that is down is not waited for) and logs what was left
+  (``abandoned_uploads``): with a journal the next process resumes those, without one
+  :meth:`StoreChain.resync` (``tiered-kv sync``) queues them again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
+from .journal import UploadJournal, level_name
 from .record import RecordKey, RecordKind, RecordMeta, as_byte_array
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
@@ -88,6 +114,8 @@ _LEVEL_ERRORS = (StoreError, OSError)
 #: Failures of the level as a whole, not of an item: they do not use up an item's attempts.
 _TRANSIENT = (ConnectionError, PermissionError, TimeoutError)
 _SKIPPED = object()
+#: Journal entries read into a level's memory queue per background step.
+_RESUME_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +140,8 @@ class _Pending:
 
 _LEVEL_COUNTERS = ("hits", "misses", "timeouts", "errors", "auth_errors", "unavailable", "uploads",
                    "uploads_existing", "upload_failures", "upload_retries", "dropped_uploads",
-                   "failed_uploads", "uploads_skipped", "promotions_in", "recoveries")
+                   "failed_uploads", "uploads_skipped", "promotions_in", "recoveries", "uploads_resumed",
+                   "deferred_uploads")
 
 
 @dataclass(eq=False)
@@ -130,6 +159,15 @@ class _Level:
     last_error: str | None = None
     pending: OrderedDict[RecordKey, _Pending] = field(default_factory=OrderedDict)
     inflight: int = 0
+    inflight_keys: set[RecordKey] = field(default_factory=set)
+    # The journal pass that loads this level's entries into ``pending`` (see _resume):
+    scan_more: bool = False                 # a pass is due or under way
+    scan_again: bool = False                # start another pass after this one
+    scan_after: RecordKey | None = None     # where the pass stands (key order)
+
+    @property
+    def journal_name(self) -> str:
+        return level_name(self.where)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_LEVEL_COUNTERS, 0))
 
 
@@ -148,6 +186,9 @@ class StoreChain(BlockStore):
         max_pending_promotions: far hits waiting to be written into level 0 before a
             promotion is written on the request path.
         owned: which levels :meth:`close` closes (default: all).
+        journal: where pending uploads are journaled: None (default) = level 0's directory
+            when it has one (LMDB, local Zarr), else none; False = none (in memory only);
+            a directory; True = level 0's directory, ValueError if it has none.
     """
 
     supports_mmap_reads = False
@@ -155,7 +196,8 @@ class StoreChain(BlockStore):
     def __init__(self, levels: Sequence[BlockStore | DeferredLevel], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_pending_uploads: int = 100_000, upload_batch: int = 8, backoff_initial_s: float = 0.5,
                  backoff_max_s: float = 60.0, max_upload_attempts: int = 5, close_timeout_s: float = 10.0,
-                 max_pending_promotions: int = 64, owned: Sequence[bool] | None = None) -> None:
+                 max_pending_promotions: int = 64, owned: Sequence[bool] | None = None,
+                 journal: bool | str | os.PathLike[str] | None = None) -> None:
         levels = list(levels)
         if not levels:
             raise ValueError("levels: expected at least one store")
@@ -207,13 +249,21 @@ class StoreChain(BlockStore):
         self._far = self._levels[1:]
         self.where = " -> ".join(level.where for level in self._levels)
         self._cond = threading.Condition()
-        self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures"), 0)
+        self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures",
+                                        "journal_errors"), 0)
+        self.last_journal_error: str | None = None
+        self._writing: dict[RecordKey, int] = {}  # keys in a put_many / promotion of this process
         self._closing = False
         self._close_deadline = 0.0
         self._pool = ThreadPoolExecutor(max_workers=max(1, 4 * len(self._far)),
                                         thread_name_prefix="tiered_kv.chain.far")
         self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered_kv.chain.promote")
         self._pending_promotions = 0
+        self._journal = _open_journal(near, journal) if self._far else None
+        self.journal_path = None if self._journal is None else self._journal.path
+        self._journal_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiered_kv.chain.journal")
+        for level in self._far:
+            level.scan_more = self._journal is not None  # resume what an earlier process left
         self._worker = threading.Thread(target=self._run_background, name="tiered_kv.chain.uploads", daemon=True)
         self._closed = False
         self._worker.start()
@@ -270,20 +320,80 @@ class StoreChain(BlockStore):
         for the farther levels."""
         check_open(self._closed, self.where)
         items = self._check_put_items(items)
-        results = self._near.put_many(items)
-        if self._far:
-            sizes = [as_byte_array(item.payload, name="payload").nbytes for item in items]
+        if not self._far:
+            return self._near.put_many(items)
+        sizes = [as_byte_array(item.payload, name="payload").nbytes for item in items]
+        keys = [item.key for item in items]
+        with self._writing_keys(keys):
+            # The journal's commit (its fsync) runs beside level 0's write, not after it: the
+            # request path pays the longer of the two. Both are done before anything is queued.
+            journaled = None if self._journal is None else self._journal_io.submit(
+                self._journal.add, [level.journal_name for level in self._far], list(zip(keys, sizes)))
+            try:
+                results = self._near.put_many(items)
+            except BaseException:
+                if journaled is not None:  # journaled, maybe not written: the journal pass sorts them out
+                    _wait_quietly(journaled)
+                    with self._cond:
+                        for level in self._far:
+                            self._rescan(level)
+                raise
+            if journaled is not None:
+                self._journal_done(journaled, len(items))
             with self._cond:
                 for level in self._far:
-                    for item, n in zip(items, sizes):
-                        self._enqueue(level, item.key, n)
+                    for key, n in zip(keys, sizes):
+                        self._enqueue(level, key, n)
         return results
+
+    @contextlib.contextmanager
+    def _writing_keys(self, keys: list[RecordKey]) -> Iterator[None]:
+        """Mark ``keys`` as being written and queued by this process: their journal entries
+        may exist before their level-0 records do, so the journal pass leaves them alone."""
+        with self._cond:
+            for key in keys:
+                self._writing[key] = self._writing.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                for key in keys:
+                    left = self._writing.pop(key) - 1
+                    if left:
+                        self._writing[key] = left
+
+    def _journal_done(self, journaled: Future[None], n: int) -> None:
+        """Wait for a journal commit. Its failure (e.g. a full disk) does not undo level 0's
+        write: the uploads are queued in memory only, counted as ``journal_errors``."""
+        try:
+            journaled.result()
+        except (StoreError, OSError, lmdb.Error) as e:
+            with self._cond:
+                first = not self._counters["journal_errors"]
+                self._counters["journal_errors"] += n
+                self.last_journal_error = f"{type(e).__name__}: {e}"
+            if first:
+                log.warning("upload journal %s: could not journal %d uploads (queued in memory only; "
+                            "counted as journal_errors): %s", self.journal_path, n, e)
+
+    def _rescan(self, level: _Level) -> None:
+        """Have the background thread read ``level``'s journal (again): it holds entries
+        not in memory. Caller holds the condition."""
+        if level.scan_more:
+            level.scan_again = True
+        else:
+            level.scan_more, level.scan_after = True, None
+        self._cond.notify_all()
 
     def _enqueue(self, level: _Level, key: RecordKey, nbytes: int) -> None:
         """Queue ``key`` for upload to ``level`` (caller holds the condition)."""
         if key in level.pending:
             return
         if len(level.pending) >= self.max_pending_uploads:
+            if self._journal is not None:  # journaled: read back when the queue has room
+                level.counters["deferred_uploads"] += 1
+                self._rescan(level)
+                return
             level.counters["dropped_uploads"] += 1
             if level.counters["dropped_uploads"] == 1:
                 log.warning("store level %d (%s): %d uploads pending, not queueing more (records stay in "
@@ -360,12 +470,18 @@ class StoreChain(BlockStore):
                 self._counters["promotion_failures"] += len(items)
             log.warning("promotion into store level 0 (%s) failed: %s", self._levels[0].where, e)
             return
-        with self._cond:
-            self._counters["promotions"] += len(items)
-            self._levels[0].counters["promotions_in"] += len(items)
-            for level in self._far[:source.index - 1]:
-                for item in items:
-                    self._enqueue(level, item.key, as_byte_array(item.payload).nbytes)
+        between = self._far[:source.index - 1]
+        with self._writing_keys([item.key for item in items]):
+            if self._journal is not None and between:
+                self._journal_done(self._journal_io.submit(
+                    self._journal.add, [level.journal_name for level in between],
+                    [(item.key, as_byte_array(item.payload).nbytes) for item in items]), len(items))
+            with self._cond:
+                self._counters["promotions"] += len(items)
+                self._levels[0].counters["promotions_in"] += len(items)
+                for level in between:
+                    for item in items:
+                        self._enqueue(level, item.key, as_byte_array(item.payload).nbytes)
 
     def contains(self, key: RecordKey) -> bool:
         check_open(self._closed, self.where)
@@ -397,6 +513,9 @@ class StoreChain(BlockStore):
         with self._cond:
             for level in self._far:
                 level.pending.pop(key, None)
+        if self._journal is not None:
+            for level in self._far:
+                self._journal.remove(level.journal_name, [key])
         found = self._near.delete(key)
         for level in self._far:
             found = self._open_store(level, "delete").delete(key) or found
@@ -420,12 +539,27 @@ class StoreChain(BlockStore):
         return sum(1 for _ in self)
 
     def wait_uploads(self, timeout_s: float | None = None) -> bool:
-        """Wait until no promotion and no upload is queued or in flight; False if
+        """Wait until no promotion and no upload is queued, journaled or in flight; False if
         ``timeout_s`` passed first (e.g. a far level is down)."""
         check_open(self._closed, self.where)
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending_promotions and not any(
-                level.pending or level.inflight for level in self._far), timeout=timeout_s)
+                level.pending or level.inflight or level.scan_more for level in self._far), timeout=timeout_s)
+
+    def flush(self, *, uploads: bool = False, timeout_s: float | None = None) -> bool:
+        """Wait for the chain's write-behind work.
+
+        Level-0 writes are synchronous (durable when ``put_many`` returns) and so are
+        journal entries; ``flush()`` waits for the promotions (far hits being written
+        into level 0). ``uploads=True`` also waits until every queued or journaled upload
+        has reached its far level (or been given up, counted ``failed_uploads``), as
+        :meth:`wait_uploads`. Returns False if ``timeout_s`` passed first.
+        """
+        check_open(self._closed, self.where)
+        if uploads:
+            return self.wait_uploads(timeout_s)
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending_promotions, timeout=timeout_s)
 
     def resync(self, payload_bytes: dict[RecordKind, int]) -> dict[str, int]:
         """Queue for upload every level-0 record that a farther level lacks.
@@ -434,8 +568,9 @@ class StoreChain(BlockStore):
         ``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); an upload reads
         the record back from level 0 into a buffer of that size.
 
-        Uploads pending when a process stopped live only in memory; after a restart, call
-        this once (``tiered-kv sync`` does) to re-send them. Each far level is listed once
+        With a journal (see the module docstring) uploads pending when a process stopped are
+        resumed by the next one; this is for the rest: records written before the journal,
+        by a chain without one, or lost with a journal that was removed. Each far level is listed once
         (one request per 1000 keys on S3) and level 0 once; the uploads then run in the
         background like any other (:meth:`wait_uploads` waits for them). A level that is
         down is skipped and counted in ``levels_skipped``.
@@ -448,13 +583,14 @@ class StoreChain(BlockStore):
             if listed is _SKIPPED:
                 out["levels_skipped"] += 1
                 continue
+            missing = [key for key in local if key not in listed]
+            out["present"] += len(local) - len(missing)
+            out["queued"] += len(missing)
+            if self._journal is not None:
+                self._journal.add([level.journal_name], [(key, payload_bytes[key.kind]) for key in missing])
             with self._cond:
-                for key in local:
-                    if key in listed:
-                        out["present"] += 1
-                    else:
-                        self._enqueue(level, key, payload_bytes[key.kind])
-                        out["queued"] += 1
+                for key in missing:
+                    self._enqueue(level, key, payload_bytes[key.kind])
         return out
 
     def levels(self) -> list[BlockStore | None]:
@@ -466,7 +602,10 @@ class StoreChain(BlockStore):
         chain's read counters (hits / misses of the chain as a whole, far_hits, promotions,
         promotion_failures, pending_promotions), the upload counters summed over far levels (uploads,
         uploads_existing, upload_failures, upload_retries, pending_uploads, dropped_uploads,
-        failed_uploads, uploads_skipped), the health counters (level_unavailable: calls that
+        failed_uploads, uploads_skipped; journaled_uploads: entries in the journal,
+        uploads_resumed: read back from it, deferred_uploads: journaled past the memory
+        bound; journal_errors: uploads that could not be journaled), ``journal``: its path
+        or None, the health counters (level_unavailable: calls that
         skipped a down level; timeouts; level_errors; auth_errors; levels_down), every
         numeric figure of level ``i`` as ``level{i}_<name>``, and ``levels``: one dict per
         level (where, up, last_error, retry_in_s, ...)."""
@@ -478,6 +617,8 @@ class StoreChain(BlockStore):
                                           "oldest_access_ns", "newest_access_ns")},
         }
         per_level: list[dict[str, Any]] = []
+        journaled = {} if self._journal is None else {
+            level.index: self._journal.count(level.journal_name) for level in self._far}
         corrupt = 0
         now = time.monotonic()
         for level in self._levels:
@@ -497,7 +638,7 @@ class StoreChain(BlockStore):
                             "open": level.store is not None, "last_error": level.last_error,
                             "retry_in_s": None if level.up else round(max(0.0, level.down_until - now), 3),
                             "consecutive_failures": level.failures, "pending_uploads": len(level.pending),
-                            **level.counters}
+                            "journaled_uploads": journaled.get(level.index, 0), **level.counters}
                 if stats_error is not None:
                     info["stats_error"] = stats_error
             per_level.append(info)
@@ -509,8 +650,10 @@ class StoreChain(BlockStore):
             out["pending_promotions"] = self._pending_promotions
         far = per_level[1:]
         out["corrupt"] = corrupt
+        out["journal"] = None if self.journal_path is None else str(self.journal_path)
         for name in ("uploads", "uploads_existing", "upload_failures", "upload_retries", "pending_uploads",
-                     "dropped_uploads", "failed_uploads", "uploads_skipped", "timeouts", "auth_errors"):
+                     "dropped_uploads", "failed_uploads", "uploads_skipped", "timeouts", "auth_errors",
+                     "journaled_uploads", "uploads_resumed", "deferred_uploads"):
             out[name] = sum(info[name] for info in far)
         out["level_unavailable"] = sum(info["unavailable"] for info in far)
         out["level_errors"] = sum(info["errors"] for info in far)
@@ -542,8 +685,8 @@ class StoreChain(BlockStore):
 
     # ------------------------------------------------------------------ background
     def _next_job(self) -> tuple[_Level | None, str, float | None]:
-        """(level, "probe" | "upload", None) or (None, "", seconds to wait; None: until notified).
-        Caller holds the condition."""
+        """(level, "probe" | "resume" | "upload", None) or (None, "", seconds to wait; None:
+        until notified). Caller holds the condition."""
         now = time.monotonic()
         wait: float | None = None
         for level in self._far:
@@ -551,6 +694,8 @@ class StoreChain(BlockStore):
                 if level.down_until <= now:
                     return level, "probe", None
                 wait = level.down_until - now if wait is None else min(wait, level.down_until - now)
+            elif level.scan_more and len(level.pending) < min(_RESUME_CHUNK, self.max_pending_uploads):
+                return level, "resume", None
             elif level.pending:
                 return level, "upload", None
         return None, "", wait
@@ -558,7 +703,7 @@ class StoreChain(BlockStore):
     def _done_closing(self) -> bool:
         if time.monotonic() >= self._close_deadline:
             return True
-        return not any(level.up and level.pending for level in self._far)
+        return not any(level.up and (level.pending or level.scan_more) for level in self._far)
 
     def _run_background(self) -> None:
         while True:
@@ -576,6 +721,8 @@ class StoreChain(BlockStore):
             try:
                 if job == "probe":
                     self._probe(level)
+                elif job == "resume":
+                    self._resume(level)
                 else:
                     self._upload_batch(level)
             except Exception as e:  # a bug, not a store failure: keep the thread, surface it
@@ -605,36 +752,72 @@ class StoreChain(BlockStore):
             self._cond.notify_all()
         log.warning("store level %d (%s) available again; %d uploads pending", level.index, level.where, pending)
 
+    def _resume(self, level: _Level) -> None:
+        """Read the next chunk of ``level``'s journal entries into its queue (those not
+        queued or in flight already); at the end of the pass, start another if asked."""
+        assert self._journal is not None
+        with self._cond:
+            after = level.scan_after
+            room = min(_RESUME_CHUNK, self.max_pending_uploads - len(level.pending))
+        entries = self._journal.scan(level.journal_name, after=after, limit=max(1, room))
+        with self._cond:
+            for key, nbytes in entries:
+                if key not in level.pending and key not in level.inflight_keys and key not in self._writing:
+                    level.pending[key] = _Pending(nbytes)
+                    level.counters["uploads_resumed"] += 1
+            if len(entries) < max(1, room):
+                level.scan_more, level.scan_again, level.scan_after = level.scan_again, False, None
+            else:
+                level.scan_after = entries[-1][0]
+            self._cond.notify_all()
+
     def _upload_batch(self, level: _Level) -> None:
         with self._cond:
             batch: list[tuple[RecordKey, _Pending]] = []
             while level.pending and len(batch) < self.upload_batch:
                 batch.append(level.pending.popitem(last=False))
             level.inflight += len(batch)
+            level.inflight_keys.update(key for key, _ in batch)
             store = level.store
         assert store is not None
+        done: list[RecordKey] = []  # sent or gone from level 0: out of the journal
         try:
-            items, skipped = self._read_back(batch)
+            items, gone = self._read_back(batch)
+            done += gone
             try:
                 results = store.put_many(items) if items else []
             except _LEVEL_ERRORS as e:
-                self._requeue(level, batch, e)
+                done += self._requeue(level, batch, e)
                 self._failed(level, "upload", e)
                 return
+            done += [item.key for item in items]
             with self._cond:
                 c = level.counters
                 c["uploads"] += sum(results)
                 c["uploads_existing"] += len(results) - sum(results)
-                c["uploads_skipped"] += skipped
+                c["uploads_skipped"] += len(gone)
                 c["upload_retries"] += sum(p.failed for _, p in batch)
                 level.failures = 0
         finally:
+            self._unjournal(level, done)
             with self._cond:
                 level.inflight -= len(batch)
+                level.inflight_keys.difference_update(key for key, _ in batch)
                 self._cond.notify_all()
 
-    def _read_back(self, batch: list[tuple[RecordKey, _Pending]]) -> tuple[list[PutItem], int]:
-        """The batch's records as read from level 0; how many are gone from it."""
+    def _unjournal(self, level: _Level, keys: list[RecordKey]) -> None:
+        """Remove ``keys`` from ``level``'s journal entries. A failure only means they are
+        sent again later (create-only: found present), so it is logged, not raised."""
+        if self._journal is None or not keys:
+            return
+        try:
+            self._journal.remove(level.journal_name, keys)
+        except (StoreError, OSError, lmdb.Error) as e:
+            log.warning("upload journal %s: could not remove %d entries (they will be re-sent): %s",
+                        self._journal.path, len(keys), e)
+
+    def _read_back(self, batch: list[tuple[RecordKey, _Pending]]) -> tuple[list[PutItem], list[RecordKey]]:
+        """The batch's records as read from level 0; the keys gone from it."""
         bufs = [np.empty(p.nbytes, dtype=np.uint8) for _, p in batch]
         keys = [k for k, _ in batch]
         try:
@@ -647,11 +830,13 @@ class StoreChain(BlockStore):
                 except ValueError:
                     metas.append(None)
         items = [PutItem(m.key, m.parent_hash, m.token_digest, buf) for m, buf in zip(metas, bufs) if m is not None]
-        return items, len(batch) - len(items)
+        return items, [key for key, m in zip(keys, metas) if m is None]
 
-    def _requeue(self, level: _Level, batch: list[tuple[RecordKey, _Pending]], exc: BaseException) -> None:
-        """Put a failed batch back at the front of the queue, in order."""
+    def _requeue(self, level: _Level, batch: list[tuple[RecordKey, _Pending]],
+                 exc: BaseException) -> list[RecordKey]:
+        """Put a failed batch back at the front of the queue, in order; the keys given up."""
         transient = isinstance(exc, _TRANSIENT)
+        given_up: list[RecordKey] = []
         with self._cond:
             level.counters["upload_failures"] += len(batch)
             for key, p in reversed(batch):
@@ -662,9 +847,11 @@ class StoreChain(BlockStore):
                         level.counters["failed_uploads"] += 1
                         log.warning("store level %d (%s): giving up upload of %r after %d attempts: %s",
                                     level.index, level.where, key, p.attempts, exc)
+                        given_up.append(key)
                         continue
                 level.pending[key] = level.pending.pop(key, p)
                 level.pending.move_to_end(key, last=False)
+        return given_up
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -680,10 +867,16 @@ class StoreChain(BlockStore):
         self._worker.join()
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._journal_io.shutdown(wait=True)
         abandoned = sum(len(level.pending) for level in self._far)
+        if self._journal is not None:
+            abandoned = sum(self._journal.count(level.journal_name) for level in self._far)
+            self._journal.close()
         if abandoned:
-            log.warning("store chain closed with %d uploads not done (their records stay in level 0 %s): %s",
+            log.warning("store chain closed with %d uploads not done (their records stay in level 0 %s; %s): %s",
                         abandoned, self._levels[0].where,
+                        "the next chain opened on it resumes them" if self.journal_path is not None
+                        else "`tiered-kv sync` re-sends them",
                         "; ".join(f"level {lv.index}: {len(lv.pending)} ({lv.last_error})"
                                   for lv in self._far if lv.pending))
         self.abandoned_uploads = abandoned
@@ -704,6 +897,32 @@ class StoreChain(BlockStore):
 def _get_many(store: BlockStore, *, keys: list[RecordKey], outs: list[np.ndarray],
               token_digests: list[bytes | None]) -> list[RecordMeta | None]:
     return store.get_many(keys, outs, token_digests=token_digests)
+
+
+def _wait_quietly(future: Future[Any]) -> None:
+    """Wait for ``future``; its exception is not this caller's to raise."""
+    try:
+        future.result()
+    except Exception:  # the caller raises its own error; this one is secondary
+        log.debug("secondary failure while handling a level-0 write error", exc_info=True)
+
+
+def _open_journal(near: BlockStore, journal: bool | str | os.PathLike[str] | None) -> UploadJournal | None:
+    """The upload journal ``journal`` asks for (see :class:`StoreChain`)."""
+    if journal is False:
+        return None
+    if journal is None or journal is True:
+        path = getattr(near, "path", None)
+        usable = isinstance(path, os.PathLike) and os.path.isdir(path) and not getattr(near, "readonly", False)
+        if not usable:
+            if journal is True:
+                raise ValueError(f"journal=True: level 0 ({_where(near)}) has no local directory to hold the "
+                                 f"upload journal; pass a directory or journal=False")
+            return None
+        return UploadJournal(path)
+    if isinstance(journal, (str, os.PathLike)):
+        return UploadJournal(journal)
+    raise TypeError(f"journal: expected None, a bool or a directory, got {type(journal).__name__}")
 
 
 def _where(store: BlockStore) -> str:

@@ -62,529 +62,41 @@ request per 1000 records, so it is done at open only when ``max_bytes`` is set, 
 
 Maintenance: :meth:`ZarrStore.verify` reads and checks every record (on S3: one GET
 each), :meth:`ZarrStore.gc` evicts least recently accessed records down to a bound.
+
+Code: this module holds the store (index, LRU, put / get / verify / gc); the objects live
+behind :class:`~.zarr_objects.Objects` (names, I/O pool): :mod:`~.zarr_local` (a local
+directory), :mod:`~.zarr_s3` (an S3 bucket), :mod:`~.zarr_api` (any other zarr Store).
 """
 
 from __future__ import annotations
 
-import abc
-import errno
 import json
 import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .base import BlockStore, PutItem, StoreStats, check_open, create_private_file, fsync_dir, mkdir_private
-from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
-
-try:  # the object-store path needs obstore (the ``s3`` extra)
-    from . import s3 as _s3
-except ImportError:  # pragma: no cover - obstore not installed
-    _s3 = None  # type: ignore[assignment]
-from .record import (
-    CHECKSUM_BYTES,
-    FORMAT_VERSION,
-    HEADER_BYTES,
-    RecordKey,
-    RecordKind,
-    RecordMeta,
-    decode_record,
-    fingerprint_field,
-    parse_header,
-    record_size,
-    verify_record_parts,
+from .base import BlockStore, PutItem, StoreStats, check_open
+from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
+from .record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
+from .zarr_api import ZarrApiObjects
+from .zarr_local import LocalObjects
+from .zarr_objects import (
+    ATTR,
+    META_KEY,
+    STORE_FORMAT_VERSION,
+    IoPool,
+    Objects,
+    group_metadata,
+    object_name,
+    raise_first,
 )
+from .zarr_s3 import _s3, s3_objects
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
-
-STORE_FORMAT_VERSION = 1
-_META_KEY = "zarr.json"
-_ATTR = "tiered_kv"
-_STORE_NAME = "tiered_kv.block_store"
-_KIND_DIRS = {RecordKind.BLOCK: "blocks", RecordKind.SNAPSHOT: "snapshots"}
-_DIR_KINDS = {v: k for k, v in _KIND_DIRS.items()}
-_HEX = frozenset("0123456789abcdef")
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def _object_name(key: RecordKey) -> str:
-    h = key.block_hash.hex()
-    return f"{_KIND_DIRS[key.kind]}/{h[:2]}/{h[2:]}"
-
-
-def _key_of(kind_dir: str, shard: str, rest: str) -> RecordKey | None:
-    """The key of object ``kind_dir/shard/rest``, or None if it is not a record name."""
-    kind = _DIR_KINDS.get(kind_dir)
-    if kind is None or len(shard) != 2 or len(rest) != 62 or not _HEX.issuperset(shard + rest):
-        return None
-    return RecordKey(kind, bytes.fromhex(shard + rest))
-
-
-def _group_metadata(layout_fingerprint: str) -> bytes:
-    attrs = {_ATTR: {"store": _STORE_NAME, "store_format_version": STORE_FORMAT_VERSION,
-                     "record_format_version": FORMAT_VERSION, "layout_fingerprint": layout_fingerprint}}
-    doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs}
-    return json.dumps(doc, indent=2, sort_keys=True).encode()
-
-
-class _IoPool:
-    """A few threads for blocking file / object I/O (syscalls release the GIL)."""
-
-    def __init__(self, threads: int) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"io_threads: expected a positive int, got {threads!r}")
-        self.threads = threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def map(self, fn: Callable[[Any], Any], args: Sequence[Any]) -> list[Any]:
-        """``[fn(a) for a in args]``, concurrently; an exception is returned in its place."""
-
-        def call(a: Any) -> Any:
-            try:
-                return fn(a)
-            except BaseException as e:  # handed back to the caller, which raises it
-                return e
-
-        if len(args) <= 1 or self.threads == 1:
-            return [call(a) for a in args]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiered_kv.storage")
-            pool = self._pool
-        return list(pool.map(call, args))
-
-    def shutdown(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown()
-
-
-def _raise_first(outcomes: Sequence[Any]) -> None:
-    for o in outcomes:
-        if isinstance(o, BaseException):
-            raise o
-
-
-class _Objects(abc.ABC):
-    """Where the records of a ZarrStore live: raw objects under string keys."""
-
-    local: bool
-    #: Listing costs requests (an object store): list at open only when bounded, and
-    #: check an existing record on put by its size, not by reading it.
-    remote: bool = False
-
-    @abc.abstractmethod
-    def read_meta(self) -> bytes | None: ...
-
-    @abc.abstractmethod
-    def create_meta(self, data: bytes) -> None:
-        """Create ``zarr.json`` unless it exists (then keep the existing one)."""
-
-    @abc.abstractmethod
-    def write_new(self, name: str, parts: Sequence[Any]) -> bool:
-        """Create object ``name`` from ``parts`` (written back to back) unless it exists."""
-
-    @abc.abstractmethod
-    def read_whole(self, name: str) -> np.ndarray | None: ...
-
-    @abc.abstractmethod
-    def read_into(self, name: str, key: RecordKey, fingerprint: str, digest: bytes | None,
-                  out: np.ndarray) -> RecordMeta | None:
-        """Verified read of ``name``'s payload into ``out``; None if absent."""
-
-    @abc.abstractmethod
-    def exists(self, name: str) -> bool: ...
-
-    def size_of(self, name: str) -> int | None:
-        """Stored bytes of object ``name``, None if absent (used where ``remote``)."""
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def remove(self, name: str) -> bool: ...
-
-    @abc.abstractmethod
-    def touch(self, name: str, ns: int) -> None: ...
-
-    @abc.abstractmethod
-    def scan(self) -> list[tuple[RecordKey, int, int]]:
-        """Every record: (key, bytes, last access ns)."""
-
-    def sync(self) -> None:
-        """Make the objects written since the last call durable."""
-
-
-def _raise_full(root: object, e: OSError) -> None:
-    if e.errno in _FULL_ERRNOS:
-        raise StoreFullError(f"{root}: disk full ({e.strerror}); records already stored are intact") from e
-
-
-class _LocalObjects(_Objects):
-    """Records as files under a directory (the key scheme of zarr's LocalStore)."""
-
-    local = True
-
-    def __init__(self, root: Path, *, stale_partial_s: float, io: _IoPool) -> None:
-        self.root = root
-        self.io = io
-        self.stale_partial_s = stale_partial_s
-        self._known_dirs: set[str] = set()
-        self._dirty_dirs: set[Path] = set()
-        self._lock = threading.Lock()
-        mkdir_private(root)
-
-    # -- writing
-    def _ensure_dir(self, parent: str) -> Path:
-        d = self.root / parent
-        if parent not in self._known_dirs:
-            kind_dir = d.parent
-            if mkdir_private(kind_dir):
-                with self._lock:
-                    self._dirty_dirs.add(self.root)
-            if mkdir_private(d):
-                with self._lock:
-                    self._dirty_dirs.add(kind_dir)
-            self._known_dirs.add(parent)
-        return d
-
-    def _create(self, path: Path, parts: Sequence[Any]) -> bool:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
-        fd = create_private_file(tmp)
-        if fd is None:  # a random name taken: only by another writer of this very record
-            raise StoreError(f"{tmp}: temporary name already exists")
-        try:
-            try:
-                _write_all(fd, parts)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            with self._lock:
-                self._dirty_dirs.add(path.parent)
-            return True
-        except OSError as e:
-            _raise_full(self.root, e)
-            raise
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def create_meta(self, data: bytes) -> None:
-        self._create(self.root / _META_KEY, [data])
-        self.sync()
-
-    def write_new(self, name: str, parts: Sequence[Any]) -> bool:
-        parent, _, base = name.rpartition("/")
-        try:
-            d = self._ensure_dir(parent)
-        except OSError as e:
-            _raise_full(self.root, e)
-            raise
-        return self._create(d / base, parts)
-
-    def sync(self) -> None:
-        with self._lock:
-            dirs, self._dirty_dirs = self._dirty_dirs, set()
-        # Concurrently: each directory fsync is a device flush, concurrent ones merge.
-        _raise_first(self.io.map(fsync_dir, sorted(dirs)))
-
-    # -- reading
-    def read_meta(self) -> bytes | None:
-        try:
-            return (self.root / _META_KEY).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def read_whole(self, name: str) -> np.ndarray | None:
-        try:
-            fd = os.open(self.root / name, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            buf = np.empty(size, dtype=np.uint8)
-            n = _pread_into(fd, [buf], 0)
-            return buf[:n]
-        finally:
-            os.close(fd)
-
-    def read_into(self, name: str, key: RecordKey, fingerprint: str, digest: bytes | None,
-                  out: np.ndarray) -> RecordMeta | None:
-        try:
-            fd = os.open(self.root / name, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            if size != record_size(out.nbytes):
-                # Corrupt, or the caller's buffer has the wrong size: decide on the whole record.
-                whole = np.empty(size, dtype=np.uint8)
-                _pread_into(fd, [whole], 0)
-                decode_record(whole, expect_key=key, expect_fingerprint=fingerprint, expect_token_digest=digest)
-                raise ValueError(f"out: expected {size - record_size(0)} bytes (the stored payload of "
-                                 f"{key!r}), got {out.nbytes}")
-            # One read straight into the caller's buffer, then verify it there.
-            header, checksum = bytearray(HEADER_BYTES), bytearray(CHECKSUM_BYTES)
-            n = _pread_into(fd, [header, out, checksum], 0)
-            if n != size:
-                raise CorruptRecordError(RecordCheck.TRUNCATED, f"short read: {n} of {size} bytes")
-            parsed = parse_header(header, size)
-            return verify_record_parts(header, out, checksum, parsed=parsed, expect_key=key,
-                                       expect_fingerprint=fingerprint, expect_token_digest=digest)
-        finally:
-            os.close(fd)
-
-    def exists(self, name: str) -> bool:
-        return (self.root / name).is_file()
-
-    def remove(self, name: str) -> bool:
-        try:
-            os.unlink(self.root / name)
-            return True
-        except FileNotFoundError:
-            return False
-
-    def touch(self, name: str, ns: int) -> None:
-        try:
-            os.utime(self.root / name, ns=(ns, ns))
-        except FileNotFoundError:
-            pass  # evicted or deleted by another process meanwhile
-
-    def scan(self) -> list[tuple[RecordKey, int, int]]:
-        found: list[tuple[RecordKey, int, int]] = []
-        stale_before = time.time() - self.stale_partial_s
-        for kind_dir in _DIR_KINDS:
-            for shard in _scandir(self.root / kind_dir):
-                if not shard.is_dir(follow_symlinks=False):
-                    continue
-                for entry in _scandir(Path(shard.path)):
-                    key = _key_of(kind_dir, shard.name, entry.name)
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if key is not None:
-                        found.append((key, st.st_size, st.st_atime_ns))
-                    elif entry.name.endswith(".partial") and st.st_mtime < stale_before:
-                        Path(entry.path).unlink(missing_ok=True)  # left by a killed writer
-        return found
-
-
-def _scandir(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _write_all(fd: int, parts: Sequence[Any]) -> None:
-    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
-    while views:
-        n = os.writev(fd, views)
-        while n:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0] = views[0][n:]
-                n = 0
-
-
-def _pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:
-    """Fill ``bufs`` from ``offset``; returns the bytes read (less only at end of file)."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    views = [v for v in views if len(v)]
-    done = 0
-    while views:
-        n = os.preadv(fd, views, offset + done)
-        if n == 0:
-            break
-        done += n
-        while n:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0] = views[0][n:]
-                n = 0
-    return done
-
-
-class _ZarrApiObjects(_Objects):
-    """Records under any zarr Store, through the zarr Store API (sync wrappers)."""
-
-    local = False
-
-    def __init__(self, store: Any) -> None:
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
-        self.store = store
-        self._sync = sync
-        self._proto = default_buffer_prototype()
-
-    def _get(self, name: str) -> np.ndarray | None:
-        buf = self._sync(self.store.get(name, prototype=self._proto))
-        return None if buf is None else buf.as_numpy_array().view(np.uint8).reshape(-1)
-
-    def _put(self, name: str, data: bytes) -> None:
-        self._sync(self.store.set_if_not_exists(name, self._proto.buffer.from_bytes(data)))
-
-    def read_meta(self) -> bytes | None:
-        arr = self._get(_META_KEY)
-        return None if arr is None else arr.tobytes()
-
-    def create_meta(self, data: bytes) -> None:
-        self._put(_META_KEY, data)
-
-    def write_new(self, name: str, parts: Sequence[Any]) -> bool:
-        if self.exists(name):
-            return False
-        self._put(name, b"".join(memoryview(p).cast("B") for p in parts))
-        return True
-
-    def read_whole(self, name: str) -> np.ndarray | None:
-        return self._get(name)
-
-    def read_into(self, name: str, key: RecordKey, fingerprint: str, digest: bytes | None,
-                  out: np.ndarray) -> RecordMeta | None:
-        arr = self._get(name)
-        if arr is None:
-            return None
-        return decode_record(arr, expect_key=key, expect_fingerprint=fingerprint,
-                             expect_token_digest=digest, out=out)
-
-    def exists(self, name: str) -> bool:
-        return bool(self._sync(self.store.exists(name)))
-
-    def remove(self, name: str) -> bool:
-        if not self.exists(name):
-            return False
-        self._sync(self.store.delete(name))
-        return True
-
-    def touch(self, name: str, ns: int) -> None:
-        pass  # object stores: access times live in the in-memory index only
-
-    def scan(self) -> list[tuple[RecordKey, int, int]]:
-        async def listing() -> list[str]:
-            return [name for kind_dir in _DIR_KINDS async for name in self.store.list_prefix(kind_dir + "/")]
-
-        found = []
-        for name in self._sync(listing()):
-            parts = name.split("/")
-            key = _key_of(*parts) if len(parts) == 3 else None
-            if key is not None:
-                found.append((key, int(self._sync(self.store.getsize(name))), 0))
-        return found
-
-
-class _S3Objects(_Objects):
-    """Records in an S3-compatible bucket under a prefix (obstore, create-only puts)."""
-
-    local = False
-    remote = True
-
-    def __init__(self, store: Any, where: str) -> None:
-        self.store = store  # obstore.store.S3Store, keys relative to its prefix
-        self.where = where
-
-    def read_meta(self) -> bytes | None:
-        data = _s3.get_bytes(self.store, _META_KEY)
-        return None if data is None else bytes(data)
-
-    def create_meta(self, data: bytes) -> None:
-        _s3.put_create_only(self.store, _META_KEY, data)  # False: another writer created it first
-
-    def write_new(self, name: str, parts: Sequence[Any]) -> bool:
-        # HEAD first: a present record is the common case when many nodes hold the same
-        # prefix, and a conditional PUT racing another writer of the key can wait seconds.
-        if _s3.exists(self.store, name):
-            return False
-        # One contiguous buffer: obstore sends iterables as multipart uploads, which are
-        # not create-only.
-        body = np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
-        return _s3.put_create_only(self.store, name, body)
-
-    def read_whole(self, name: str) -> np.ndarray | None:
-        data = _s3.get_bytes(self.store, name)
-        return None if data is None else np.frombuffer(data, dtype=np.uint8)
-
-    def read_into(self, name: str, key: RecordKey, fingerprint: str, digest: bytes | None,
-                  out: np.ndarray) -> RecordMeta | None:
-        header, checksum = bytearray(HEADER_BYTES), bytearray(CHECKSUM_BYTES)
-        size = _s3.get_parts_into(self.store, name, [header, out, checksum])
-        if size is None:
-            return None
-        if size != record_size(out.nbytes):
-            # Corrupt, or the caller's buffer has the wrong size: decide on the whole record.
-            whole = self.read_whole(name)
-            if whole is None:
-                return None  # deleted meanwhile
-            decode_record(whole, expect_key=key, expect_fingerprint=fingerprint, expect_token_digest=digest)
-            raise ValueError(f"out: expected {whole.nbytes - record_size(0)} bytes (the stored payload of "
-                             f"{key!r}), got {out.nbytes}")
-        parsed = parse_header(header, size)
-        return verify_record_parts(header, out, checksum, parsed=parsed, expect_key=key,
-                                   expect_fingerprint=fingerprint, expect_token_digest=digest)
-
-    def exists(self, name: str) -> bool:
-        return _s3.exists(self.store, name)
-
-    def size_of(self, name: str) -> int | None:
-        info = _s3.stat(self.store, name)
-        return None if info is None else info.size
-
-    def remove(self, name: str) -> bool:
-        if not _s3.exists(self.store, name):
-            return False
-        _s3.delete(self.store, name)
-        return True
-
-    def touch(self, name: str, ns: int) -> None:
-        pass  # objects are immutable and have no access time: the in-memory index keeps it
-
-    def scan(self) -> list[tuple[RecordKey, int, int]]:
-        found = []
-        for kind_dir in _DIR_KINDS:
-            for info in _s3.list_objects(self.store, kind_dir + "/"):
-                parts = info.key.split("/")
-                key = _key_of(*parts) if len(parts) == 3 else None
-                if key is not None:
-                    found.append((key, info.size, info.last_modified_ns))
-        return found
-
-
-def _s3_objects(target: Any, options: dict[str, Any]) -> _S3Objects:
-    """``target``: a ``zarr+s3://`` URL, an S3Location or an obstore S3Store."""
-    if _s3 is None:
-        raise TypeError("url_or_path: an S3 store needs obstore installed (pip install 'tiered-kv[s3]')")
-    client = {k: options.pop(k) for k in ("timeout_s", "max_retries") if k in options}
-    if isinstance(target, str):
-        target = _s3.parse_s3_url(target, **options)
-        options = {}
-    if isinstance(target, _s3.S3Location):
-        if options:
-            raise ValueError(f"options {sorted(options)}: expected none besides timeout_s / max_retries "
-                             f"with an S3Location (they are part of the location)")
-        return _S3Objects(_s3.open_object_store(target, **client), target.url())
-    if options or client:
-        raise ValueError(f"options {sorted(options) + sorted(client)}: an open S3Store is already configured; "
-                         f"pass a zarr+s3:// URL or an S3Location to set them")
-    cfg = target.config
-    where = f"zarr+s3://{cfg.get('bucket')}/{target.prefix or ''}".rstrip("/")
-    if cfg.get("endpoint"):
-        where += f"?endpoint={cfg['endpoint']}"
-    return _S3Objects(target, where)
 
 
 class ZarrStore(BlockStore):
@@ -627,7 +139,7 @@ class ZarrStore(BlockStore):
         self.layout_fingerprint = layout_fingerprint
         self.max_bytes = max_bytes
         self._rescan_bytes = None if max_bytes is None else max(1, int(rescan_fraction * max_bytes))
-        self._io = _IoPool(io_threads)
+        self._io = IoPool(io_threads)
         self._objects = self._make_objects(url_or_path, stale_partial_s, self._io, dict(s3_options))
         self.path: Path | None = getattr(self._objects, "root", None)
         self.supports_multiprocess = self._objects.local or self._objects.remote
@@ -648,8 +160,8 @@ class ZarrStore(BlockStore):
         self._closed = False
 
     @staticmethod
-    def _make_objects(url_or_path: Any, stale_partial_s: float, io: _IoPool,
-                      s3_options: dict[str, Any]) -> _Objects:
+    def _make_objects(url_or_path: Any, stale_partial_s: float, io: IoPool,
+                      s3_options: dict[str, Any]) -> Objects:
         objects = ZarrStore._object_store(url_or_path, s3_options)
         if objects is not None:
             return objects
@@ -664,31 +176,31 @@ class ZarrStore(BlockStore):
                     raise ValueError(f"url_or_path: expected a local path, file:// URL or zarr+s3:// URL "
                                      f"(pass a zarr Store instance for other stores), got {s!r}")
                 s = rest
-            return _LocalObjects(Path(os.path.abspath(s)), stale_partial_s=stale_partial_s, io=io)
+            return LocalObjects(Path(os.path.abspath(s)), stale_partial_s=stale_partial_s, io=io)
         try:
             from zarr.abc.store import Store
             from zarr.storage import LocalStore
         except ImportError:  # pragma: no cover - zarr is a dependency
             raise TypeError("url_or_path: a zarr Store needs zarr installed") from None
         if isinstance(url_or_path, LocalStore):
-            return _LocalObjects(Path(url_or_path.root).absolute(), stale_partial_s=stale_partial_s, io=io)
+            return LocalObjects(Path(url_or_path.root).absolute(), stale_partial_s=stale_partial_s, io=io)
         if isinstance(url_or_path, Store):
-            return _ZarrApiObjects(url_or_path)
+            return ZarrApiObjects(url_or_path)
         raise TypeError(f"url_or_path: expected a path, file:// URL or zarr Store, got "
                         f"{type(url_or_path).__name__}")
 
     @staticmethod
-    def _object_store(target: Any, s3_options: dict[str, Any]) -> _Objects | None:
+    def _object_store(target: Any, s3_options: dict[str, Any]) -> Objects | None:
         """The S3 objects of ``target`` if it names an S3 bucket prefix, else None."""
         if isinstance(target, str) and target.startswith("zarr+s3://"):
-            return _s3_objects(target, s3_options)
+            return s3_objects(target, s3_options)
         if _s3 is None:
             return None
         if isinstance(target, _s3.S3Location | _s3.S3Store):
-            return _s3_objects(target, s3_options)
+            return s3_objects(target, s3_options)
         inner = getattr(target, "store", None)  # zarr.storage.ObjectStore over an obstore store
         if isinstance(inner, _s3.S3Store) and type(target).__name__ == "ObjectStore":
-            return _s3_objects(inner, s3_options)
+            return s3_objects(inner, s3_options)
         return None
 
     def _open_meta(self) -> None:
@@ -697,17 +209,17 @@ class ZarrStore(BlockStore):
             raise StoreError(f"{self.where}: this directory holds an LMDB block store; open it with "
                              f"LmdbStore or an lmdb:// URL")
         if raw is None:
-            self._objects.create_meta(_group_metadata(self.layout_fingerprint))
+            self._objects.create_meta(group_metadata(self.layout_fingerprint))
             raw = self._objects.read_meta()  # another process may have created it first
             if raw is None:
-                raise StoreError(f"{self.where}: could not create {_META_KEY}")
+                raise StoreError(f"{self.where}: could not create {META_KEY}")
         try:
-            attrs = json.loads(raw)["attributes"][_ATTR]
+            attrs = json.loads(raw)["attributes"][ATTR]
             version = attrs["store_format_version"]
             stored_fp = attrs["layout_fingerprint"]
         except (ValueError, KeyError, TypeError):
-            raise StoreError(f"{self.where}: {_META_KEY} is not the metadata of a tiered_kv block store "
-                             f"(expected attributes[{_ATTR!r}])") from None
+            raise StoreError(f"{self.where}: {META_KEY} is not the metadata of a tiered_kv block store "
+                             f"(expected attributes[{ATTR!r}])") from None
         if version != STORE_FORMAT_VERSION:
             raise StoreError(f"{self.where}: store format version {version}, this code reads "
                              f"version {STORE_FORMAT_VERSION}")
@@ -735,7 +247,7 @@ class ZarrStore(BlockStore):
 
     def _accessed(self, key: RecordKey, size: int) -> None:
         ns = self._now_ns()
-        self._objects.touch(_object_name(key), ns)
+        self._objects.touch(object_name(key), ns)
         with self._lock:
             old = self._index.pop(key, None)
             self._index[key] = (size, ns)
@@ -760,7 +272,7 @@ class ZarrStore(BlockStore):
                 key, (size, _) = self._index.popitem(last=False)
                 self._total -= size
                 victims.append(key)
-        return sum(self._objects.remove(_object_name(key)) for key in victims)
+        return sum(self._objects.remove(object_name(key)) for key in victims)
 
     # ------------------------------------------------------------------ writes
     def _existing_is_valid(self, key: RecordKey, size: int) -> bool | None:
@@ -772,7 +284,7 @@ class ZarrStore(BlockStore):
         anyway); another size is verified in full (a valid record of another payload size
         is kept: write-once).
         """
-        name = _object_name(key)
+        name = object_name(key)
         if self._objects.remote:
             stored = self._objects.size_of(name)
             if stored is None:
@@ -823,7 +335,7 @@ class ZarrStore(BlockStore):
         error: BaseException | None = None
         try:
             for i, outcome in zip(todo, self._io.map(lambda i: self._objects.write_new(
-                    _object_name(prepared[i][0]), prepared[i][1]), todo)):
+                    object_name(prepared[i][0]), prepared[i][1]), todo)):
                 key, parts, size = prepared[i]
                 if isinstance(outcome, BaseException):
                     error = error or outcome
@@ -848,14 +360,14 @@ class ZarrStore(BlockStore):
                 return False
             # corrupt (now removed) or gone meanwhile (deleted, evicted): write it
             self._stats.add(evictions=self._make_room(size))
-            if self._objects.write_new(_object_name(key), parts):
+            if self._objects.write_new(object_name(key), parts):
                 return True
         raise StoreError(f"{self.where}: {key!r} keeps being replaced by corrupt records")
 
     def delete(self, key: RecordKey) -> bool:
         check_open(self._closed, self.where)
         self._forget(key)
-        return self._objects.remove(_object_name(key))
+        return self._objects.remove(object_name(key))
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
@@ -863,12 +375,12 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         keys, dsts, digests = self._check_get_args(keys, outs, token_digests)
         outcomes = self._io.map(lambda i: self._objects.read_into(
-            _object_name(keys[i]), keys[i], self.layout_fingerprint, digests[i], dsts[i]), range(len(keys)))
+            object_name(keys[i]), keys[i], self.layout_fingerprint, digests[i], dsts[i]), range(len(keys)))
         metas: list[RecordMeta | None] = []
         for key, outcome in zip(keys, outcomes):
             if isinstance(outcome, CorruptRecordError):
                 # Immutable objects: a bad one stays bad, remove it so a put can replace it.
-                self._objects.remove(_object_name(key))
+                self._objects.remove(object_name(key))
                 self._forget(key)
                 self._stats.add(corrupt=1, misses=1)
                 metas.append(None)
@@ -886,13 +398,13 @@ class ZarrStore(BlockStore):
 
     def contains(self, key: RecordKey) -> bool:
         check_open(self._closed, self.where)
-        return self._objects.exists(_object_name(key))
+        return self._objects.exists(object_name(key))
 
     def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
         """One HEAD (or stat) per key, ``io_threads`` at a time."""
         check_open(self._closed, self.where)
-        outcomes = self._io.map(lambda k: self._objects.exists(_object_name(k)), list(keys))
-        _raise_first(outcomes)
+        outcomes = self._io.map(lambda k: self._objects.exists(object_name(k)), list(keys))
+        raise_first(outcomes)
         return [bool(o) for o in outcomes]
 
     def __iter__(self) -> Iterator[RecordKey]:
@@ -906,6 +418,18 @@ class ZarrStore(BlockStore):
         self._rescan()
         with self._lock:
             return len(self._index)
+
+    def recent(self, n: int) -> list[RecordKey]:
+        """The ``n`` most recent records, newest first: by last write on an object store
+        (its last-modified time; records are written once), by last access on a local
+        directory. Lists the store (on S3 one request per 1000 records)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        check_open(self._closed, self.where)
+        self._rescan()
+        with self._lock:
+            keys = list(self._index)  # oldest first
+        return keys[::-1][:n]
 
     def stats(self) -> dict[str, Any]:
         """See :meth:`BlockStore.stats`. On an object store no request is made: ``records``
@@ -938,7 +462,7 @@ class ZarrStore(BlockStore):
         fp = self.layout_fingerprint
 
         def check(key: RecordKey) -> CorruptRecordError | bool:
-            data = self._objects.read_whole(_object_name(key))
+            data = self._objects.read_whole(object_name(key))
             if data is None:
                 return False  # removed meanwhile (evicted or deleted by another process)
             try:
@@ -955,7 +479,7 @@ class ZarrStore(BlockStore):
                 if isinstance(outcome, CorruptRecordError):
                     corrupt.append(key.to_bytes().hex())
                     if repair:
-                        removed += self._objects.remove(_object_name(key))
+                        removed += self._objects.remove(object_name(key))
                         self._forget(key)
                         self._stats.add(corrupt=1)
                 elif isinstance(outcome, BaseException):
@@ -976,8 +500,8 @@ class ZarrStore(BlockStore):
                 key, (size, _) = self._index.popitem(last=False)
                 self._total -= size
                 victims.append((key, size))
-        removed = self._io.map(lambda v: self._objects.remove(_object_name(v[0])), victims)
-        _raise_first(removed)
+        removed = self._io.map(lambda v: self._objects.remove(object_name(v[0])), victims)
+        raise_first(removed)
         evicted = sum(1 for r in removed if r)
         freed = sum(size for (_, size), r in zip(victims, removed) if r)
         self._stats.add(evictions=evicted)

@@ -251,7 +251,7 @@ def test_item_failures_give_up_after_max_attempts(near: LmdbStore, far: Faulty) 
 
 
 def test_queue_bound_counts_dropped_uploads_and_keeps_local_copies(near: LmdbStore, far: Faulty) -> None:
-    with _chain(near, far, max_pending_uploads=2, backoff_initial_s=30, backoff_max_s=30) as chain:
+    with _chain(near, far, max_pending_uploads=2, backoff_initial_s=30, backoff_max_s=30, journal=False) as chain:
         far.fail = ConnectionError("down (injected)")
         chain.get(make_key(99), _out())                    # marks the far level down for 30 s
         keys = [make_key(i, salt=b"bound") for i in range(5)]
@@ -259,6 +259,89 @@ def test_queue_bound_counts_dropped_uploads_and_keeps_local_copies(near: LmdbSto
         s = chain.stats()
         assert (s["pending_uploads"], s["dropped_uploads"]) == (2, 3)
         assert all(near.contains(k) for k in keys)
+
+
+def test_queue_bound_with_a_journal_defers_and_loses_nothing(near: LmdbStore, far: Faulty) -> None:
+    with _chain(near, far, max_pending_uploads=2, backoff_initial_s=0.3, backoff_max_s=0.3) as chain:
+        assert chain.journal_path == near.path / "upload-journal.mdb"
+        far.fail = ConnectionError("down (injected)")
+        chain.get(make_key(99), _out())                    # marks the far level down
+        keys = [make_key(i, salt=b"bound") for i in range(5)]
+        assert chain.put_many([item_for(k, N) for k in keys]) == [True] * 5
+        s = chain.stats()
+        assert (s["pending_uploads"], s["deferred_uploads"], s["dropped_uploads"]) == (2, 3, 0)
+        assert s["journaled_uploads"] == 5
+        far.fail = None
+        assert chain.flush(uploads=True, timeout_s=10)     # the 3 deferred ones come back from the journal
+        s = chain.stats()
+        assert set(far.inner) == set(keys) and s["uploads"] == 5 and s["journaled_uploads"] == 0
+        assert s["uploads_resumed"] == 3
+
+
+def test_journal_resumes_owed_uploads_in_the_next_chain(near: LmdbStore, far: Faulty) -> None:
+    keys = [make_key(i, salt=b"journal") for i in range(12)]
+    far.fail = ConnectionError("down (injected)")
+    chain = _chain(near, far, backoff_initial_s=30, backoff_max_s=30, close_timeout_s=0.2)
+    with chain:
+        chain.get(make_key(99), _out())                    # far level down: nothing uploads
+        for i in range(0, 12, 4):
+            chain.put_many([item_for(k, N) for k in keys[i:i + 4]])
+        assert chain.flush() and not chain.flush(uploads=True, timeout_s=0.2)
+        assert chain.stats()["journaled_uploads"] == 12
+    assert chain.abandoned_uploads == 12
+    near.delete(keys[0])                                    # evicted before anyone uploaded it
+    far.fail = None
+    with _chain(near, far) as chain:                        # the next process, same level 0
+        assert chain.flush(uploads=True, timeout_s=10)
+        s = chain.stats()
+    assert set(far.inner) == set(keys[1:])
+    assert (s["uploads"], s["uploads_resumed"], s["uploads_skipped"], s["journaled_uploads"]) == (11, 12, 1, 0)
+
+
+def test_a_failed_journal_commit_keeps_the_local_write_and_the_upload(
+        near: LmdbStore, far: Faulty, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _chain(near, far) as chain:
+        def full(*args: Any) -> None:
+            raise StoreFullError("journal: disk full (injected)")
+
+        monkeypatch.setattr(chain._journal, "add", full)
+        key = make_key(1, salt=b"nojournal")
+        assert chain.put_many([item_for(key, N)]) == [True] and near.contains(key)
+        assert chain.flush(uploads=True, timeout_s=10) and far.inner.contains(key)
+        s = chain.stats()
+        assert s["journal_errors"] == 1 and "disk full" in chain.last_journal_error and s["uploads"] == 1
+
+
+def test_two_chains_resuming_one_journal_upload_each_record_once(near: LmdbStore, far: Faulty) -> None:
+    keys = [make_key(i, salt=b"twice") for i in range(40)]
+    with _chain(near, far, journal=False):
+        pass
+    from tiered_kv.storage.journal import UploadJournal, level_name
+
+    with UploadJournal(near.path) as journal:              # as a killed process left it
+        near.put_many([item_for(k, N) for k in keys])
+        journal.add([level_name(far.where)], [(k, N) for k in keys])
+    a, b = _chain(near, far, upload_batch=3), _chain(near, far, upload_batch=5)
+    with a, b:
+        assert a.flush(uploads=True, timeout_s=10) and b.flush(uploads=True, timeout_s=10)
+        sa, sb = a.stats(), b.stats()
+    assert set(far.inner) == set(keys) and far.inner.verify()["corrupt"] == 0
+    assert sa["uploads"] + sb["uploads"] == 40             # each record created exactly once
+    assert sa["uploads_resumed"] + sb["uploads_resumed"] >= 40 and sb["journaled_uploads"] == 0
+
+
+def test_journal_off_without_a_local_directory(tmp_path: Path) -> None:
+    import zarr
+
+    mem = ZarrStore(zarr.storage.MemoryStore(), layout_fingerprint=FP)
+    far = ZarrStore(tmp_path / "far", layout_fingerprint=FP)
+    with StoreChain([mem, far]) as chain:
+        assert chain.journal_path is None and chain.stats()["journal"] is None
+    with pytest.raises(ValueError, match="no local directory"):
+        StoreChain([mem, far], journal=True)
+    with StoreChain([mem, far], journal=tmp_path) as chain:
+        assert chain.journal_path == tmp_path / "upload-journal.mdb"
+        assert (chain.journal_path.stat().st_mode & 0o777) == 0o600
 
 
 def test_deferred_level_is_opened_in_the_background(near: LmdbStore, tmp_path: Path) -> None:
@@ -577,6 +660,41 @@ def test_killed_object_store_local_serving_continues_and_uploads_resume(
     with ZarrStore(shared, layout_fingerprint=tiny_layout.fingerprint, **_creds(server)) as bucket:
         assert local <= set(bucket)                        # everything node-local is in the bucket
         assert bucket.verify()["corrupt"] == 0
+
+
+# ----------------------------------------------------------------------- durable uploads
+def _upload_worker(phase: str, local: Path, shared: str, server: SeaweedFS) -> subprocess.Popen[str]:
+    env = {**os.environ, **server.env(), "PYTHONPATH": str(HERE)}
+    env.pop("AWS_SESSION_TOKEN", None)
+    return subprocess.Popen([sys.executable, str(HERE / "_upload_worker.py"), phase, str(local), shared],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _result(proc: subprocess.Popen[str], rc: int = 0) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == rc, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_uploads_owed_by_a_killed_writer_reach_the_bucket_without_sync(
+        server: SeaweedFS, tmp_path: Path, tiny_layout) -> None:
+    local, shared = tmp_path / "node", _prefix_url(server, "killed")
+    wrote = _result(_upload_worker("write", local, shared, server), rc=-signal.SIGKILL)
+    assert wrote["uploads"] == 0 and wrote["journaled_uploads"] == wrote["local"] > 0
+
+    with LmdbStore(local, layout_fingerprint=tiny_layout.fingerprint) as store:   # one record evicted since
+        gone = next(iter(store))
+        store.delete(gone)
+        kept = set(store)
+    resumers = [_upload_worker("resume", local, shared, server) for _ in range(2)]  # two at once
+    results = [_result(p) for p in resumers]
+    assert all(r["done"] and r["failed_uploads"] == 0 for r in results)
+    assert sum(r["uploads"] for r in results) == len(kept)   # create-only: each record sent once
+    assert sum(r["uploads_skipped"] for r in results) >= 1 and results[-1]["journaled_uploads"] == 0
+    with ZarrStore(shared, layout_fingerprint=tiny_layout.fingerprint, **_creds(server)) as bucket:
+        assert set(bucket) == kept and bucket.verify()["corrupt"] == 0
 
 
 # ----------------------------------------------------------------------- credentials

@@ -243,14 +243,28 @@ class TieredKVCache(TierMoves):
         del self._requests[req.request_id]
         self._counters["requests_closed"] += 1
 
-    def flush(self) -> None:
-        """Wait for every pending copy and disk write submitted so far."""
+    def flush(self, *, uploads: bool = False, timeout_s: float | None = None) -> bool:
+        """Wait for every pending copy and disk write submitted so far.
+
+        When it returns, every block and snapshot written so far is durable in the store
+        (for a store chain: in its local level 0, with the uploads to the farther levels
+        journaled when level 0 is a local directory, so a process killed now loses none of
+        them: the next one to open the chain resumes them). ``uploads=True`` also waits
+        until those uploads are in the farther levels (see
+        :meth:`tiered_kv.storage.StoreChain.flush`). Returns False if ``timeout_s`` passed
+        first (only with ``uploads=True``; a far level may be down); True otherwise.
+        """
         self.copies.synchronize()
         if self.disk is not None:
-            self.disk.flush()
+            return self.disk.flush(uploads=uploads, timeout_s=timeout_s)
+        return True
 
     def shutdown(self) -> None:
-        """Flush and close the disk tier (a store opened from a URL is closed)."""
+        """Flush and close the disk tier (a store opened from a URL is closed).
+
+        A store chain keeps uploading for up to its ``close_timeout_s`` and then stops;
+        uploads not done by then stay journaled and the next process resumes them (see
+        :meth:`flush` to wait for them instead)."""
         self.copies.synchronize()
         if self.disk is not None:
             self.disk.close()

@@ -109,10 +109,20 @@ class DiskTier:
                 self.writes += 1
                 self.write_bytes += int(item.payload.numel())
 
-    def flush(self) -> None:
-        """Wait until every write submitted so far has finished (or failed and been counted)."""
+    def flush(self, *, uploads: bool = False, timeout_s: float | None = None) -> bool:
+        """Wait until every write submitted so far has finished (or failed and been counted).
+
+        ``uploads=True``: for a :class:`tiered_kv.storage.StoreChain`, then wait until its
+        uploads to the farther levels are done too (:meth:`~tiered_kv.storage.StoreChain.flush`);
+        False if ``timeout_s`` passed first. True otherwise.
+        """
         while self._pending:
             self._pending.popleft().result()
+        from .storage import StoreChain
+
+        if isinstance(self.store, StoreChain):
+            return self.store.flush(uploads=uploads, timeout_s=timeout_s)
+        return True
 
     # ------------------------------------------------------------------ reads
     def contains_many(self, keys: list[Any]) -> list[bool]:

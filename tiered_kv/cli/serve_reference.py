@@ -150,13 +150,16 @@ def _run(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set ``stop`` (instead of ending the process) inside the block."""
+    """SIGTERM and SIGINT set ``stop`` (instead of ending the process) inside the block.
+
+    Once a stop was asked for, the process is on its way out: the signals stay ignored
+    after the block too, so a second one cannot turn a clean exit into a traceback."""
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if stop.is_set() else handler)
 
 
 def _serve(server: Any, store_url: str, stop: threading.Event, *, as_json: bool = False) -> None:

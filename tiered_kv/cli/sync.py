@@ -4,8 +4,10 @@
 
     tiered-kv sync --store lmdb:///var/cache/kv --shared "zarr+s3://kv-cache/v4?endpoint=https://..."
 
-A cache with a store chain uploads behind the request; uploads still queued when its
-process stopped are lost from memory (the records stay local). ``sync`` lists both
+A cache with a store chain uploads behind the request. Uploads still owed when its
+process stopped are journaled in the local store and resumed by the next process that
+opens the chain; ``sync`` is for the records no journal holds (written with no journal,
+or before journals existed). ``sync`` lists both
 stores, queues every local record the shared one lacks
 (:meth:`tiered_kv.storage.StoreChain.resync`) and waits up to ``--timeout`` seconds for
 the uploads. Records already in the shared store are left alone (write-once).
