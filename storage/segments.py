@@ -37,17 +37,20 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .base import fsync_dir, mkdir_private
 
 __all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
+
+T = TypeVar("T")
 
 #: Alignment of batches in a segment and of O_DIRECT transfers.
 ALIGN = 4096
@@ -258,6 +261,8 @@ class SegmentFiles:
     # ------------------------------------------------------------------ writes
     def _open_active(self) -> None:
         seg = self._new_id()
+        while self.file(seg).exists():  # an id whose allocation an OS crash undid: never reuse it
+            seg = self._new_id()
         path = self.file(seg)
         # Created and flock'ed under a temporary name, then renamed: a gc in another
         # process never sees this writer's segment unlocked.
@@ -302,11 +307,20 @@ class SegmentFiles:
     def write_lock(self) -> threading.Lock:
         return self._write_lock
 
-    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> list[Location]:
-        """Durably append records of ``lengths`` bytes to the active segment, back to back;
+    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None],
+               index: Callable[[list[Location], int], T]) -> T:
+        """Durably append records of ``lengths`` bytes to the active segment, back to back,
+        and index them; returns what ``index`` returned.
+
         ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
         Records are staged in order and each 4 KiB-aligned chunk is written as soon as it
-        is complete, while the next records are staged. Call under :attr:`write_lock`.
+        is complete, while the next records are staged. Once every byte is written,
+        ``fdatasync`` runs on an I/O thread while ``index(locations, batch_end)`` commits
+        the index entries in this one (the two flushes overlap); this returns when both
+        are done, so the batch is durable when it returns. If ``index`` raises, the
+        segment is cut back (nothing appended). If the sync fails after ``index``
+        returned, the segment is sealed (never appended to again) and the OSError is
+        raised: the caller unindexes the batch. Call under :attr:`write_lock`.
         Raises OSError (ENOSPC: nothing was appended)."""
         total = sum(lengths)
         padded = _align_up(total)
@@ -323,9 +337,9 @@ class SegmentFiles:
                 done += os.pwrite(fd, view[done:end], start + done)
 
         pending = []
+        pool = self.pool()
         try:
             self._reserve(fd, start, padded)  # ENOSPC here: nothing written
-            pool = self.pool()
             pos = sent = 0
             for j, n in enumerate(lengths):
                 fill(j, staged[pos:pos + n])
@@ -339,18 +353,47 @@ class SegmentFiles:
                 write(sent, padded)
             for f in pending:
                 f.result()
-            os.fdatasync(fd)
+            pending = [pool.submit(os.fdatasync, fd)]
+            locs, off = [], start
+            for n in lengths:
+                locs.append(Location(self._active, off, n))
+                off += n
+            result = index(locs, start + padded)
         except BaseException:
             for f in pending:
                 f.exception()  # wait: no write may land after the rollback
             self.rollback(start)
             raise
         self._active_end = start + padded
-        locs, off = [], start
-        for n in lengths:
-            locs.append(Location(self._active, off, n))
-            off += n
-        return locs
+        try:
+            pending[0].result()
+        except OSError:
+            self._close_active()  # indexed bytes of unknown durability: never append after them
+            raise
+        return result
+
+    @contextmanager
+    def sealed(self, seg: int) -> Iterator[int | None]:
+        """Segment ``seg`` held sealed (an exclusive ``flock``: no writer appends to it, no
+        gc reclaims it meanwhile): yields a read fd, or None when it is this process's
+        active segment, another writer holds it, or it is gone."""
+        if seg == self._active:
+            yield None
+            return
+        try:
+            fd = os.open(self.file(seg), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield None
+                return
+            yield fd
+        finally:
+            os.close(fd)
 
     def _reserve(self, fd: int, offset: int, length: int) -> None:
         if not self._can_reserve:
