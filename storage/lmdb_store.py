@@ -15,15 +15,36 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
               b"layout_fingerprint"               ascii
               b"record_bytes"                     u64 LE, sum of the accounted record sizes
               b"next_segment"                     u32 LE, the next segment id to hand out
+              b"segment_end:" + u32 BE segment    u64 LE, the segment is indexed below this offset
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
 
 Writes: a ``put_many`` stages its new records in an aligned buffer, appends them to this
-process's active segment (``O_DIRECT`` where the filesystem takes it, ``fdatasync``), then
-commits their index entries in one LMDB transaction (``sync=True, metasync=True``): durable
-when it returns, all-or-nothing on a crash. A crash between the two leaves unindexed bytes
-in a segment: misses, given back by :meth:`LmdbStore.gc`. Each writer process appends to
-its own segment (flock'ed), so writers never coordinate beyond LMDB's write lock.
+process's active segment (``O_DIRECT`` where the filesystem takes it), then ``fdatasync``s
+the segment on an I/O thread while it commits their index entries in one LMDB transaction,
+and returns once both are done. Each writer process appends to its own segment (flock'ed),
+so writers never coordinate beyond LMDB's write lock.
+
+Durability contract. The segment is the write-ahead log; the index is opened with
+``MDB_NOMETASYNC`` (``metasync=False``): a commit flushes its pages but not the meta page,
+which LMDB documents as keeping the database's integrity after an OS crash while possibly
+losing the last transaction (``MDB_NOSYNC`` is not used: without an order-preserving
+filesystem an OS crash could leave the meta page pointing at pages never written). Each
+index transaction stores ``segment_end`` of the segment it indexed into, so:
+
+- when ``put_many`` returns, its records survive kill -9, an OS crash and power loss: the
+  segment bytes are synced, and if the OS crash took the index transaction with it, the
+  records lie past ``segment_end`` and are recovered;
+- recovery (:meth:`LmdbStore._recover`, on a writable open and before ``gc`` /
+  ``verify(repair=True)`` reclaim space) scans each segment no writer holds from its
+  ``segment_end`` to its end and indexes every record that verifies (header, xxh3-128
+  checksum, fingerprint) and whose key is not indexed; torn or failing records never are;
+- a crash before ``put_many`` returns leaves each record indexed and whole, or a miss:
+  since the index commit overlaps the segment sync, an OS crash can leave an entry whose
+  bytes never reached the disk; every read verifies, so it is a counted corrupt miss;
+- other transactions (deletes, evictions, access times) survive kill -9 when they return;
+  an OS crash may undo the last one (the records it touched are then verified on read
+  like any other).
 
 Reads: one read transaction looks up every key; the records are then read in parallel
 (adjacent records of a segment in one transfer; from the page cache when it holds them,

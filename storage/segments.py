@@ -16,9 +16,12 @@ unindexed ranges or unlink it when nothing in it is indexed.
 One batch is staged in a page-aligned buffer (records packed back to back, the batch
 padded to 4 KiB), space is reserved with ``posix_fallocate`` (a full disk is ENOSPC here,
 before anything is written), written with parallel ``pwrite``s (``O_DIRECT`` where the
-filesystem takes it: no page-cache copy and writeback), then ``fdatasync``. Only then does
-the store commit the index entries, so a crash leaves at most unindexed bytes at a
-segment's tail: misses, reclaimed by ``gc``.
+filesystem takes it: no page-cache copy and writeback), then ``fdatasync``ed on an I/O
+thread while the store commits the batch's index entries (see :meth:`SegmentFiles.append`).
+The segment is the store's write-ahead log: records are self-describing (header, xxh3-128
+checksum), so the bytes a dead writer appended past what the index covers can be scanned,
+verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
+not verify stays unindexed and ``gc`` gives it back.
 
 Reads: an extent (records adjacent in one segment) whose pages are (3/4 or more) in the
 page cache (``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
