@@ -20,9 +20,9 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
 
 Writes: a ``put_many`` stages its new records in an aligned buffer, appends them to this
-process's active segment (``O_DIRECT`` where the filesystem takes it), then ``fdatasync``s
-the segment on an I/O thread while it commits their index entries in one LMDB transaction,
-and returns once both are done. Each writer process appends to its own segment (flock'ed),
+process's active segment (``O_DIRECT`` where the filesystem takes it), ``fdatasync``s the
+segment, then commits their index entries in one LMDB transaction (one data flush, no meta
+flush: see below). Each writer process appends to its own segment (flock'ed),
 so writers never coordinate beyond LMDB's write lock.
 
 Durability contract. The segment is the write-ahead log; the index is opened with
@@ -39,9 +39,9 @@ index transaction stores ``segment_end`` of the segment it indexed into, so:
   ``verify(repair=True)`` reclaim space) scans each segment no writer holds from its
   ``segment_end`` to its end and indexes every record that verifies (header, xxh3-128
   checksum, fingerprint) and whose key is not indexed; torn or failing records never are;
-- a crash before ``put_many`` returns leaves each record indexed and whole, or a miss:
-  since the index commit overlaps the segment sync, an OS crash can leave an entry whose
-  bytes never reached the disk; every read verifies, so it is a counted corrupt miss;
+- a crash before ``put_many`` returns leaves each record of the batch indexed (and
+  durable), recovered, or a miss; the index never points at segment bytes that were not
+  synced, and every read verifies anyway;
 - other transactions (deletes, evictions, access times) survive kill -9 when they return;
   an OS crash may undo the last one (the records it touched are then verified on read
   like any other).
@@ -293,6 +293,9 @@ class LmdbStore(BlockStore):
                 self._recover()
             except StoreFullError:
                 pass  # no room to index them now: those records stay misses until a later open or gc
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ opening
     def _open_dbs(self) -> None:
@@ -548,21 +551,17 @@ class LmdbStore(BlockStore):
 
     def _append(self, items: Sequence[PutItem], sizes: list[int], new: list[int],
                 index: Callable[[dict[int, tuple[Location, bytes]], int | None], T]) -> T:
-        """Encode items ``new`` into the staging buffer, append them to the segment and
-        index them with ``index(item index -> (location, checksum), batch end)`` while the
-        segment syncs (under the segment write lock; see SegmentFiles.append); returns
-        what ``index`` returned, once the batch is durable."""
+        """Encode items ``new`` into the staging buffer, append them to the segment durably,
+        then index them with ``index(item index -> (location, checksum), batch end)``
+        (under the segment write lock; see SegmentFiles.append); returns what ``index``
+        returned."""
         if not new:
             return index({}, None)
         lengths = [sizes[i] for i in new]
         checksums: list[bytes] = []
-        indexed: list[tuple[bytes, bytes]] = []
 
         def index_batch(locs: list[Location], end: int) -> T:
-            by_item = {i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}
-            result = index(by_item, end)
-            indexed.extend((items[i].key.to_bytes(), pack_entry(loc, c)) for i, (loc, c) in by_item.items())
-            return result
+            return index({i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}, end)
 
         def fill(j: int, dst: np.ndarray) -> None:
             item = items[new[j]]
@@ -573,8 +572,6 @@ class LmdbStore(BlockStore):
         try:
             return self._segments.append(lengths, fill, index_batch)
         except OSError as e:
-            if indexed:  # the segment sync failed after the index commit: unindex the batch
-                self._remove_if_corrupt(indexed)
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
                                      f"stored records are intact") from e
@@ -912,7 +909,10 @@ class LmdbStore(BlockStore):
                 size = os.fstat(fd).st_size
                 if raw is None or _U64.unpack(raw)[0] >= size:
                     continue  # fully indexed (or a segment of a store written before this scan)
-                found = _scan_segment(fd, seg, _U64.unpack(raw)[0], size, self.layout_fingerprint)
+                try:
+                    found = _scan_segment(fd, seg, _U64.unpack(raw)[0], size, self.layout_fingerprint)
+                except OSError:
+                    continue  # unreadable (EIO): its records stay misses, the next open tries again
                 n, freed = self._run(lambda txn: self._index_recovered(txn, seg, found, size), write=True,
                                      need=8 << 10)
             self._segments.punch(freed)

@@ -16,8 +16,8 @@ unindexed ranges or unlink it when nothing in it is indexed.
 One batch is staged in a page-aligned buffer (records packed back to back, the batch
 padded to 4 KiB), space is reserved with ``posix_fallocate`` (a full disk is ENOSPC here,
 before anything is written), written with parallel ``pwrite``s (``O_DIRECT`` where the
-filesystem takes it: no page-cache copy and writeback), then ``fdatasync``ed on an I/O
-thread while the store commits the batch's index entries (see :meth:`SegmentFiles.append`).
+filesystem takes it: no page-cache copy and writeback), then ``fdatasync``ed; only then does
+the store commit the batch's index entries (see :meth:`SegmentFiles.append`).
 The segment is the store's write-ahead log: records are self-describing (header, xxh3-128
 checksum), so the bytes a dead writer appended past what the index covers can be scanned,
 verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
@@ -313,18 +313,18 @@ class SegmentFiles:
     def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None],
                index: Callable[[list[Location], int], T]) -> T:
         """Durably append records of ``lengths`` bytes to the active segment, back to back,
-        and index them; returns what ``index`` returned.
+        then index them; returns what ``index`` returned.
 
         ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
         Records are staged in order and each 4 KiB-aligned chunk is written as soon as it
-        is complete, while the next records are staged. Once every byte is written,
-        ``fdatasync`` runs on an I/O thread while ``index(locations, batch_end)`` commits
-        the index entries in this one (the two flushes overlap); this returns when both
-        are done, so the batch is durable when it returns. If ``index`` raises, the
-        segment is cut back (nothing appended). If the sync fails after ``index``
-        returned, the segment is sealed (never appended to again) and the OSError is
-        raised: the caller unindexes the batch. Call under :attr:`write_lock`.
-        Raises OSError (ENOSPC: nothing was appended)."""
+        is complete, while the next records are staged. Once every byte is written and
+        ``fdatasync``ed, ``index(locations, batch_end)`` commits the index entries: the
+        index never points at bytes that are not durable. If a write, the sync or
+        ``index`` raises, the segment is cut back (nothing appended). Call under
+        :attr:`write_lock`. Raises OSError (ENOSPC: nothing was appended).
+
+        (Overlapping the sync with the index commit was measured slower here: 1.07-1.22
+        against 1.24-1.38 GB/s for batches of 16 Flash blocks.)"""
         total = sum(lengths)
         padded = _align_up(total)
         staged = self.staging(padded)
@@ -356,7 +356,8 @@ class SegmentFiles:
                 write(sent, padded)
             for f in pending:
                 f.result()
-            pending = [pool.submit(os.fdatasync, fd)]
+            pending = []
+            os.fdatasync(fd)
             locs, off = [], start
             for n in lengths:
                 locs.append(Location(self._active, off, n))
@@ -368,11 +369,6 @@ class SegmentFiles:
             self.rollback(start)
             raise
         self._active_end = start + padded
-        try:
-            pending[0].result()
-        except OSError:
-            self._close_active()  # indexed bytes of unknown durability: never append after them
-            raise
         return result
 
     @contextmanager

@@ -6,6 +6,7 @@ reopened and must answer misses, never data, and give the space back on ``gc``.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -183,6 +184,38 @@ def test_recovery_never_indexes_a_record_with_a_bad_checksum(tmp_path: Path) -> 
         kept = [0, 1, *(100 + i for i in range(8) if i != 3)]
         assert set(store) == {make_key(i) for i in kept}
         assert verify_all(store, sizes={make_key(i): N for i in kept}) == 9
+
+
+def test_index_commits_flush_pages_but_not_the_meta_page(tmp_path: Path) -> None:
+    """MDB_NOMETASYNC (integrity kept after an OS crash, the last transaction recoverable
+    from the segments), never MDB_NOSYNC (an OS crash could corrupt the index)."""
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
+        flags = store._env.flags()
+        assert flags["sync"] is True and flags["metasync"] is False and flags["writemap"] is False
+
+
+def test_a_failed_segment_sync_indexes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segment fdatasync fails (EIO): put_many raises, nothing of the batch is
+    indexed (the index only ever points at synced bytes), its bytes are cut back, and
+    the next batch is stored."""
+    where = tmp_path / "s"
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        store.put_many([item_for(make_key(0), N)])
+
+        def eio(fd: int) -> None:
+            raise OSError(errno.EIO, "injected fdatasync failure")
+
+        monkeypatch.setattr(os, "fdatasync", eio)
+        with pytest.raises(OSError, match="injected"):
+            store.put_many([item_for(make_key(i), N) for i in (1, 2)])
+        monkeypatch.undo()
+        assert set(store) == {make_key(0)} and store.stats()["bytes"] == ONE
+        assert store.put_many([item_for(make_key(i), N) for i in (1, 2)]) == [True, True]
+        padded = [-(-n // ALIGN) * ALIGN for n in (ONE, 2 * ONE)]  # two batches, each 4 KiB-aligned
+        assert len(_segments(where)) == 1 and _segments(where)[0].stat().st_size == sum(padded)
+        assert verify_all(store, sizes={make_key(i): N for i in range(3)}) == 3
+    with LmdbStore(where, layout_fingerprint=FP) as store:  # not resurrected by the recovery scan
+        assert store.stats()["recovered_records"] == 0 and len(store) == 3
 
 
 def test_evicted_and_deleted_records_give_their_disk_space_back(tmp_path: Path) -> None:
