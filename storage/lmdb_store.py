@@ -122,7 +122,7 @@ __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry
 #: inside LMDB (refused, see the module docstring).
 STORE_FORMAT_VERSION = 2
 DEFAULT_SEGMENT_BYTES = 256 << 20
-DEFAULT_IO_THREADS = 4
+DEFAULT_IO_THREADS = 8  # transfers in flight per call (1 MiB extents: 8 MiB deep)
 DEFAULT_MAX_BYTES = 64 << 30
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
