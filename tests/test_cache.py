@@ -178,3 +178,32 @@ def test_concurrent_requests_share_sealed_blocks(tiny_layout, tiny_model) -> Non
     s = cache.stats()
     assert s["blocks_used"] == 0 and s["live_requests"] == 0 and s["state_slots_free"] == 3
     cache.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("reserve_whole_prompt", [False, True])
+def test_a_prompt_reserved_at_once_snapshots_only_what_close_can_publish(tiny_layout, tiny_model,
+                                                                          reserve_whole_prompt) -> None:
+    """An engine that reserves a whole prefill chunk up front skips the State copies of
+    boundaries two or more blocks short of the chunk's end (they would be recycled
+    unpublished); interval boundaries and the last two are still snapshotted, so the same
+    resume points exist and the resumed logits equal a full recompute."""
+    cache = TieredKVCache(tiny_layout, num_blocks=32, num_state_slots=2, snapshot_interval=4)
+    tokens = random_tokens(9 * 128 + 5, seed=11)
+    req = cache.open(tokens)
+    if reserve_whole_prompt:
+        cache.reserve(req, len(tokens))
+    tiny_model.forward(cache, req, tokens)
+    cache.close(req)
+    s = cache.stats()
+    # boundaries 1..9: 4 and 8 are interval points; 8 and 9 are the last two
+    assert s["snapshots_taken"] == (3 if reserve_whole_prompt else 9)
+    assert s["snapshots_elided"] == (6 if reserve_whole_prompt else 0)
+    assert s["snapshots_cached"] == 3  # 4, 8 and 9 either way
+    again = cache.open(tokens + [7, 8])
+    assert again.num_cached_tokens == 9 * 128
+    logits = tiny_model.forward(cache, again, tokens[9 * 128:] + [7, 8])
+    naive = tiny_model.naive_logits(tokens + [7, 8])[9 * 128:]
+    assert (logits - naive).abs().max().item() < 1e-9
+    cache.close(again)
+    exact = cache.open(tokens[:9 * 128])  # exactly 9 blocks: one token is recomputed, resume at 8
+    assert exact.num_cached_tokens == 8 * 128

@@ -123,6 +123,7 @@ class TieredKVCache(TierMoves):
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
+             "snapshots_elided",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
 
@@ -289,6 +290,7 @@ class TieredKVCache(TierMoves):
         req = self._live(request)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens: expected >= 0, got {num_new_tokens}")
+        req._reserved_to = max(req._reserved_to, req.num_tokens + num_new_tokens)
         need = self.layout.num_blocks_for(req.num_tokens + num_new_tokens) - len(req.block_ids)
         if need <= 0:
             return
@@ -631,7 +633,18 @@ class TieredKVCache(TierMoves):
         Private snapshots of the last two boundaries are kept (a prompt of exactly k
         blocks resumes at block k-1, since one token is always recomputed); older private
         ones are recycled. Interval boundaries are published at once.
+
+        A boundary two or more blocks short of what the request has reserved is skipped
+        (unless it is an interval boundary): the engine computes the reserved chunk
+        before the request can close, so that snapshot would be recycled unpublished.
+        This removes the State copy (3.6 MB for Flash) from all but the last two blocks
+        of a prefill chunk reserved at once; an engine that reserves block by block sees
+        no change.
         """
+        interval = num_blocks % self.snapshot_interval == 0
+        if not interval and (num_blocks + 2) * self.layout.block_tokens <= req._reserved_to:
+            self._counters["snapshots_elided"] += 1
+            return
         ids = self.snapshots.ids
         recycled: int | None = None
         keep: list[tuple[int, int, bytes]] = []
@@ -649,7 +662,7 @@ class TieredKVCache(TierMoves):
             return
         self.states.snapshot(req.slot, out=self.snapshots.data[snap_id])
         self._counters["snapshots_taken"] += 1
-        if num_blocks % self.snapshot_interval == 0:
+        if interval:
             bt = self.layout.block_tokens
             self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt])
         else:

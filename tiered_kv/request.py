@@ -36,6 +36,10 @@ class Request:
     _pending: list[tuple[int, int, bytes]] = field(default_factory=list, repr=False)
     #: HiSparse: a host record reserved for the CSA part of the block being filled.
     _host_reserved: int | None = field(default=None, repr=False)
+    #: The furthest token count ``reserve`` was asked for: the engine will compute up to
+    #: here before it can close the request, so boundaries two or more blocks short of it
+    #: need no private snapshot (see ``TieredKVCache._snapshot_at_boundary``).
+    _reserved_to: int = field(default=0, repr=False)
 
     @property
     def num_tokens(self) -> int:
