@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from tiered_kv import TieredKVCache
+from tiered_kv.debug import SyncDetector
 from tiered_kv.hisparse import HiSparseConfig
-from tiered_kv.reference.serving import ServingLoop, Status, make_workload
+from tiered_kv.reference.serving import ServeRequest, ServingLoop, Status, make_workload
 from tiered_kv.storage import open_store
+
+from _util import random_tokens
 
 
 def check_no_leak(cache: TieredKVCache) -> None:
@@ -81,3 +84,58 @@ def test_serving_loop_churn(tmp_path: Path, tiny_layout, tiny_model, hisparse: b
             size = tiny_layout.block_bytes if key.kind is RecordKind.BLOCK else tiny_layout.snapshot_bytes
             assert store.get(key, bytearray(size)) is not None  # every record verifies
         assert store.stats()["corrupt"] == 0
+
+
+#: the cache calls a decode step of the serving loop makes (through the reference model)
+CACHE_CALLS = ("reserve", "write_csa", "write_hca", "read_indexer_keys", "read_csa", "swap_in", "read_hca",
+               "advance", "state")
+
+
+def watch_cache_calls(cache: TieredKVCache, owned: list) -> list[str]:
+    """Run every call into ``cache`` under a :class:`SyncDetector` (the reference model's own
+    compute outside them stays unwatched: it is the oracle, not the hot path). Returns the
+    names of the calls made; a host sync inside one raises."""
+    calls: list[str] = []
+    depth = [0]
+    for name in CACHE_CALLS:
+        def wrapper(*args, _orig=getattr(cache, name), _name=name, **kwargs):
+            if depth[0]:  # a call inside a watched call (read_csa -> swap_in) is already watched
+                return _orig(*args, **kwargs)
+            calls.append(_name)
+            depth[0] += 1
+            try:
+                with SyncDetector(cache.device, owned=owned):
+                    return _orig(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        setattr(cache, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("hisparse", [False, True], ids=["plain", "hisparse"])
+def test_a_decode_step_makes_no_host_sync_in_the_cache(tiny_layout, tiny_model, hisparse: bool) -> None:
+    """One full decode step of the serving loop (3 requests, one crossing a block boundary
+    so it seals), with every cache call under the sync detector."""
+    L = tiny_layout
+    extra = {"hisparse": HiSparseConfig(device_buffer_entries=2 * L.top_k)} if hisparse else {}
+    cache = TieredKVCache(L, num_blocks=16, num_state_slots=3, host_bytes=12 * L.block_bytes + 2 * L.snapshot_bytes,
+                          **extra)
+    loop = ServingLoop(tiny_model, cache, prefill_chunk=512)
+    prompts = [random_tokens(n, seed=20 + n) for n in (300, 2 * L.block_tokens - 1, 200)]  # #2 seals next step
+    for i, p in enumerate(prompts):
+        loop.submit(ServeRequest(rid=i, prompt=p, max_new_tokens=3))
+    loop.step()  # admit + prefill everything
+    assert all(r._req.num_tokens == len(r.prompt) for r in loop.running)
+    owned = [cache.classical.csa_kv, cache.classical.indexer, cache.classical.hca_kv, cache.states.swa,
+             cache.states.csa_tail, cache.states.idx_tail, cache.states.hca_tail, cache.snapshots.data,
+             cache.tables.device_table]
+    if hisparse:
+        owned += [cache.hisparse.buffer, cache.host.records]
+    calls = watch_cache_calls(cache, owned)
+    sealed = cache.stats()["blocks_sealed"]
+    loop.step()  # one decode token for each request
+    assert all(len(r.generated) == 1 for r in loop.running)
+    assert cache.stats()["blocks_sealed"] == sealed + 1  # the step sealed a block (hash, publish, mirror)
+    assert {"reserve", "write_csa", "read_indexer_keys", "read_csa", "advance"} <= set(calls)
+    if hisparse:
+        assert cache.hisparse.hits + cache.hisparse.misses > 0

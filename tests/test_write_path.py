@@ -12,16 +12,15 @@ import copy
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiered_kv import TieredKVCache, presets
+from tiered_kv.debug import HostSyncError, SyncDetector
 from tiered_kv.hisparse import HiSparseConfig
 from tiered_kv.reference import ReferenceModel
 from tiered_kv.reference.serving import ServingLoop, Status, make_workload
 
 from _util import FLASH_MINI, random_tokens
 
-aten = torch.ops.aten
 HOST = 1 << 20
 
 
@@ -209,71 +208,28 @@ def test_block_table_follows_open_reserve_close_and_grows(tiny_layout) -> None:
 
 
 # ------------------------------------------------------------ sync detector
-#: ops that make the host wait for a device (on CUDA) or read a value back to the host
-SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.nonzero, aten.nonzero_static,
-            aten.masked_select, aten.unique_consecutive, aten._unique, aten._unique2, aten.unique_dim,
-            aten.equal, aten.allclose}
-
-
-class SyncDetector(TorchDispatchMode):
-    """Records every dispatched op that needs a device value on the host (``.item()``,
-    ``nonzero``, ``unique``, boolean masks, ...) and every device -> host copy, and every
-    ``tolist()`` / ``numpy()`` of a tensor the cache owns."""
-
-    def __init__(self, owned: list[torch.Tensor] = ()) -> None:
-        super().__init__()
-        self.fired: list[str] = []
-        self._owned = {t.untyped_storage().data_ptr() for t in owned}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket in SYNC_OPS:
-            self.fired.append(str(func))
-        if func.overloadpacket in (aten._to_copy, aten.copy_, aten.to):
-            src = args[1] if func.overloadpacket is aten.copy_ else args[0]
-            dst_dev = args[0].device if func.overloadpacket is aten.copy_ else kwargs.get("device")
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_dev is not None \
-                    and torch.device(dst_dev).type == "cpu":
-                self.fired.append(f"{func} device -> host")
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        self._patched = {}
-        for name in ("tolist", "numpy", "item", "__int__", "__bool__", "__index__"):
-            orig = getattr(torch.Tensor, name)
-            self._patched[name] = orig
-
-            def wrapper(t, *a, _orig=orig, _name=name, **k):
-                if t.untyped_storage().data_ptr() in self._owned:
-                    self.fired.append(f"Tensor.{_name} of a cache tensor")
-                return _orig(t, *a, **k)
-
-            setattr(torch.Tensor, name, wrapper)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, orig in self._patched.items():
-            setattr(torch.Tensor, name, orig)
-        return super().__exit__(*exc)
-
-
 def cache_tensors(cache: TieredKVCache) -> list[torch.Tensor]:
     cp, st = cache.classical, cache.states
     return [cp.csa_kv, cp.indexer, cp.hca_kv, st.swa, st.csa_tail, st.idx_tail, st.hca_tail,
             cache.snapshots.data, cache.tables.device_table]
 
 
-def test_sync_detector_catches_syncs(tiny_layout) -> None:
+def test_sync_detector_flags_reads_of_cache_tensors_only(tiny_layout) -> None:
+    """With ``owned``, reads fire on the cache's tensors and on values computed from them,
+    never on host index tensors the caller passed."""
     cache = make_cache(tiny_layout)
-    with SyncDetector(cache_tensors(cache)) as d:
-        x = torch.arange(5)
-        _ = x.sum().item()
-        _ = (x > 2).nonzero()
-        _ = x[x > 1]
-        _ = cache.classical.hca_kv[0, 0, 0, :2].tolist()
-    assert any("_local_scalar_dense" in f for f in d.fired)
-    assert any("nonzero" in f for f in d.fired)
-    assert any("Tensor.tolist of a cache tensor" in f for f in d.fired)
+    host_ids = torch.arange(5)
+    with SyncDetector(cache.device, owned=cache_tensors(cache)) as d:
+        assert host_ids.tolist() == [0, 1, 2, 3, 4]  # host-side placement: allowed
+        with pytest.raises(HostSyncError, match="tolist"):
+            cache.classical.hca_kv[0, 0, 0, :2].tolist()
+        assert (host_ids > 2).nonzero().numel() == 2 and int(host_ids.max()) == 4  # host index math
+        derived = cache.classical.hca_kv[0, 0].sum(-1)  # a value computed from cache state
+        with pytest.raises(HostSyncError, match="nonzero"):
+            (derived > 2).nonzero()
+        with pytest.raises(HostSyncError):
+            int(derived[0])
+    assert len(d.fired) == 3
 
 
 def fill_step(cache: TieredKVCache, reqs, k: int, g: torch.Generator, cuda_sync_debug: bool = False) -> None:
@@ -292,7 +248,7 @@ def fill_step(cache: TieredKVCache, reqs, k: int, g: torch.Generator, cuda_sync_
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        with SyncDetector(cache_tensors(cache)) as d:
+        with SyncDetector(cache.device, owned=cache_tensors(cache)) as d:
             for r in reqs:
                 cache.reserve(r, bt)
             cache.write_csa(reqs, csa, ids, kv, keys)
@@ -330,7 +286,7 @@ def test_hisparse_batched_write_issues_no_sync(tiny_layout) -> None:
     g = torch.Generator().manual_seed(6)
     kv = random_bytes(g, L.num_csa_layers, 2, E, L.entry_bytes)
     keys = random_bytes(g, L.num_csa_layers, 2, E, L.indexer_bytes)
-    with SyncDetector(cache_tensors(cache) + [cache.hisparse.buffer]) as d:
+    with SyncDetector(cache.device, owned=cache_tensors(cache) + [cache.hisparse.buffer]) as d:
         cache.write_csa(reqs, L.csa_layers, torch.arange(E).expand(2, E), kv, keys)
         for r in reqs:
             cache.advance(r, [1] * 100)

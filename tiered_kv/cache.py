@@ -438,11 +438,15 @@ class TieredKVCache(TierMoves):
         if self.hisparse is None:
             return self.classical.csa_kv[c, blk, off]
         out = torch.empty(ids.numel(), self.layout.entry_bytes, dtype=torch.uint8, device=self.device)
+        # which ids are sealed is decided on the host (ids are host tensors): index lists,
+        # not boolean masks on device tensors, so nothing here waits for the device
         sealed = ids // E < req.num_sealed_blocks
-        if (~sealed).any():
-            out[~sealed] = self.classical.csa_kv[c, req.slot, off[~sealed]]
-        if sealed.any():
-            out[sealed] = self._swap_in(req, c, ids[sealed], blk[sealed], off[sealed])
+        in_open, in_sealed = (~sealed).nonzero().flatten(), sealed.nonzero().flatten()
+        if in_open.numel():
+            out.index_copy_(0, in_open.to(self.device), self.classical.csa_kv[c, req.slot, off[in_open]])
+        if in_sealed.numel():
+            out.index_copy_(0, in_sealed.to(self.device),
+                            self._swap_in(req, c, ids[in_sealed], blk[in_sealed], off[in_sealed]))
         return out
 
     def swap_in(self, request: Request, layer: int, entry_ids: torch.Tensor) -> torch.Tensor:

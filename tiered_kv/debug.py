@@ -41,7 +41,7 @@ class HostSyncError(AssertionError):
 _aten = torch.ops.aten
 #: aten overload packets that read device values back or produce data-dependent shapes
 _SYNCING_OPS = {
-    _aten._local_scalar_dense, _aten.item, _aten.equal, _aten.is_nonzero,
+    _aten._local_scalar_dense, _aten.item, _aten.equal, _aten.allclose, _aten.is_nonzero,
     _aten.nonzero, _aten.argwhere, _aten.masked_select,
     _aten.unique_dim, _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.unique_dim_consecutive,
 }
@@ -54,14 +54,35 @@ def _tensors(args: Iterable[Any]) -> list[torch.Tensor]:
     return [a for a in tree_leaves(list(args)) if isinstance(a, torch.Tensor)]
 
 
+class _Taint:
+    """Storages holding cache state, or values computed from it (``owned`` mode).
+
+    Outputs of an op with a tainted input are tainted too, and kept alive until the
+    detector exits so that a freed address is never reused by an untainted tensor."""
+
+    def __init__(self, owned: Iterable[torch.Tensor]) -> None:
+        self.ptrs = {t.untyped_storage().data_ptr() for t in owned}
+        self._keep: list[Any] = []
+
+    def has(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.ptrs
+
+    def spread(self, inputs: list[torch.Tensor], out: Any) -> None:
+        if any(self.has(t) for t in inputs):
+            outs = _tensors([out])
+            self.ptrs.update(t.untyped_storage().data_ptr() for t in outs)
+            self._keep.append(outs)
+
+
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, watch: torch.device, fired: list[str]) -> None:
+    def __init__(self, watch: torch.device, fired: list[str], taint: _Taint | None) -> None:
         super().__init__()
         self.watch = watch
         self.fired = fired
+        self.taint = taint
 
     def _watched(self, ts: list[torch.Tensor]) -> bool:
-        return any(t.device == self.watch for t in ts)
+        return any(t.device == self.watch and (self.taint is None or self.taint.has(t)) for t in ts)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -85,19 +106,26 @@ class _Dispatch(TorchDispatchMode):
         if why is not None:
             self.fired.append(why)
             raise HostSyncError(f"host sync under SyncDetector: {why}")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.taint is not None:
+            self.taint.spread(ts, out)
+        return out
 
 
 class _Function(TorchFunctionMode):
-    def __init__(self, watch: torch.device, fired: list[str]) -> None:
+    def __init__(self, watch: torch.device, fired: list[str], taint: _Taint | None) -> None:
         super().__init__()
         self.watch = watch
         self.fired = fired
+        self.taint = taint
+
+    def _flagged(self, t: torch.Tensor) -> bool:
+        return t.device == self.watch and (self.taint is None or self.taint.has(t))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _TENSOR_METHODS and args and isinstance(args[0], torch.Tensor) and args[0].device == self.watch:
+        if name in _TENSOR_METHODS and args and isinstance(args[0], torch.Tensor) and self._flagged(args[0]):
             why = f"Tensor.{name}() on a {self.watch} tensor"
             self.fired.append(why)
             raise HostSyncError(f"host sync under SyncDetector: {why}")
@@ -107,17 +135,28 @@ class _Function(TorchFunctionMode):
 class SyncDetector:
     """Context manager that raises :class:`HostSyncError` at the first host-syncing op on
     tensors of ``device`` (default: CUDA if available, else CPU). ``fired`` lists what
-    fired (also when the error was caught inside the block)."""
+    fired (also when the error was caught inside the block).
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    ``owned``: on the CPU, host-side index arithmetic (checking entry ids the caller
+    passed as host tensors) is legitimate and looks like a value read-back. Pass the
+    tensors that live on the device in a real deployment (pools, State, device tables,
+    HiSparse buffers and LRU state) and every check applies only to those storages and to
+    values computed from them (taint propagates through each op's outputs): the
+    detector then proves that nothing derived from device-resident cache state is read
+    back to the host or given a data-dependent shape, while host index math goes free.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", *, owned: Iterable[torch.Tensor] | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.fired: list[str] = []
+        self._owned = None if owned is None else list(owned)
         self._modes: tuple[_Function, _Dispatch] | None = None
 
     def __enter__(self) -> SyncDetector:
-        self._modes = (_Function(self.device, self.fired), _Dispatch(self.device, self.fired))
+        taint = None if self._owned is None else _Taint(self._owned)
+        self._modes = (_Function(self.device, self.fired, taint), _Dispatch(self.device, self.fired, taint))
         for mode in self._modes:
             mode.__enter__()
         return self
