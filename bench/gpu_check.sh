@@ -11,6 +11,10 @@
 #      swap-in latency (kernels.swap_in torch / cuda, HiSparseBuffers.swap_in end to end),
 #      and the batched swap-in per CSA layer (B = 1..64, eager and CUDA-graph replayed;
 #      one whole Flash decode step's 21 layers) with a PNG beside the JSON
+#   4. bench/write_path.py --device cuda --quick: host time per Flash block on the write path
+# With .whl/ present (bash bench/device_wheels.sh here, then carry .whl), lmdb and zarr are
+# installed into a temporary --target folder first, so the disk-backed gpu tests run too:
+#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # JSON goes to $OUT/gpu.json when OUT is set (the test log to $OUT/gpu_tests.log), else to
 # bench/results/gpu.json. Without CUDA the script says so and exits 0.
 #
@@ -24,7 +28,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 T_ENV=${T_ENV:-30}
 T_TESTS=${T_TESTS:-220}
-T_BENCH=${T_BENCH:-180}
+T_BENCH=${T_BENCH:-180}  # + 60 s for step 4: all steps stay under 8 minutes
 if [[ -n "${PYTHON:-}" ]]; then
     PY=$PYTHON
 elif [[ -x .venv/bin/python ]]; then
@@ -98,6 +102,17 @@ if [[ "${GPU_CHECK_SHIM:-0}" == 1 ]] || ! run_limited "$T_ENV" "$PY" -c 'import 
     ln -s "$ROOT/storage" "$SHIM/tiered_kv/storage"
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
     echo "tiered_kv: imported from this checkout through $SHIM (not pip-installed)"
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    # lmdb, zarr and their needs, downloaded by bench/device_wheels.sh and carried here
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/tiered_kv_site.XXXXXX")
+    if run_limited 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" .whl/*.whl; then
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+        echo "installed .whl/ into $SITE (on PYTHONPATH)"
+    else
+        echo "(installing .whl/ failed: the storage-backed gpu tests will not collect)"
+    fi
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then
     run_limited 10 nvidia-smi -L || echo "(nvidia-smi -L failed)"
@@ -173,13 +188,20 @@ run_limited "$T_BENCH" "$PY" bench/gpu_bench.py --out "$JSON"
 bench_rc=$?
 set -e
 
+step "4. write path on CUDA (host time per Flash block; timeout 60s)"
+set +e
+run_limited 60 "$PY" bench/write_path.py --device cuda --quick
+write_rc=$?
+set -e
+
 step "summary"
 describe() { case $1 in 0) echo ok ;; 124 | 137) echo "TIMED OUT (rc $1)" ;; *) echo "FAILED (rc $1)" ;; esac; }
 echo "gpu tests:  $(describe "$tests_rc")"
 echo "benchmarks: $(describe "$bench_rc")"
+echo "write path: $(describe "$write_rc")"
 if [[ -f "$JSON" ]]; then
     echo "results:    $JSON"
 fi
-if [[ $tests_rc -ne 0 || $bench_rc -ne 0 ]]; then
+if [[ $tests_rc -ne 0 || $bench_rc -ne 0 || $write_rc -ne 0 ]]; then
     exit 1
 fi
