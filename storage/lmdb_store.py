@@ -15,15 +15,36 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
               b"layout_fingerprint"               ascii
               b"record_bytes"                     u64 LE, sum of the accounted record sizes
               b"next_segment"                     u32 LE, the next segment id to hand out
+              b"segment_end:" + u32 BE segment    u64 LE, the segment is indexed below this offset
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
 
 Writes: a ``put_many`` stages its new records in an aligned buffer, appends them to this
-process's active segment (``O_DIRECT`` where the filesystem takes it, ``fdatasync``), then
-commits their index entries in one LMDB transaction (``sync=True, metasync=True``): durable
-when it returns, all-or-nothing on a crash. A crash between the two leaves unindexed bytes
-in a segment: misses, given back by :meth:`LmdbStore.gc`. Each writer process appends to
-its own segment (flock'ed), so writers never coordinate beyond LMDB's write lock.
+process's active segment (``O_DIRECT`` where the filesystem takes it), ``fdatasync``s the
+segment, then commits their index entries in one LMDB transaction (one data flush, no meta
+flush: see below). Each writer process appends to its own segment (flock'ed),
+so writers never coordinate beyond LMDB's write lock.
+
+Durability contract. The segment is the write-ahead log; the index is opened with
+``MDB_NOMETASYNC`` (``metasync=False``): a commit flushes its pages but not the meta page,
+which LMDB documents as keeping the database's integrity after an OS crash while possibly
+losing the last transaction (``MDB_NOSYNC`` is not used: without an order-preserving
+filesystem an OS crash could leave the meta page pointing at pages never written). Each
+index transaction stores ``segment_end`` of the segment it indexed into, so:
+
+- when ``put_many`` returns, its records survive kill -9, an OS crash and power loss: the
+  segment bytes are synced, and if the OS crash took the index transaction with it, the
+  records lie past ``segment_end`` and are recovered;
+- recovery (:meth:`LmdbStore._recover`, on a writable open and before ``gc`` /
+  ``verify(repair=True)`` reclaim space) scans each segment no writer holds from its
+  ``segment_end`` to its end and indexes every record that verifies (header, xxh3-128
+  checksum, fingerprint) and whose key is not indexed; torn or failing records never are;
+- a crash before ``put_many`` returns leaves each record of the batch indexed (and
+  durable), recovered, or a miss; the index never points at segment bytes that were not
+  synced, and every read verifies anyway;
+- other transactions (deletes, evictions, access times) survive kill -9 when they return;
+  an OS crash may undo the last one (the records it touched are then verified on read
+  like any other).
 
 Reads: one read transaction looks up every key; the records are then read in parallel
 (adjacent records of a segment in one transfer; from the page cache when it holds them,
@@ -93,7 +114,7 @@ from .record import (
     record_size,
     verify_record_parts,
 )
-from .segments import Location, ReadTask, SegmentFiles
+from .segments import ALIGN, Location, ReadTask, SegmentFiles
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 
@@ -109,6 +130,7 @@ _ACCESS_QUEUE_MAX = 4096
 
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
+_PAYLOAD_BYTES = struct.Struct("<Q")  # the header's last field
 _ATIME = struct.Struct("<QQ")   # last access ns, accounted record bytes
 _LRU_NS = struct.Struct(">Q")   # big-endian so that byte order is time order
 
@@ -122,6 +144,10 @@ _U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<IQQ16s")
 #: lifetime counters of every process that used the store: u64 LE each, StoreStats.NAMES order
 _M_COUNTERS = b"counters"
+#: + u32 BE segment id -> u64 LE: the segment's bytes below this offset are indexed (what
+#: is past it, when no writer holds the segment, is scanned and verified on open / gc)
+_M_SEGMENT_END = b"segment_end:"
+_U32BE = struct.Struct(">I")
 
 _REGISTRY = OpenRegistry()
 T = TypeVar("T")
@@ -132,6 +158,45 @@ def _close_env(env: lmdb.Environment, ident: tuple[int, int]) -> None:
         env.close()
     finally:
         _REGISTRY.release(ident)
+
+
+def _segment_end_key(seg: int) -> bytes:
+    return _M_SEGMENT_END + _U32BE.pack(seg)
+
+
+def _align_up(x: int) -> int:
+    return (x + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
+                  ) -> list[tuple[bytes, Location, bytes]]:
+    """The verified records of ``[start, size)`` of segment ``seg``: (key bytes, location,
+    checksum), in file order. Batches start 4 KiB-aligned and hold records back to back;
+    a record whose header parses but that fails a check is skipped (the next one follows
+    it), anything else (padding, a torn write, garbage) is skipped to the next 4 KiB."""
+    out: list[tuple[bytes, Location, bytes]] = []
+    pos = start
+    while pos + HEADER_BYTES + CHECKSUM_BYTES <= size:
+        head = os.pread(fd, HEADER_BYTES, pos)
+        try:
+            n = record_size(_PAYLOAD_BYTES.unpack_from(head, HEADER_BYTES - 8)[0])
+            parse_header(head, n)
+        except (CorruptRecordError, struct.error):
+            n = 0
+        if n == 0 or pos + n > size:
+            pos = _align_up(pos + 1)
+            continue
+        buf = np.frombuffer(os.pread(fd, n, pos), np.uint8)
+        if buf.nbytes == n:
+            try:
+                parsed = parse_header(buf, n)
+                key = RecordKey(parsed.kind, parsed.block_hash)
+                decode_record(buf, expect_key=key, expect_fingerprint=fingerprint)
+                out.append((key.to_bytes(), Location(seg, pos, n), buf[-CHECKSUM_BYTES:].tobytes()))
+            except CorruptRecordError:
+                pass
+        pos += n
+    return out
 
 
 def pack_entry(loc: Location, checksum: bytes) -> bytes:
@@ -205,7 +270,7 @@ class LmdbStore(BlockStore):
         ident = _REGISTRY.claim(self.path)
         try:
             self._env = lmdb.open(str(self.path), map_size=initial, subdir=True, readonly=readonly,
-                                  create=not readonly, max_dbs=4, mode=0o600, sync=True, metasync=True,
+                                  create=not readonly, max_dbs=4, mode=0o600, sync=True, metasync=False,
                                   writemap=False, map_async=False, readahead=True, meminit=True, lock=True)
         except BaseException:
             _REGISTRY.release(ident)
@@ -222,6 +287,15 @@ class LmdbStore(BlockStore):
                                       segment_bytes=segment_bytes, direct_io=direct_io,
                                       io_threads=io_threads, readonly=readonly)
         self._closed = False
+        self._recovered = 0
+        if not readonly:
+            try:
+                self._recover()
+            except StoreFullError:
+                pass  # no room to index them now: those records stay misses until a later open or gc
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ opening
     def _open_dbs(self) -> None:
@@ -317,6 +391,7 @@ class LmdbStore(BlockStore):
             raw = txn.get(_M_NEXT_SEGMENT, db=self._meta)
             seg = _U32.unpack(bytes(raw))[0] if raw is not None else 1
             txn.put(_M_NEXT_SEGMENT, _U32.pack(seg + 1), db=self._meta)
+            txn.put(_segment_end_key(seg), _U64.pack(0), db=self._meta)
             return seg
 
         return self._run(take, write=True)
@@ -458,28 +533,35 @@ class LmdbStore(BlockStore):
             first.setdefault(kb, i)
         new = [i for i, kb in enumerate(kbs) if first[kb] == i and (i not in present or i in corrupt_seen)]
         with self._segments.write_lock:
-            locs = self._append(items, sizes, new)
             taken = self._take_access()
+
+            def index(locs: dict[int, tuple[Location, bytes]], end: int | None
+                      ) -> tuple[list[bool], int, int, int, list[Location]]:
+                return self._run(lambda txn: self._index_puts(txn, items, kbs, sizes, seen, new, locs, taken, end),
+                                 write=True, need=8 << 10)
+
             try:
-                results, evicted, corrupt, written, freed = self._run(
-                    lambda txn: self._index_puts(txn, items, kbs, sizes, seen, new, locs, taken),
-                    write=True, need=8 << 10)
+                results, evicted, corrupt, written, freed = self._append(items, sizes, new, index)
             except BaseException:
                 self._restore_access(taken)
-                if locs:  # nothing indexed them: the active segment's tail goes back
-                    self._segments.rollback(min(loc.offset for loc, _ in locs.values()))
                 raise
         self._segments.punch(freed)
         self._stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
         return results
 
-    def _append(self, items: Sequence[PutItem], sizes: list[int], new: list[int]) -> dict[int, tuple[Location, bytes]]:
-        """Encode items ``new`` into the staging buffer and append them durably (under the
-        segment write lock); returns index -> (location, checksum)."""
+    def _append(self, items: Sequence[PutItem], sizes: list[int], new: list[int],
+                index: Callable[[dict[int, tuple[Location, bytes]], int | None], T]) -> T:
+        """Encode items ``new`` into the staging buffer, append them to the segment durably,
+        then index them with ``index(item index -> (location, checksum), batch end)``
+        (under the segment write lock; see SegmentFiles.append); returns what ``index``
+        returned."""
         if not new:
-            return {}
+            return index({}, None)
         lengths = [sizes[i] for i in new]
         checksums: list[bytes] = []
+
+        def index_batch(locs: list[Location], end: int) -> T:
+            return index({i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}, end)
 
         def fill(j: int, dst: np.ndarray) -> None:
             item = items[new[j]]
@@ -488,13 +570,12 @@ class LmdbStore(BlockStore):
             checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
 
         try:
-            locs = self._segments.append(lengths, fill)
+            return self._segments.append(lengths, fill, index_batch)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
                                      f"stored records are intact") from e
             raise
-        return {i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}
 
     def _corrupt_among(self, present: list[tuple[int, RecordKey, bytes]]) -> set[int]:
         """Which of the indexed records ``(index, key, index value)`` fail their checks."""
@@ -507,8 +588,12 @@ class LmdbStore(BlockStore):
 
     def _index_puts(self, txn: lmdb.Transaction, items: Sequence[PutItem], kbs: list[bytes], sizes: list[int],
                     seen: list[bytes | None], new: list[int], locs: dict[int, tuple[Location, bytes]],
-                    taken: dict[bytes, int]) -> tuple[list[bool], int, int, int, list[Location]]:
+                    taken: dict[bytes, int], end: int | None
+                    ) -> tuple[list[bool], int, int, int, list[Location]]:
         self._apply_access(txn, taken)
+        if locs and end is not None:  # the batch is indexed: a recovery scan starts past it
+            seg = next(iter(locs.values()))[0].segment
+            txn.put(_segment_end_key(seg), _U64.pack(end), db=self._meta)
         total = self._get_total(txn)
         freed: list[Location] = []
         results: list[bool] = []
@@ -730,6 +815,7 @@ class LmdbStore(BlockStore):
         out["segments"] = len(self._segments.segment_ids())
         out["segment_disk_bytes"] = self._segments.disk_bytes()
         out["direct_io"] = self._segments.direct_io
+        out["recovered_records"] = self._recovered
         return out
 
     def _maybe_flush_access_now(self) -> None:
@@ -806,8 +892,58 @@ class LmdbStore(BlockStore):
                 "corrupt_keys": [kb.hex() for kb, _ in bad], "accounted_bytes": accounted,
                 "actual_bytes": actual}
 
+    def _recover(self) -> int:
+        """Index the records that writers which died (kill -9, OS crash) appended past
+        their segments' indexed end: each segment no writer holds is scanned from its
+        ``segment_end`` to its end, every record verified (header, checksum, fingerprint)
+        and indexed unless its key is; then ``segment_end`` moves to the segment's end.
+        Runs on a writable open and before ``gc`` reclaims space. Returns how many records
+        were indexed."""
+        recovered = 0
+        for seg in self._segments.segment_ids():
+            with self._segments.sealed(seg) as fd:
+                if fd is None:
+                    continue
+                raw = self._run(lambda txn: None if (v := txn.get(_segment_end_key(seg), db=self._meta)) is None
+                                else bytes(v), write=False)
+                size = os.fstat(fd).st_size
+                if raw is None or _U64.unpack(raw)[0] >= size:
+                    continue  # fully indexed (or a segment of a store written before this scan)
+                try:
+                    found = _scan_segment(fd, seg, _U64.unpack(raw)[0], size, self.layout_fingerprint)
+                except OSError:
+                    continue  # unreadable (EIO): its records stay misses, the next open tries again
+                n, freed = self._run(lambda txn: self._index_recovered(txn, seg, found, size), write=True,
+                                     need=8 << 10)
+            self._segments.punch(freed)
+            recovered += n
+        self._recovered += recovered
+        return recovered
+
+    def _index_recovered(self, txn: lmdb.Transaction, seg: int, found: list[tuple[bytes, Location, bytes]],
+                         size: int) -> tuple[int, list[Location]]:
+        total = self._get_total(txn)
+        freed: list[Location] = []
+        n = 0
+        for kb, loc, checksum in found:
+            if loc.length > self.max_bytes or txn.get(kb, db=self._records) is not None:
+                continue  # write-once: an indexed key keeps its record
+            total, _ = self._evict_for(txn, total, loc.length, freed)
+            txn.put(kb, pack_entry(loc, checksum), db=self._records)
+            self._touch(txn, kb, self._now_ns(), size=loc.length)
+            total += loc.length
+            n += 1
+        txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
+        txn.put(_segment_end_key(seg), _U64.pack(size), db=self._meta)
+        return n, freed
+
     def _reclaim(self) -> dict[str, int]:
-        """Give back the segment space no index entry covers (see SegmentFiles.reclaim)."""
+        """Give back the segment space no index entry covers (see SegmentFiles.reclaim),
+        after indexing what dead writers left (see _recover)."""
+        try:
+            self._recover()
+        except StoreFullError:
+            pass
         def live(txn: lmdb.Transaction) -> dict[int, list[tuple[int, int]]]:
             out: dict[int, list[tuple[int, int]]] = {}
             for value in txn.cursor(db=self._records).iternext(keys=False, values=True):

@@ -16,9 +16,12 @@ unindexed ranges or unlink it when nothing in it is indexed.
 One batch is staged in a page-aligned buffer (records packed back to back, the batch
 padded to 4 KiB), space is reserved with ``posix_fallocate`` (a full disk is ENOSPC here,
 before anything is written), written with parallel ``pwrite``s (``O_DIRECT`` where the
-filesystem takes it: no page-cache copy and writeback), then ``fdatasync``. Only then does
-the store commit the index entries, so a crash leaves at most unindexed bytes at a
-segment's tail: misses, reclaimed by ``gc``.
+filesystem takes it: no page-cache copy and writeback), then ``fdatasync``ed; only then does
+the store commit the batch's index entries (see :meth:`SegmentFiles.append`).
+The segment is the store's write-ahead log: records are self-describing (header, xxh3-128
+checksum), so the bytes a dead writer appended past what the index covers can be scanned,
+verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
+not verify stays unindexed and ``gc`` gives it back.
 
 Reads: an extent (records adjacent in one segment) whose pages are (3/4 or more) in the
 page cache (``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
@@ -37,17 +40,20 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .base import fsync_dir, mkdir_private
 
 __all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
+
+T = TypeVar("T")
 
 #: Alignment of batches in a segment and of O_DIRECT transfers.
 ALIGN = 4096
@@ -258,6 +264,8 @@ class SegmentFiles:
     # ------------------------------------------------------------------ writes
     def _open_active(self) -> None:
         seg = self._new_id()
+        while self.file(seg).exists():  # an id whose allocation an OS crash undid: never reuse it
+            seg = self._new_id()
         path = self.file(seg)
         # Created and flock'ed under a temporary name, then renamed: a gc in another
         # process never sees this writer's segment unlocked.
@@ -302,12 +310,21 @@ class SegmentFiles:
     def write_lock(self) -> threading.Lock:
         return self._write_lock
 
-    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> list[Location]:
-        """Durably append records of ``lengths`` bytes to the active segment, back to back;
+    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None],
+               index: Callable[[list[Location], int], T]) -> T:
+        """Durably append records of ``lengths`` bytes to the active segment, back to back,
+        then index them; returns what ``index`` returned.
+
         ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
         Records are staged in order and each 4 KiB-aligned chunk is written as soon as it
-        is complete, while the next records are staged. Call under :attr:`write_lock`.
-        Raises OSError (ENOSPC: nothing was appended)."""
+        is complete, while the next records are staged. Once every byte is written and
+        ``fdatasync``ed, ``index(locations, batch_end)`` commits the index entries: the
+        index never points at bytes that are not durable. If a write, the sync or
+        ``index`` raises, the segment is cut back (nothing appended). Call under
+        :attr:`write_lock`. Raises OSError (ENOSPC: nothing was appended).
+
+        (Overlapping the sync with the index commit was measured slower here: 1.07-1.22
+        against 1.24-1.38 GB/s for batches of 16 Flash blocks.)"""
         total = sum(lengths)
         padded = _align_up(total)
         staged = self.staging(padded)
@@ -323,9 +340,9 @@ class SegmentFiles:
                 done += os.pwrite(fd, view[done:end], start + done)
 
         pending = []
+        pool = self.pool()
         try:
             self._reserve(fd, start, padded)  # ENOSPC here: nothing written
-            pool = self.pool()
             pos = sent = 0
             for j, n in enumerate(lengths):
                 fill(j, staged[pos:pos + n])
@@ -339,18 +356,43 @@ class SegmentFiles:
                 write(sent, padded)
             for f in pending:
                 f.result()
+            pending = []
             os.fdatasync(fd)
+            locs, off = [], start
+            for n in lengths:
+                locs.append(Location(self._active, off, n))
+                off += n
+            result = index(locs, start + padded)
         except BaseException:
             for f in pending:
                 f.exception()  # wait: no write may land after the rollback
             self.rollback(start)
             raise
         self._active_end = start + padded
-        locs, off = [], start
-        for n in lengths:
-            locs.append(Location(self._active, off, n))
-            off += n
-        return locs
+        return result
+
+    @contextmanager
+    def sealed(self, seg: int) -> Iterator[int | None]:
+        """Segment ``seg`` held sealed (an exclusive ``flock``: no writer appends to it, no
+        gc reclaims it meanwhile): yields a read fd, or None when it is this process's
+        active segment, another writer holds it, or it is gone."""
+        if seg == self._active:
+            yield None
+            return
+        try:
+            fd = os.open(self.file(seg), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield None
+                return
+            yield fd
+        finally:
+            os.close(fd)
 
     def _reserve(self, fd: int, offset: int, length: int) -> None:
         if not self._can_reserve:

@@ -6,6 +6,7 @@ reopened and must answer misses, never data, and give the space back on ``gc``.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -120,10 +121,10 @@ def _write_then_die(where: Path, ready) -> None:
     store.put_many([item_for(make_key(100 + i), N) for i in range(8)])
 
 
-def test_crash_between_segment_write_and_index_commit(tmp_path: Path) -> None:
-    """kill -9 after the segment bytes are durable but before the index commit: the
-    records are misses, the bytes are garbage that gc gives back."""
-    where = tmp_path / "s"
+def _leave_unindexed_tail(where: Path) -> Path:
+    """Two indexed records, then a writer killed (-9) after appending 8 more records
+    (keys 100..107, back to back from offset 0 of its own segment) and before their
+    index commit. Returns the dead writer's segment."""
     with LmdbStore(where, layout_fingerprint=FP) as store:
         store.put_many([item_for(make_key(i), N) for i in range(2)])
     ready = FORK.Event()
@@ -133,16 +134,88 @@ def test_crash_between_segment_write_and_index_commit(tmp_path: Path) -> None:
     assert proc.exitcode == -signal.SIGKILL and ready.is_set()
     segs = _segments(where)
     assert len(segs) == 2 and segs[1].stat().st_size >= 8 * ONE  # the dead writer's segment
+    return segs[1]
+
+
+def test_crash_between_segment_write_and_index_commit(tmp_path: Path) -> None:
+    """kill -9 after the segment bytes are written (the segment is the write-ahead log)
+    but before the index commit: a writable reopen scans the dead writer's tail,
+    verifies every record and indexes it; a readonly open sees misses."""
+    where = tmp_path / "s"
+    _leave_unindexed_tail(where)
+    keys = [make_key(100 + i) for i in range(8)]
+    with LmdbStore(where, layout_fingerprint=FP, readonly=True) as store:  # readonly: no recovery
+        assert store.get_many(keys, [np.empty(N, np.uint8) for _ in keys]) == [None] * 8
     with LmdbStore(where, layout_fingerprint=FP) as store:
-        outs = [np.empty(N, np.uint8) for _ in range(8)]
-        assert store.get_many([make_key(100 + i) for i in range(8)], outs) == [None] * 8
-        assert store.stats()["corrupt"] == 0 and len(store) == 2
-        before = store.stats()["segment_disk_bytes"]
+        assert store.stats()["recovered_records"] == 8
+        assert store.stats()["bytes"] == 10 * ONE and len(store) == 10
+        assert verify_all(store, sizes={make_key(i): N for i in [0, 1, *range(100, 108)]}) == 10
         r = store.gc(1 << 40)
-        assert r["evicted"] == 0 and r["segments_removed"] == 1
-        assert not segs[1].exists()
-        assert store.stats()["segment_disk_bytes"] <= before - 8 * ONE
-        assert verify_all(store, sizes={make_key(i): N for i in range(2)}) == 2
+        assert r["evicted"] == 0 and r["segments_removed"] == 0
+    with LmdbStore(where, layout_fingerprint=FP) as store:  # scanned once: nothing more to do
+        assert store.stats()["recovered_records"] == 0 and len(store) == 10
+
+
+def test_recovery_never_indexes_a_torn_tail(tmp_path: Path) -> None:
+    """The dead writer's segment cut mid-record (a torn write): the records before the cut
+    are indexed, the torn one and those after it are not."""
+    where = tmp_path / "s"
+    seg = _leave_unindexed_tail(where)
+    os.truncate(seg, 5 * ONE + HEADER_BYTES + 100)
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        assert store.stats()["recovered_records"] == 5
+        assert set(store) == {make_key(i) for i in [0, 1, *range(100, 105)]}
+        assert verify_all(store, sizes={make_key(i): N for i in [0, 1, *range(100, 105)]}) == 7
+        assert store.stats()["corrupt"] == 0
+
+
+def test_recovery_never_indexes_a_record_with_a_bad_checksum(tmp_path: Path) -> None:
+    """One payload byte of an unindexed record flipped: that record is skipped, its
+    neighbours (before and after it in the same batch) are indexed."""
+    where = tmp_path / "s"
+    seg = _leave_unindexed_tail(where)
+    with open(seg, "r+b") as f:
+        f.seek(3 * ONE + HEADER_BYTES + 1234)
+        byte = f.read(1)
+        f.seek(3 * ONE + HEADER_BYTES + 1234)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        assert store.stats()["recovered_records"] == 7
+        kept = [0, 1, *(100 + i for i in range(8) if i != 3)]
+        assert set(store) == {make_key(i) for i in kept}
+        assert verify_all(store, sizes={make_key(i): N for i in kept}) == 9
+
+
+def test_index_commits_flush_pages_but_not_the_meta_page(tmp_path: Path) -> None:
+    """MDB_NOMETASYNC (integrity kept after an OS crash, the last transaction recoverable
+    from the segments), never MDB_NOSYNC (an OS crash could corrupt the index)."""
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
+        flags = store._env.flags()
+        assert flags["sync"] is True and flags["metasync"] is False and flags["writemap"] is False
+
+
+def test_a_failed_segment_sync_indexes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segment fdatasync fails (EIO): put_many raises, nothing of the batch is
+    indexed (the index only ever points at synced bytes), its bytes are cut back, and
+    the next batch is stored."""
+    where = tmp_path / "s"
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        store.put_many([item_for(make_key(0), N)])
+
+        def eio(fd: int) -> None:
+            raise OSError(errno.EIO, "injected fdatasync failure")
+
+        monkeypatch.setattr(os, "fdatasync", eio)
+        with pytest.raises(OSError, match="injected"):
+            store.put_many([item_for(make_key(i), N) for i in (1, 2)])
+        monkeypatch.undo()
+        assert set(store) == {make_key(0)} and store.stats()["bytes"] == ONE
+        assert store.put_many([item_for(make_key(i), N) for i in (1, 2)]) == [True, True]
+        padded = [-(-n // ALIGN) * ALIGN for n in (ONE, 2 * ONE)]  # two batches, each 4 KiB-aligned
+        assert len(_segments(where)) == 1 and _segments(where)[0].stat().st_size == sum(padded)
+        assert verify_all(store, sizes={make_key(i): N for i in range(3)}) == 3
+    with LmdbStore(where, layout_fingerprint=FP) as store:  # not resurrected by the recovery scan
+        assert store.stats()["recovered_records"] == 0 and len(store) == 3
 
 
 def test_evicted_and_deleted_records_give_their_disk_space_back(tmp_path: Path) -> None:
