@@ -74,7 +74,7 @@ import numpy as np
 
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
-from .record import RecordKey, RecordKind, RecordMeta, as_byte_array
+from .record import RecordKey, RecordKind, RecordMeta, as_byte_array, write_segments
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
 
@@ -188,6 +188,7 @@ class StoreChain(BlockStore):
         self.max_bytes = near.max_bytes
         self.supports_multiprocess = near.supports_multiprocess
         self.supports_shared_writers = near.supports_shared_writers
+        self.supports_scatter_reads = near.supports_scatter_reads
         self.timeout_s = float(timeout_s)
         self.max_pending_uploads = max_pending_uploads
         self.upload_batch = upload_batch
@@ -296,13 +297,15 @@ class StoreChain(BlockStore):
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         check_open(self._closed, self.where)
-        keys, dsts, digests = self._check_get_args(keys, outs, token_digests)
-        metas = self._near.get_many(keys, dsts, token_digests=digests)
+        keys, dsts, digests = self._check_get_args(keys, outs, token_digests, scatter=True)
+        # (scatter lists go down as they are: level 0 reads into the pieces when it can)
+        metas = self._near.get_many(keys, [d[0] if len(d) == 1 else d for d in dsts], token_digests=digests)
         missing = [i for i, m in enumerate(metas) if m is None]
         for level in self._far:
             if not missing:
                 break
-            bufs = [np.empty(dsts[i].nbytes, dtype=np.uint8) for i in missing]  # private: see _call_far
+            bufs = [np.empty(sum(s.nbytes for s in dsts[i]), dtype=np.uint8)  # private: see _call_far
+                    for i in missing]
             want = [keys[i] for i in missing]
             want_digests = [digests[i] for i in missing]
             # Bound now: a call abandoned after the timeout may run after this loop moved on.
@@ -315,7 +318,7 @@ class StoreChain(BlockStore):
                 level.counters["hits"] += len(found)
                 level.counters["misses"] += len(missing) - len(found)
             for i, meta, buf in found:
-                np.copyto(dsts[i], buf)
+                write_segments(dsts[i], buf)
                 metas[i] = meta
             if found:
                 self._promote(level, found)

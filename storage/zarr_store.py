@@ -81,7 +81,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import BlockStore, PutItem, StoreStats, check_open, create_private_file, fsync_dir, mkdir_private
+from .base import (BlockStore, PutItem, StoreStats, check_open, create_private_file, fsync_dir, mkdir_private,
+                   scatter_via_temporaries)
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
 
 try:  # the object-store path needs obstore (the ``s3`` extra)
@@ -858,6 +859,7 @@ class ZarrStore(BlockStore):
         return self._objects.remove(_object_name(key))
 
     # ------------------------------------------------------------------ reads
+    @scatter_via_temporaries
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         check_open(self._closed, self.where)

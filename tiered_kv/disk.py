@@ -129,7 +129,9 @@ class DiskTier:
         or a record that failed verification, counted by the store).
 
         ``outs[i]``: a contiguous CPU uint8 tensor of the payload's size (pinned or not),
-        written in place; on a miss its contents are unspecified. Thread-safe.
+        or a scatter list (list of such tensors / uint8 numpy arrays, sizes adding up to
+        it: e.g. a pool block's rows), written in place; on a miss its contents are
+        unspecified. Thread-safe.
         """
         if not keys:
             return []
@@ -139,7 +141,7 @@ class DiskTier:
         with self._lock:
             self.reads += len(keys)
             self.read_hits += got
-            self.read_bytes += sum(int(o.numel()) for o, f in zip(outs, ok) if f)
+            self.read_bytes += sum(_nbytes(o) for o, f in zip(outs, ok) if f)
         return ok
 
     def read_async(self, keys: Sequence[Any], outs: Sequence[torch.Tensor],
@@ -182,3 +184,10 @@ class DiskTier:
             self._readers.shutdown(wait=True)
         if self._owns_store:
             self.store.close()
+
+
+def _nbytes(out: Any) -> int:
+    """Bytes of an out buffer: a uint8 tensor / array, or a scatter list of them."""
+    if isinstance(out, (list, tuple)):
+        return sum(_nbytes(o) for o in out)
+    return int(out.nbytes)
