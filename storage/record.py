@@ -214,6 +214,9 @@ def as_byte_array(buf: Any, *, writable: bool = False, name: str = "buffer") -> 
     return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
 
 
+_U8 = np.dtype(np.uint8)
+
+
 def as_out_segments(out: Any, *, name: str = "out") -> list[np.ndarray]:
     """An out buffer for a read as its list of writable 1-D uint8 views, in payload order.
 
@@ -223,11 +226,12 @@ def as_out_segments(out: Any, *, name: str = "out") -> list[np.ndarray]:
     if isinstance(out, (list, tuple)):
         segs = []
         for j, buf in enumerate(out):
-            if (type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1  # the fast path
-                    and buf.flags.c_contiguous and buf.flags.writeable):
-                segs.append(buf)
-            else:
-                segs.append(as_byte_array(buf, writable=True, name=f"{name}[{j}]"))
+            if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1:  # the fast path
+                flags = buf.flags  # (one flags object: building it is most of the check's cost)
+                if flags.c_contiguous and flags.writeable:
+                    segs.append(buf)
+                    continue
+            segs.append(as_byte_array(buf, writable=True, name=f"{name}[{j}]"))
         return segs
     return [as_byte_array(out, writable=True, name=name)]
 

@@ -471,7 +471,7 @@ class SegmentFiles:
         if not cached and len(ext) > 1:
             os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
         for t in ext:
-            t.ok = _preadv_all(fd, [t.header, *t.payload, t.tail], t.loc.offset) == t.loc.length
+            t.ok = _preadv_all(fd, [t.header, *t.payload, t.tail], t.loc.offset, t.loc.length) == t.loc.length
             if t.ok and then is not None:
                 then(t)
 
@@ -615,9 +615,10 @@ class SegmentFiles:
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
-def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int) -> int:
+def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int, want: int | None = None) -> int:
     """preadv until every buffer is full or end of file; returns the bytes read. More than
-    :data:`IOV_MAX` buffers are read ``IOV_MAX`` at a time."""
+    :data:`IOV_MAX` buffers are read ``IOV_MAX`` at a time. ``want``: the buffers' total
+    size when the caller knows it."""
     if len(bufs) > IOV_MAX:
         got = 0
         for i in range(0, len(bufs), IOV_MAX):
@@ -628,11 +629,12 @@ def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int) -> int:
             if n < want:
                 break
         return got
-    return _preadv_one(fd, bufs, offset)
+    return _preadv_one(fd, bufs, offset, want)
 
 
-def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int) -> int:
-    want = sum(b.nbytes for b in bufs)
+def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None = None) -> int:
+    if want is None:
+        want = sum(b.nbytes for b in bufs)
     got = os.preadv(fd, bufs, offset)  # the common case: all of it at once
     if got == want or got <= 0:
         return max(got, 0)

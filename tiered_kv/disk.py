@@ -137,11 +137,10 @@ class DiskTier:
             return []
         metas = self.store.get_many(list(keys), list(outs), token_digests=token_digests)
         ok = [m is not None for m in metas]
-        got = sum(ok)
         with self._lock:
             self.reads += len(keys)
-            self.read_hits += got
-            self.read_bytes += sum(_nbytes(o) for o, f in zip(outs, ok) if f)
+            self.read_hits += sum(ok)
+            self.read_bytes += sum(m.payload_bytes for m in metas if m is not None)
         return ok
 
     def read_async(self, keys: Sequence[Any], outs: Sequence[torch.Tensor],
@@ -184,10 +183,3 @@ class DiskTier:
             self._readers.shutdown(wait=True)
         if self._owns_store:
             self.store.close()
-
-
-def _nbytes(out: Any) -> int:
-    """Bytes of an out buffer: a uint8 tensor / array, or a scatter list of them."""
-    if isinstance(out, (list, tuple)):
-        return sum(_nbytes(o) for o in out)
-    return int(out.nbytes)
