@@ -297,7 +297,7 @@ def scatter_via_temporaries(get_many: GetMany) -> GetMany:
         pieces = {i: as_out_segments(o, name=f"outs[{i}]") for i, o in enumerate(outs)
                   if isinstance(o, (list, tuple))}
         for i, segs in pieces.items():
-            outs[i] = np.empty(sum(s.nbytes for s in segs), np.uint8)
+            outs[i] = np.empty(segs.nbytes, np.uint8)
         metas = get_many(self, keys, outs, token_digests=token_digests)
         for i, segs in pieces.items():
             if metas[i] is not None:

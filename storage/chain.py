@@ -304,8 +304,7 @@ class StoreChain(BlockStore):
         for level in self._far:
             if not missing:
                 break
-            bufs = [np.empty(sum(s.nbytes for s in dsts[i]), dtype=np.uint8)  # private: see _call_far
-                    for i in missing]
+            bufs = [np.empty(dsts[i].nbytes, dtype=np.uint8) for i in missing]  # private: see _call_far
             want = [keys[i] for i in missing]
             want_digests = [digests[i] for i in missing]
             # Bound now: a call abandoned after the timeout may run after this loop moved on.

@@ -107,6 +107,7 @@ from .record import (
     RecordKey,
     RecordMeta,
     as_byte_array,
+    as_out_segments,
     decode_record,
     encode_record_into,
     fingerprint_field,
@@ -679,8 +680,8 @@ class LmdbStore(BlockStore):
     # ------------------------------------------------------------------ reads
     def _read_verified(self, jobs: list[tuple[int, RecordKey, bytes, Any, bytes | None]]
                        ) -> tuple[dict[int, RecordMeta], list[int]]:
-        """Read and verify records. ``jobs``: (index, key, index value, out as a list of
-        uint8 arrays (a scatter list, often of one) or None, expected token digest).
+        """Read and verify records. ``jobs``: (index, key, index value, out as
+        :class:`~tiered_kv.storage.record.OutSegments` (a scatter list, often of one) or None, expected token digest).
         Returns index -> meta for the good ones and the indices that failed (read or
         check). ValueError: an out buffer of the wrong size for a valid record.
 
@@ -705,8 +706,8 @@ class LmdbStore(BlockStore):
                 if payload_bytes < 0 or not self._segments.holds(loc):
                     failed.append(i)
                     continue
-                out = [np.empty(payload_bytes, np.uint8)]
-            if payload_bytes < 0 or sum(seg.nbytes for seg in out) != payload_bytes:
+                out = as_out_segments(np.empty(payload_bytes, np.uint8))
+            if payload_bytes < 0 or out.nbytes != payload_bytes:
                 odd.append((i, key, loc, out, digest))
                 continue
             tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)]))
@@ -744,10 +745,9 @@ class LmdbStore(BlockStore):
             except CorruptRecordError:
                 failed.append(i)
                 continue
-            got = sum(seg.nbytes for seg in out)
-            if got != meta.payload_bytes:
+            if out.nbytes != meta.payload_bytes:
                 raise ValueError(f"out: expected {meta.payload_bytes} bytes (the stored payload of "
-                                 f"{key!r}), got {got}")
+                                 f"{key!r}), got {out.nbytes}")
             write_segments(out, whole[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes])
             metas[i] = meta
         return metas, sorted(failed)

@@ -58,6 +58,7 @@ __all__ = [
     "RecordKind",
     "RecordMeta",
     "as_byte_array",
+    "OutSegments",
     "as_out_segments",
     "decode_record",
     "encode_record",
@@ -217,7 +218,18 @@ def as_byte_array(buf: Any, *, writable: bool = False, name: str = "buffer") -> 
 _U8 = np.dtype(np.uint8)
 
 
-def as_out_segments(out: Any, *, name: str = "out") -> list[np.ndarray]:
+class OutSegments(list):
+    """The pieces of one out buffer: 1-D writable uint8 views, in payload order, and their
+    total size ``nbytes`` (counted once, as they are checked)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, segs: list[np.ndarray], nbytes: int) -> None:
+        super().__init__(segs)
+        self.nbytes = nbytes
+
+
+def as_out_segments(out: Any, *, name: str = "out") -> OutSegments:
     """An out buffer for a read as its list of writable 1-D uint8 views, in payload order.
 
     ``out``: one buffer (see :func:`as_byte_array`) -> one view; a list or tuple of buffers
@@ -225,15 +237,20 @@ def as_out_segments(out: Any, *, name: str = "out") -> list[np.ndarray]:
     """
     if isinstance(out, (list, tuple)):
         segs = []
+        n = 0
         for j, buf in enumerate(out):
             if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1:  # the fast path
                 flags = buf.flags  # (one flags object: building it is most of the check's cost)
                 if flags.c_contiguous and flags.writeable:
                     segs.append(buf)
+                    n += buf.size
                     continue
-            segs.append(as_byte_array(buf, writable=True, name=f"{name}[{j}]"))
-        return segs
-    return [as_byte_array(out, writable=True, name=name)]
+            seg = as_byte_array(buf, writable=True, name=f"{name}[{j}]")
+            segs.append(seg)
+            n += seg.size
+        return OutSegments(segs, n)
+    seg = as_byte_array(out, writable=True, name=name)
+    return OutSegments([seg], seg.size)
 
 
 def write_segments(segs: list[np.ndarray], src: np.ndarray) -> None:
