@@ -255,8 +255,7 @@ class TierMoves:
         """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch.
 
         Pipeline, ``resume_read_depth`` batches of ``resume_batch_blocks`` in flight on
-        the disk tier's reader threads (reading into CPU pools: batches of
-        ``resume_read_depth * resume_batch_blocks`` read in this thread, one copy each)::
+        the disk tier's reader threads::
 
             CUDA   reader threads:  read+verify b0 | read+verify b1 | read+verify b2 ...
                    this thread:                      H2D b0 (async)  | H2D b1 ...
@@ -300,7 +299,7 @@ class TierMoves:
             records; False when there are none now."""
             nonlocal next_lo, submitted
             a = next_lo
-            n = min(size * depth if into_pools else size, hi - a)
+            n = min(size, hi - a)
             hids: list[int] = []
             if ring is None and not into_pools:  # host records are the staging
                 hids = self._allocate_host_records(n)
@@ -313,15 +312,12 @@ class TierMoves:
             b = a + len(bids)
             keys = [record_key("block", h) for h in hashes[a:b]]
             digests = all_digests[a - lo:b - lo]
-            if into_pools:  # each record straight into its block's rows: nothing to copy after,
-                # so nothing to overlap: read here (no thread hand-offs, no GIL convoy); the
-                # store reads the cold extents of the call in parallel on its own I/O threads
-                done: Future[list[bool]] = Future()
-                try:
-                    done.set_result(self.disk.read_many(keys, [self._pool_pieces(bid) for bid in bids], digests))
-                except BaseException as e:  # handled as a reader's error would be
-                    done.set_exception(e)
-                inflight.append(_DiskBatch(a, b, -1, hids, bids, done))
+            if into_pools:  # each record straight into its block's rows: nothing to copy after
+                # (still on the reader threads: measured, several batches in flight read a
+                # cold disk ~1.4x faster than one batch at a time here, and hot no slower)
+                job = functools.partial(self.disk.read_many, keys, [self._pool_pieces(bid) for bid in bids],
+                                        digests)
+                inflight.append(_DiskBatch(a, b, -1, hids, bids, self.disk.run_reader(job)))
                 next_lo, submitted = b, submitted + 1
                 return True
             if ring is not None:
