@@ -38,7 +38,8 @@ index transaction stores ``segment_end`` of the segment it indexed into, so:
 - recovery (:meth:`LmdbStore._recover`, on a writable open and before ``gc`` /
   ``verify(repair=True)`` reclaim space) scans each segment no writer holds from its
   ``segment_end`` to its end and indexes every record that verifies (header, xxh3-128
-  checksum, fingerprint) and whose key is not indexed; torn or failing records never are;
+  checksum, fingerprint) and whose key is not indexed; torn or failing records never are
+  (a segment whose id allocation the index lost is scanned from 0; ids are never reused);
 - a crash before ``put_many`` returns leaves each record of the batch indexed (and
   durable), recovered, or a miss; the index never points at segment bytes that were not
   synced, and every read verifies anyway;
@@ -124,7 +125,7 @@ __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry
 #: inside LMDB (refused, see the module docstring).
 STORE_FORMAT_VERSION = 2
 DEFAULT_SEGMENT_BYTES = 256 << 20
-DEFAULT_IO_THREADS = 4
+DEFAULT_IO_THREADS = 8  # transfers in flight per call (1 MiB extents: 8 MiB deep)
 DEFAULT_MAX_BYTES = 64 << 30
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
@@ -921,13 +922,12 @@ class LmdbStore(BlockStore):
             with self._segments.sealed(seg) as fd:
                 if fd is None:
                     continue
-                raw = self._run(lambda txn: None if (v := txn.get(_segment_end_key(seg), db=self._meta)) is None
-                                else bytes(v), write=False)
+                start = self._run(lambda txn: self._indexed_end(txn, seg), write=False)
                 size = os.fstat(fd).st_size
-                if raw is None or _U64.unpack(raw)[0] >= size:
+                if start is None or start >= size:
                     continue  # fully indexed (or a segment of a store written before this scan)
                 try:
-                    found = _scan_segment(fd, seg, _U64.unpack(raw)[0], size, self.layout_fingerprint)
+                    found = _scan_segment(fd, seg, start, size, self.layout_fingerprint)
                 except OSError:
                     continue  # unreadable (EIO): its records stay misses, the next open tries again
                 n, freed = self._run(lambda txn: self._index_recovered(txn, seg, found, size), write=True,
@@ -936,6 +936,16 @@ class LmdbStore(BlockStore):
             recovered += n
         self._recovered += recovered
         return recovered
+
+    def _indexed_end(self, txn: lmdb.Transaction, seg: int) -> int | None:
+        """Where the recovery scan of segment ``seg`` starts: its ``segment_end``; 0 for a
+        segment whose id allocation the index lost (an OS crash: nothing can point into
+        it); None for a segment of a store written before segment ends were kept."""
+        raw = txn.get(_segment_end_key(seg), db=self._meta)
+        if raw is not None:
+            return _U64.unpack(bytes(raw))[0]
+        nxt = txn.get(_M_NEXT_SEGMENT, db=self._meta)
+        return 0 if nxt is not None and seg >= _U32.unpack(bytes(nxt))[0] else None
 
     def _index_recovered(self, txn: lmdb.Transaction, seg: int, found: list[tuple[bytes, Location, bytes]],
                          size: int) -> tuple[int, list[Location]]:

@@ -61,8 +61,10 @@ ALIGN = 4096
 _CHUNK = 2 << 20
 #: Extents of one read: adjacent records closer than this are read in one transfer...
 _MERGE_GAP = 64 << 10
-#: ...up to this many bytes (a batch of Flash blocks: several extents, read in parallel).
-_MAX_EXTENT = 2 << 20
+#: ...up to this many bytes (a batch of Flash blocks: several extents, read in parallel;
+#: 1 MiB against 2 MiB: 1.21-1.24 against 1.07 GB/s cold for batches of 16 Flash blocks here,
+#: each thread verifies one extent while the others' reads are in flight).
+_MAX_EXTENT = 1 << 20
 SEGMENT_SUFFIX = ".seg"
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
