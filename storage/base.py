@@ -29,26 +29,34 @@ for every backend):
 - **Processes.** Where ``supports_multiprocess`` is set, any number of processes may read
   and write one store at once; ``supports_shared_writers`` says they need no coordination.
 
-Out buffers: see :mod:`tiered_kv.storage.record`. On a miss the contents of an out buffer
-are unspecified (a backend may have streamed bytes into it before a check failed).
+Out buffers: see :mod:`tiered_kv.storage.record`. An out may be one buffer or a *scatter
+list* (a list or tuple of buffers whose sizes add up to the payload size, filled in
+order). Backends with native scatter reads (``supports_scatter_reads``: LMDB's segment
+files ``preadv`` straight into the pieces) copy the payload once; the others decorate
+their ``get_many`` with :func:`scatter_via_temporaries` (read into one temporary, then copy
+into the pieces). On a miss the contents of an out buffer are unspecified (a backend may
+have streamed bytes into it before a check failed).
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
 
 from ..prefix import HASH_BYTES
 from .errors import StoreError, StoreLockedError
-from .record import RecordKey, RecordMeta, as_byte_array, record_parts
+from .record import RecordKey, RecordMeta, as_byte_array, as_out_segments, record_parts, write_segments
 
-__all__ = ["BlockStore", "PutItem", "StoreStats"]
+__all__ = ["BlockStore", "PutItem", "StoreStats", "scatter_via_temporaries"]
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -133,6 +141,8 @@ class BlockStore(abc.ABC):
     supports_shared_writers: bool = False
     #: Reads copy straight out of a memory map (no read() into a bounce buffer).
     supports_mmap_reads: bool = False
+    #: ``get_many`` reads a scatter-list out straight into its pieces (no temporary).
+    supports_scatter_reads: bool = False
 
     layout_fingerprint: str
     max_bytes: int | None
@@ -158,7 +168,8 @@ class BlockStore(abc.ABC):
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         """Read each record's payload into the matching out buffer.
 
-        ``outs[i]``: writable buffer of exactly the stored payload size (else ValueError).
+        ``outs[i]``: writable buffer of exactly the stored payload size (else ValueError), or
+        a scatter list of buffers whose sizes add up to it, filled in order.
         ``token_digests[i]``, when not None, must equal the record's token digest. Returns
         the record's metadata, or None for a miss (absent or failed a check).
         """
@@ -245,10 +256,15 @@ class BlockStore(abc.ABC):
 
     @staticmethod
     def _check_get_args(keys: Sequence[RecordKey], outs: Sequence[Any],
-                        token_digests: Sequence[bytes | None] | None) -> tuple[list[RecordKey], list[Any],
-                                                                                list[bytes | None]]:
+                        token_digests: Sequence[bytes | None] | None, *, scatter: bool = False
+                        ) -> tuple[list[RecordKey], list[Any], list[bytes | None]]:
+        """Validated ``(keys, outs, token digests)``. Each out becomes a 1-D uint8 view, or
+        with ``scatter=True`` (a backend with native scatter reads) a list of them."""
         keys = list(keys)
-        outs = [as_byte_array(o, writable=True, name=f"outs[{i}]") for i, o in enumerate(outs)]
+        if scatter:
+            outs = [as_out_segments(o, name=f"outs[{i}]") for i, o in enumerate(outs)]
+        else:
+            outs = [as_byte_array(o, writable=True, name=f"outs[{i}]") for i, o in enumerate(outs)]
         if len(outs) != len(keys):
             raise ValueError(f"outs: expected one buffer per key ({len(keys)}), got {len(outs)}")
         for i, k in enumerate(keys):
@@ -261,6 +277,34 @@ class BlockStore(abc.ABC):
             if d is not None and (not isinstance(d, (bytes, bytearray)) or len(d) != HASH_BYTES):
                 raise ValueError(f"token_digests[{i}]: expected None or {HASH_BYTES} bytes, got {d!r}")
         return keys, outs, digests
+
+
+GetMany = TypeVar("GetMany", bound=Callable[..., list[Any]])
+
+
+def scatter_via_temporaries(get_many: GetMany) -> GetMany:
+    """Scatter-list outs for a backend without native scatter reads (Zarr, S3).
+
+    Decorates a ``get_many(self, keys, outs, *, token_digests=None)`` that takes single
+    buffers: each scatter-list out is replaced by one temporary of the pieces' total
+    size (a wrong total is then the backend's own ValueError), and a hit's payload is
+    copied from it into the pieces. Other outs pass through untouched.
+    """
+    @functools.wraps(get_many)
+    def wrapper(self: BlockStore, keys: Sequence[RecordKey], outs: Sequence[Any], *,
+                token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
+        outs = list(outs)
+        pieces = {i: as_out_segments(o, name=f"outs[{i}]") for i, o in enumerate(outs)
+                  if isinstance(o, (list, tuple))}
+        for i, segs in pieces.items():
+            outs[i] = np.empty(segs.nbytes, np.uint8)
+        metas = get_many(self, keys, outs, token_digests=token_digests)
+        for i, segs in pieces.items():
+            if metas[i] is not None:
+                write_segments(segs, outs[i])
+        return metas
+
+    return wrapper  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------ shared machinery

@@ -100,7 +100,7 @@ import numpy as np
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
-from .record import RecordKey, RecordKind, RecordMeta, as_byte_array
+from .record import RecordKey, RecordKind, RecordMeta, as_byte_array, write_segments
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
 
@@ -230,6 +230,7 @@ class StoreChain(BlockStore):
         self.max_bytes = near.max_bytes
         self.supports_multiprocess = near.supports_multiprocess
         self.supports_shared_writers = near.supports_shared_writers
+        self.supports_scatter_reads = near.supports_scatter_reads
         self.timeout_s = float(timeout_s)
         self.max_pending_uploads = max_pending_uploads
         self.upload_batch = upload_batch
@@ -406,8 +407,9 @@ class StoreChain(BlockStore):
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         check_open(self._closed, self.where)
-        keys, dsts, digests = self._check_get_args(keys, outs, token_digests)
-        metas = self._near.get_many(keys, dsts, token_digests=digests)
+        keys, dsts, digests = self._check_get_args(keys, outs, token_digests, scatter=True)
+        # (scatter lists go down as they are: level 0 reads into the pieces when it can)
+        metas = self._near.get_many(keys, [d[0] if len(d) == 1 else d for d in dsts], token_digests=digests)
         missing = [i for i, m in enumerate(metas) if m is None]
         for level in self._far:
             if not missing:
@@ -425,7 +427,7 @@ class StoreChain(BlockStore):
                 level.counters["hits"] += len(found)
                 level.counters["misses"] += len(missing) - len(found)
             for i, meta, buf in found:
-                np.copyto(dsts[i], buf)
+                write_segments(dsts[i], buf)
                 metas[i] = meta
             if found:
                 self._promote(level, found)

@@ -108,12 +108,14 @@ from .record import (
     RecordKey,
     RecordMeta,
     as_byte_array,
+    as_out_segments,
     decode_record,
     encode_record_into,
     fingerprint_field,
     parse_header,
     record_size,
     verify_record_parts,
+    write_segments,
 )
 from .segments import ALIGN, Location, ReadTask, SegmentFiles
 
@@ -228,6 +230,7 @@ class LmdbStore(BlockStore):
     supports_multiprocess = True
     supports_shared_writers = True
     supports_mmap_reads = False  # records are pread (page cache or O_DIRECT) into the out buffers
+    supports_scatter_reads = True  # one preadv per record: header, every piece, checksum
 
     def __init__(self, path: str | os.PathLike[str], *, layout_fingerprint: str,
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
@@ -678,10 +681,13 @@ class LmdbStore(BlockStore):
     # ------------------------------------------------------------------ reads
     def _read_verified(self, jobs: list[tuple[int, RecordKey, bytes, Any, bytes | None]]
                        ) -> tuple[dict[int, RecordMeta], list[int]]:
-        """Read and verify records. ``jobs``: (index, key, index value, out uint8 array or
-        None, expected token digest). Returns index -> meta for the good ones and the
-        indices that failed (read or check). ValueError: an out buffer of the wrong size
-        for a valid record."""
+        """Read and verify records. ``jobs``: (index, key, index value, out as
+        :class:`~tiered_kv.storage.record.OutSegments` (a scatter list, often of one) or None, expected token digest).
+        Returns index -> meta for the good ones and the indices that failed (read or
+        check). ValueError: an out buffer of the wrong size for a valid record.
+
+        An index entry whose length does not fit in its segment file (torn, or corrupt:
+        e.g. an absurd length) fails without allocating anything of that size."""
         fp = self.layout_fingerprint
         tasks: list[ReadTask] = []
         heads = np.empty((len(jobs), HEADER_BYTES), np.uint8)
@@ -698,7 +704,10 @@ class LmdbStore(BlockStore):
             info[i] = (key, checksum, digest)
             payload_bytes = loc.length - HEADER_BYTES - CHECKSUM_BYTES
             if out is None:
-                out = np.empty(max(payload_bytes, 0), np.uint8)
+                if payload_bytes < 0 or not self._segments.holds(loc):
+                    failed.append(i)
+                    continue
+                out = as_out_segments(np.empty(payload_bytes, np.uint8))
             if payload_bytes < 0 or out.nbytes != payload_bytes:
                 odd.append((i, key, loc, out, digest))
                 continue
@@ -724,22 +733,30 @@ class LmdbStore(BlockStore):
             else:
                 metas[t.index] = t.result
         for i, key, loc, out, digest in odd:  # stored size differs from the out buffer's
-            whole = np.empty(max(loc.length, 0), np.uint8)
-            task = ReadTask(i, loc, whole[:0], whole, whole[:0])
+            if not self._segments.holds(loc):  # never allocate what an entry claims unchecked
+                failed.append(i)
+                continue
+            whole = np.empty(loc.length, np.uint8)
+            task = ReadTask(i, loc, whole[:0], [whole], whole[:0])
             self._segments.read([task])
             try:
                 if not task.ok:
                     raise CorruptRecordError(RecordCheck.TRUNCATED, "record bytes could not be read")
-                metas[i] = decode_record(whole, expect_key=key, expect_fingerprint=fp, expect_token_digest=digest,
-                                         out=out)
+                meta = decode_record(whole, expect_key=key, expect_fingerprint=fp, expect_token_digest=digest)
             except CorruptRecordError:
                 failed.append(i)
+                continue
+            if out.nbytes != meta.payload_bytes:
+                raise ValueError(f"out: expected {meta.payload_bytes} bytes (the stored payload of "
+                                 f"{key!r}), got {out.nbytes}")
+            write_segments(out, whole[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes])
+            metas[i] = meta
         return metas, sorted(failed)
 
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         check_open(self._closed, str(self.path))
-        keys, dsts, digests = self._check_get_args(keys, outs, token_digests)
+        keys, dsts, digests = self._check_get_args(keys, outs, token_digests, scatter=True)
         kbs = [key.to_bytes() for key in keys]
         values = self._run(lambda txn: [None if (v := txn.get(kb, db=self._records)) is None else bytes(v)
                                         for kb in kbs], write=False)

@@ -27,7 +27,9 @@ nothing stored is ever executed or unpickled: the payload is copied as raw bytes
 Buffers: a *payload* may be any C-contiguous bytes-like object, numpy array or CPU torch
 tensor (its bytes are taken as they are). An *out* buffer for a read is a writable
 C-contiguous bytearray, memoryview, numpy array or CPU torch tensor (pinned or not) whose
-size in bytes equals the payload length.
+size in bytes equals the payload length, or a *scatter list*: a list or tuple of such
+buffers whose sizes add up to the payload length, filled in order (e.g. the rows of a
+pool a block's parts live in: the payload lands there with no staging copy).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ __all__ = [
     "RecordKind",
     "RecordMeta",
     "as_byte_array",
+    "OutSegments",
+    "as_out_segments",
     "decode_record",
     "encode_record",
     "encode_record_into",
@@ -64,6 +68,7 @@ __all__ = [
     "record_parts",
     "record_size",
     "verify_record_parts",
+    "write_segments",
 ]
 
 MAGIC = b"TKVR"
@@ -210,6 +215,53 @@ def as_byte_array(buf: Any, *, writable: bool = False, name: str = "buffer") -> 
     return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
 
 
+_U8 = np.dtype(np.uint8)
+
+
+class OutSegments(list):
+    """The pieces of one out buffer: 1-D writable uint8 views, in payload order, and their
+    total size ``nbytes`` (counted once, as they are checked)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, segs: list[np.ndarray], nbytes: int) -> None:
+        super().__init__(segs)
+        self.nbytes = nbytes
+
+
+def as_out_segments(out: Any, *, name: str = "out") -> OutSegments:
+    """An out buffer for a read as its list of writable 1-D uint8 views, in payload order.
+
+    ``out``: one buffer (see :func:`as_byte_array`) -> one view; a list or tuple of buffers
+    (a scatter list) -> one view each (``name[j]`` in errors). Never copies.
+    """
+    if isinstance(out, (list, tuple)):
+        segs = []
+        n = 0
+        for j, buf in enumerate(out):
+            if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1:  # the fast path
+                flags = buf.flags  # (one flags object: building it is most of the check's cost)
+                if flags.c_contiguous and flags.writeable:
+                    segs.append(buf)
+                    n += buf.size
+                    continue
+            seg = as_byte_array(buf, writable=True, name=f"{name}[{j}]")
+            segs.append(seg)
+            n += seg.size
+        return OutSegments(segs, n)
+    seg = as_byte_array(out, writable=True, name=name)
+    return OutSegments([seg], seg.size)
+
+
+def write_segments(segs: list[np.ndarray], src: np.ndarray) -> None:
+    """Copy ``src`` (1-D uint8) into the scatter list ``segs``, in order (sizes must add up)."""
+    off = 0
+    for seg in segs:
+        n = seg.nbytes
+        np.copyto(seg, src[off:off + n])
+        off += n
+
+
 # ------------------------------------------------------------------ encoding
 def _pack_header(*, key: RecordKey, parent_hash: bytes, token_digest: bytes,
                  layout_fingerprint: str, payload_bytes: int) -> bytes:
@@ -314,10 +366,15 @@ def verify_record_parts(header: Any, payload: Any, checksum: Any, *, parsed: Rec
     """Checksum and identity checks of a record read in parts (header, payload, checksum).
 
     ``parsed`` is :func:`parse_header` of ``header``; ``payload`` is the payload as read
-    (possibly already in the caller's out buffer).
+    (possibly already in the caller's out buffer), one buffer or a list of them in order
+    (a scatter list: hashed segment by segment, never concatenated).
     """
     h = xxhash.xxh3_128(memoryview(header)[:HEADER_BYTES])
-    h.update(payload)
+    if isinstance(payload, list):
+        for seg in payload:
+            h.update(seg)
+    else:
+        h.update(payload)
     got = h.digest()
     if got != bytes(checksum):
         raise CorruptRecordError(RecordCheck.CHECKSUM,

@@ -166,15 +166,16 @@ class Location:
 class ReadTask:
     """One record to read: its location and where its parts go.
 
-    ``header``: ``[HEADER_BYTES] uint8``; ``payload``: the caller's out buffer (uint8 view);
-    ``tail``: ``[CHECKSUM_BYTES] uint8``. ``ok``: filled in by the read (False: the bytes
+    ``header``: ``[HEADER_BYTES] uint8``; ``payload``: the caller's out buffer as a list of
+    1-D uint8 views filled in order (a scatter list; often one); ``tail``:
+    ``[CHECKSUM_BYTES] uint8``. ``ok``: filled in by the read (False: the bytes
     could not be read, e.g. the segment is gone).
     """
 
     index: int
     loc: Location
     header: np.ndarray
-    payload: np.ndarray
+    payload: list[np.ndarray]
     tail: np.ndarray
     ok: bool = False
     result: Any = None
@@ -472,9 +473,18 @@ class SegmentFiles:
         if not cached and len(ext) > 1:
             os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
         for t in ext:
-            t.ok = _preadv_all(fd, [t.header, t.payload, t.tail], t.loc.offset) == t.loc.length
+            t.ok = _preadv_all(fd, [t.header, *t.payload, t.tail], t.loc.offset, t.loc.length) == t.loc.length
             if t.ok and then is not None:
                 then(t)
+
+    def holds(self, loc: Location) -> bool:
+        """Whether ``loc`` lies within its segment file as it is now (False: the file is
+        gone, or an index entry claims bytes past its end, e.g. an absurd length)."""
+        try:
+            return loc.offset >= 0 and loc.length >= 0 and \
+                loc.end <= os.fstat(self._fd(loc.segment, direct=False)).st_size
+        except OSError:
+            return False
 
     def _cached(self, fd: int, offset: int, length: int) -> bool:
         """Whether the page cache holds (at least 3/4 of) the range: then a buffered read
@@ -498,10 +508,13 @@ class SegmentFiles:
             a = t.loc.offset - lo
             if a + t.loc.length > got:
                 continue  # past the end of the file: torn, a miss
-            h, p = t.header.nbytes, t.payload.nbytes
+            h = t.header.nbytes
             t.header[:] = buf[a:a + h]
-            np.copyto(t.payload, buf[a + h:a + h + p])
-            t.tail[:] = buf[a + h + p:a + t.loc.length]
+            a += h
+            for seg in t.payload:  # the scatter list, piece by piece
+                np.copyto(seg, buf[a:a + seg.nbytes])
+                a += seg.nbytes
+            t.tail[:] = buf[a:t.loc.offset - lo + t.loc.length]
             t.ok = True
             if then is not None:
                 then(t)
@@ -600,9 +613,30 @@ class SegmentFiles:
                 cache.clear()
 
 
-def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int) -> int:
-    """preadv until every buffer is full or end of file; returns the bytes read."""
-    want = sum(b.nbytes for b in bufs)
+#: Buffers one ``preadv`` takes at most (the kernel's UIO_MAXIOV).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int, want: int | None = None) -> int:
+    """preadv until every buffer is full or end of file; returns the bytes read. More than
+    :data:`IOV_MAX` buffers are read ``IOV_MAX`` at a time. ``want``: the buffers' total
+    size when the caller knows it."""
+    if len(bufs) > IOV_MAX:
+        got = 0
+        for i in range(0, len(bufs), IOV_MAX):
+            group = bufs[i:i + IOV_MAX]
+            want = sum(b.nbytes for b in group)
+            n = _preadv_one(fd, group, offset + got)
+            got += n
+            if n < want:
+                break
+        return got
+    return _preadv_one(fd, bufs, offset, want)
+
+
+def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None = None) -> int:
+    if want is None:
+        want = sum(b.nbytes for b in bufs)
     got = os.preadv(fd, bufs, offset)  # the common case: all of it at once
     if got == want or got <= 0:
         return max(got, 0)

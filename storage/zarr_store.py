@@ -79,7 +79,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import BlockStore, PutItem, StoreStats, check_open
+from .base import BlockStore, PutItem, StoreStats, check_open, scatter_via_temporaries
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
 from .record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
 from .zarr_api import ZarrApiObjects
@@ -370,6 +370,7 @@ class ZarrStore(BlockStore):
         return self._objects.remove(object_name(key))
 
     # ------------------------------------------------------------------ reads
+    @scatter_via_temporaries
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
         check_open(self._closed, self.where)

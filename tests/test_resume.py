@@ -22,13 +22,16 @@ from test_disk_tier import _fill, _flip_lmdb_record
 TOKENS = random_tokens(900, seed=21)
 
 
-def _small_batches(cache: TieredKVCache, *, copy_engine: bool = False) -> TieredKVCache:
+def _small_batches(cache: TieredKVCache, *, copy_engine: bool = False, staging: bool = False) -> TieredKVCache:
     """2 blocks per batch, 2 in flight; ``copy_engine``: the CUDA path's split on CPU (the
-    reader threads only read, this thread loads through the copy engine)."""
+    reader threads only read, this thread loads through the copy engine); ``staging``:
+    through the staging ring rather than straight into the CPU pools."""
     cache.resume_batch_blocks = 2
     cache.resume_read_depth = 2
     if copy_engine:
         cache.resume_copy_on_readers = False
+    if staging:
+        cache.resume_read_into_pools = False
     return cache
 
 
@@ -180,9 +183,10 @@ def write_random_prompt(cache: TieredKVCache, tokens: list[int], seed: int) -> t
 
 
 def _resume_and_compare(url: str, layout, tokens: list[int], records: list[torch.Tensor], snap: torch.Tensor,
-                        device: str, host_bytes: int | None, copy_engine: bool = False) -> None:
+                        device: str, host_bytes: int | None, copy_engine: bool = False,
+                        staging: bool = False) -> None:
     with _small_batches(TieredKVCache(layout, device=device, num_blocks=8, num_state_slots=1, store=url,
-                                      host_bytes=host_bytes), copy_engine=copy_engine) as cache:
+                                      host_bytes=host_bytes), copy_engine=copy_engine, staging=staging) as cache:
         req = cache.open(tokens + [1])
         assert req.num_cached_tokens == len(records) * layout.block_tokens
         assert cache.stats()["blocks_from_disk"] == len(records)
@@ -203,11 +207,20 @@ def _random_prompt_store(tmp_path: Path, layout) -> tuple[str, list[int], list[t
 @pytest.mark.parametrize("copy_engine", [False, True], ids=["readers-copy", "copy-engine"])
 @pytest.mark.parametrize("host_bytes", [None, 8 << 20], ids=["no-host", "host"])
 def test_resumed_bytes_equal_what_was_written(tmp_path: Path, host_bytes: int | None, copy_engine: bool) -> None:
-    """Byte-exact on the fp8_ds_mla records path, CPU."""
+    """Byte-exact on the fp8_ds_mla records path, CPU (no host tier, readers-copy: read
+    straight into the pools through scatter lists)."""
     from _util import FLASH_MINI
 
     url, tokens, records, snap = _random_prompt_store(tmp_path, FLASH_MINI)
     _resume_and_compare(url, FLASH_MINI, tokens, records, snap, "cpu", host_bytes, copy_engine)
+
+
+def test_resumed_bytes_through_the_cpu_staging_ring(tmp_path: Path) -> None:
+    """``resume_read_into_pools = False``: the staging ring path on CPU stays byte-exact."""
+    from _util import FLASH_MINI
+
+    url, tokens, records, snap = _random_prompt_store(tmp_path, FLASH_MINI)
+    _resume_and_compare(url, FLASH_MINI, tokens, records, snap, "cpu", None, staging=True)
 
 
 @pytest.mark.gpu

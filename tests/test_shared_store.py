@@ -171,6 +171,28 @@ def test_chain_reads_nearest_first_and_promotes_far_hits(near: LmdbStore, far: F
         assert chain.stats()["uploads"] == 0  # a promoted record is not sent back where it came from
 
 
+def test_chain_scatter_outs_from_level0_and_from_a_far_level(near: LmdbStore, far: Faulty) -> None:
+    """Scatter-list outs: level 0 (LMDB) reads into the pieces; a far hit is copied into
+    them from its private buffer and promoted whole; a wrong total is a ValueError."""
+    k_near, k_far = make_key(11), make_key(12)
+    near.put_many([item_for(k_near, N)])
+    far.inner.put_many([item_for(k_far, N)])
+    with _chain(near, far) as chain:
+        assert chain.supports_scatter_reads
+        outs = [[np.empty(N // 3, np.uint8), np.empty(N - N // 3, np.uint8)],
+                [np.empty(7, np.uint8), np.empty(N - 7, np.uint8)]]
+        metas = chain.get_many([k_near, k_far], outs)
+        assert all(m is not None for m in metas)
+        for key, out in zip((k_near, k_far), outs):
+            np.testing.assert_array_equal(np.concatenate(out), payload_for(key, N))
+        assert chain.wait_uploads(5) and near.contains(k_far)
+        whole = _out()
+        assert near.get(k_far, whole) is not None
+        np.testing.assert_array_equal(whole, payload_for(k_far, N))
+        with pytest.raises(ValueError, match=f"out: expected {N} bytes"):
+            chain.get(k_near, [np.empty(N - 1, np.uint8)])
+
+
 def test_chain_put_writes_level0_now_and_far_in_background(near: LmdbStore, far: Faulty) -> None:
     keys = [make_key(i, salt=b"up") for i in range(20)]
     with _chain(near, far, upload_batch=4) as chain:

@@ -139,17 +139,18 @@ class DiskTier:
         or a record that failed verification, counted by the store).
 
         ``outs[i]``: a contiguous CPU uint8 tensor of the payload's size (pinned or not),
-        written in place; on a miss its contents are unspecified. Thread-safe.
+        or a scatter list (list of such tensors / uint8 numpy arrays, sizes adding up to
+        it: e.g. a pool block's rows), written in place; on a miss its contents are
+        unspecified. Thread-safe.
         """
         if not keys:
             return []
         metas = self.store.get_many(list(keys), list(outs), token_digests=token_digests)
         ok = [m is not None for m in metas]
-        got = sum(ok)
         with self._lock:
             self.reads += len(keys)
-            self.read_hits += got
-            self.read_bytes += sum(int(o.numel()) for o, f in zip(outs, ok) if f)
+            self.read_hits += sum(ok)
+            self.read_bytes += sum(m.payload_bytes for m in metas if m is not None)
         return ok
 
     def read_async(self, keys: Sequence[Any], outs: Sequence[torch.Tensor],

@@ -346,3 +346,75 @@ def test_a_refused_batch_gives_its_segment_bytes_back(tmp_path: Path) -> None:
                 stored.extend(keys)
         assert _segments(where)[-1].stat().st_size == 0
         assert set(store) == set(stored) and verify_all(store, sizes=sizes) == len(stored)
+
+
+def _rewrite_entry(path: Path, key, **change: int) -> None:
+    """Replace fields of ``key``'s index entry (segment, offset, length) in place."""
+    from dataclasses import replace
+
+    from tiered_kv.storage.lmdb_store import pack_entry
+
+    env = lmdb.open(str(path), max_dbs=4, lock=False)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"records", txn=txn, create=False)
+            loc, checksum = unpack_entry(txn.get(key.to_bytes(), db=db))
+            txn.put(key.to_bytes(), pack_entry(replace(loc, **change), checksum), db=db)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("length", [2**56, ONE + 2 * ALIGN, 10])
+def test_index_entry_with_an_absurd_length_is_a_counted_miss(tmp_path: Path, length: int) -> None:
+    """A corrupt index entry claiming 64 PiB (or just past the segment's end, or less than
+    a header) is a miss counted as corrupt: nothing of that size is allocated."""
+    where = tmp_path / "s"
+    keys = [make_key(i) for i in range(2)]
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        store.put_many([item_for(k, N) for k in keys])
+    _rewrite_entry(where, keys[1], length=length)
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        for out in (np.empty(N, np.uint8), [np.empty(N // 2, np.uint8), np.empty(N - N // 2, np.uint8)]):
+            if store.contains(keys[1]):
+                assert store.get(keys[1], out) is None
+        s = store.stats()
+        assert (s["misses"], s["corrupt"]) == (1, 1) and not store.contains(keys[1])
+        assert store.put_many([item_for(keys[1], N)]) == [True]
+        assert verify_all(store, sizes={k: N for k in keys}) == 2
+
+
+def test_verify_counts_an_absurd_index_entry(tmp_path: Path) -> None:
+    where = tmp_path / "s"
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        store.put_many([item_for(make_key(i), N) for i in range(2)])
+    _rewrite_entry(where, make_key(0), length=2**56)
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        got = store.verify(repair=True)
+        assert (got["checked"], got["corrupt"], got["removed"]) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_scatter_reads_of_cold_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    """The cold paths (O_DIRECT into the bounce buffer, then piece by piece; buffered
+    preadv after WILLNEED) fill scatter lists exactly and catch a bad payload."""
+    from tiered_kv.storage.segments import SegmentFiles
+
+    monkeypatch.setattr(SegmentFiles, "_cached", lambda self, fd, offset, length: False)
+    where = tmp_path / "s"
+    keys = [make_key(i) for i in range(4)]
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        store.put_many([item_for(k, N) for k in keys])
+    f, off, _ = _locate(where, keys[2])
+    with open(f, "r+b") as fh:  # one bit of record 2's payload
+        fh.seek(off + HEADER_BYTES + N - 3)
+        b = fh.read(1)
+        fh.seek(off + HEADER_BYTES + N - 3)
+        fh.write(bytes([b[0] ^ 0x01]))
+    with LmdbStore(where, layout_fingerprint=FP, direct_io=direct) as store:
+        outs = [[np.empty(n, np.uint8) for n in (7, 0, N - 1007, 1000)] for _ in keys]
+        metas = store.get_many(keys, outs)
+        assert [m is not None for m in metas] == [True, True, False, True]
+        for k, out, m in zip(keys, outs, metas):
+            if m is not None:
+                np.testing.assert_array_equal(np.concatenate(out), payload_for(k, N))
+        assert store.stats()["corrupt"] == 1

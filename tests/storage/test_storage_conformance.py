@@ -167,6 +167,70 @@ class StoreConformance:
                 got = np.frombuffer(out, np.uint8) if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
             np.testing.assert_array_equal(got, expected)
 
+    # ----------------------------------------------------------- scatter-list outs
+    def test_scatter_outs_byte_exact(self, store: BlockStore) -> None:
+        """An out may be a list of buffers (filled in order): mixed types, empty pieces,
+        and more pieces than one preadv takes (IOV_MAX = 1024)."""
+        sizes = [0, 1, 4096, 65_537, 492_832]
+        keys = [make_key(i) for i in range(len(sizes))]
+        store.put_many([item_for(k, n) for k, n in zip(keys, sizes)])
+
+        def pieces(n: int, count: int) -> list[Any]:
+            cuts = sorted(random.Random(n + count).sample(range(n + 1), min(count, n + 1) - 1)) if n else []
+            bounds = [0, *cuts, n]
+            kinds = [lambda m: np.full(m, 0xAA, np.uint8), lambda m: torch.full((m,), 0x55, dtype=torch.uint8),
+                     bytearray]
+            return [kinds[j % 3](b - a) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))] + [bytearray(0)]
+
+        def joined(out: list[Any]) -> bytes:
+            return b"".join(bytes(p.numpy()) if isinstance(p, torch.Tensor) else bytes(p) for p in out)
+
+        outs = [pieces(n, 3) for n in sizes]
+        outs[-1] = pieces(sizes[-1], 1500)  # > IOV_MAX pieces in one record
+        outs[-2] = tuple(pieces(sizes[-2], 7))
+        metas = store.get_many(keys, outs, token_digests=[digest_for(k) for k in keys])
+        for key, n, out, meta in zip(keys, sizes, outs, metas):
+            assert meta is not None and meta.payload_bytes == n
+            assert joined(list(out)) == payload_for(key, n).tobytes()
+        # a pool block's rows: strided pieces of one 2-D array, the way open() reads into a pool
+        n = 4096
+        pool = np.zeros((4, 3, n // 4), np.uint8)  # [layers, blocks, bytes]
+        assert store.get(keys[2], list(pool[:, 1])) is not None
+        np.testing.assert_array_equal(pool[:, 1].reshape(-1), payload_for(keys[2], n))
+        assert not pool[:, [0, 2]].any()  # the other blocks untouched
+
+    def test_scatter_out_wrong_total_raises(self, store: BlockStore) -> None:
+        key = make_key(2)
+        store.put_many([item_for(key, 1000)])
+        with pytest.raises(ValueError, match="out: expected 1000 bytes"):
+            store.get(key, [np.empty(500, np.uint8), np.empty(499, np.uint8)])
+        with pytest.raises(ValueError, match="out: expected 1000 bytes"):
+            store.get(key, [bytearray(1000), bytearray(1)])
+        with pytest.raises(ValueError, match="writable"):
+            store.get(key, [bytearray(500), bytes(500)])
+        with pytest.raises(ValueError, match="contiguous"):
+            store.get(key, [torch.empty(2000, dtype=torch.uint8)[::2]])
+        out = [np.empty(300, np.uint8), np.empty(700, np.uint8)]
+        assert store.get(key, out) is not None  # nothing was harmed
+        np.testing.assert_array_equal(np.concatenate(out), payload_for(key, 1000))
+        assert store.stats()["corrupt"] == 0
+
+    @pytest.mark.parametrize("mutation", ["payload_bitflip", "checksum", "truncated", "payload_length"])
+    def test_scatter_out_of_a_corrupt_record_is_a_counted_miss(self, where: Any, mutation: str) -> None:
+        key, n = make_key(7), 3000
+        with self.open(where) as s:
+            s.put_many([item_for(key, n), item_for(make_key(8), n)])
+        good = self.raw_read(where, key)
+        self.raw_write(where, key, _mutations(good, key)[mutation])
+        with self.open(where) as s:
+            outs = [[np.empty(1000, np.uint8), np.empty(n - 1000, np.uint8)], [np.empty(n, np.uint8)]]
+            metas = s.get_many([key, make_key(8)], outs)
+            assert metas[0] is None and metas[1] is not None
+            st_ = s.stats()
+            assert (st_["hits"], st_["misses"], st_["corrupt"]) == (1, 1, 1)
+            assert not s.contains(key)
+            np.testing.assert_array_equal(outs[1][0], payload_for(make_key(8), n))
+
     def test_put_payload_types(self, store: BlockStore) -> None:
         n = 1024
         payloads = {0: bytes(payload_for(make_key(0), n)), 1: bytearray(payload_for(make_key(1), n)),
