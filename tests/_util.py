@@ -13,6 +13,18 @@ FLASH_MINI = KVLayout(name="flash-mini", layer_kinds=(LayerKind.SWA_ONLY, LayerK
                       entry_format=EntryFormat.FP8_DS_MLA, head_dim=512, indexer_dim=128, indexer_bytes=132, top_k=8)
 
 
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The tensors a :class:`~tiered_kv.TieredKVCache` keeps on its device in a real
+    deployment (pools, State, snapshots, block tables; with HiSparse its buffer and the
+    pinned host records it reads): what ``SyncDetector(owned=...)`` watches on a CPU."""
+    cp, st = cache.classical, cache.states
+    out = [cp.csa_kv, cp.indexer, cp.hca_kv, st.swa, st.csa_tail, st.idx_tail, st.hca_tail,
+           cache.snapshots.data, cache.tables.device_table]
+    if cache.hisparse is not None:
+        out += [cache.hisparse.buffer, cache.host.records]
+    return out
+
+
 def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()

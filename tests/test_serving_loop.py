@@ -17,7 +17,7 @@ from tiered_kv.hisparse import HiSparseConfig
 from tiered_kv.reference.serving import ServeRequest, ServingLoop, Status, make_workload
 from tiered_kv.storage import open_store
 
-from _util import random_tokens
+from _util import cache_tensors, random_tokens
 
 
 def check_no_leak(cache: TieredKVCache) -> None:
@@ -126,12 +126,7 @@ def test_a_decode_step_makes_no_host_sync_in_the_cache(tiny_layout, tiny_model, 
         loop.submit(ServeRequest(rid=i, prompt=p, max_new_tokens=3))
     loop.step()  # admit + prefill everything
     assert all(r._req.num_tokens == len(r.prompt) for r in loop.running)
-    owned = [cache.classical.csa_kv, cache.classical.indexer, cache.classical.hca_kv, cache.states.swa,
-             cache.states.csa_tail, cache.states.idx_tail, cache.states.hca_tail, cache.snapshots.data,
-             cache.tables.device_table]
-    if hisparse:
-        owned += [cache.hisparse.buffer, cache.host.records]
-    calls = watch_cache_calls(cache, owned)
+    calls = watch_cache_calls(cache, cache_tensors(cache))
     sealed = cache.stats()["blocks_sealed"]
     loop.step()  # one decode token for each request
     assert all(len(r.generated) == 1 for r in loop.running)

@@ -19,7 +19,7 @@ from tiered_kv.hisparse import HiSparseConfig
 from tiered_kv.reference import ReferenceModel
 from tiered_kv.reference.serving import ServingLoop, Status, make_workload
 
-from _util import FLASH_MINI, random_tokens
+from _util import FLASH_MINI, cache_tensors, random_tokens
 
 HOST = 1 << 20
 
@@ -208,12 +208,6 @@ def test_block_table_follows_open_reserve_close_and_grows(tiny_layout) -> None:
 
 
 # ------------------------------------------------------------ sync detector
-def cache_tensors(cache: TieredKVCache) -> list[torch.Tensor]:
-    cp, st = cache.classical, cache.states
-    return [cp.csa_kv, cp.indexer, cp.hca_kv, st.swa, st.csa_tail, st.idx_tail, st.hca_tail,
-            cache.snapshots.data, cache.tables.device_table]
-
-
 def test_sync_detector_flags_reads_of_cache_tensors_only(tiny_layout) -> None:
     """With ``owned``, reads fire on the cache's tensors and on values computed from them,
     never on host index tensors the caller passed."""
@@ -286,7 +280,7 @@ def test_hisparse_batched_write_issues_no_sync(tiny_layout) -> None:
     g = torch.Generator().manual_seed(6)
     kv = random_bytes(g, L.num_csa_layers, 2, E, L.entry_bytes)
     keys = random_bytes(g, L.num_csa_layers, 2, E, L.indexer_bytes)
-    with SyncDetector(cache.device, owned=cache_tensors(cache) + [cache.hisparse.buffer]) as d:
+    with SyncDetector(cache.device, owned=cache_tensors(cache)) as d:
         cache.write_csa(reqs, L.csa_layers, torch.arange(E).expand(2, E), kv, keys)
         for r in reqs:
             cache.advance(r, [1] * 100)
