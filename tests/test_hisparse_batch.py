@@ -16,7 +16,6 @@ import torch
 
 from tiered_kv import TieredKVCache, kernels
 from tiered_kv.debug import HostSyncError, SyncDetector
-from tiered_kv.device import cuda_available
 from tiered_kv.hisparse import HiSparseBuffers, HiSparseConfig
 from tiered_kv.kernels import cuda_ops
 

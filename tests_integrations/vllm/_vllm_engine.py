@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import time
 import uuid
 from collections.abc import Sequence

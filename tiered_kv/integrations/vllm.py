@@ -96,7 +96,7 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from ..storage import BlockStore, PutItem, RecordKey, StoreError, StoreFullError, open_store
+from ..storage import BlockStore, PutItem, RecordKey, StoreFullError, open_store
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
