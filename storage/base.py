@@ -54,7 +54,7 @@ import numpy as np
 
 from ..prefix import HASH_BYTES
 from .errors import StoreError, StoreLockedError
-from .record import RecordKey, RecordMeta, as_byte_array, as_out_segments, record_parts, write_segments
+from .record import RecordKey, RecordMeta, as_byte_array, as_out_segments, payload_views, record_parts, write_segments
 
 __all__ = ["BlockStore", "PutItem", "StoreStats", "scatter_via_temporaries"]
 
@@ -64,7 +64,9 @@ class PutItem:
     """One record to store.
 
     ``payload``: the block or snapshot bytes: bytes-like, numpy array or CPU torch tensor
-    (C-contiguous; its raw bytes are stored). ``parent_hash``: the previous block's hash
+    (C-contiguous; its raw bytes are stored), or a list or tuple of them, the pieces of
+    one payload in order (stored back to back; the LMDB store encodes them straight from
+    where they are). ``payload_bytes``: its size. ``parent_hash``: the previous block's hash
     (``h_{i-1}``); ``token_digest``: :func:`tiered_kv.prefix.token_digest` of the block's
     own token ids. Both 32 bytes.
     """
@@ -73,6 +75,7 @@ class PutItem:
     parent_hash: bytes
     token_digest: bytes
     payload: Any
+    payload_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, RecordKey):
@@ -83,7 +86,8 @@ class PutItem:
                 got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else repr(value)
                 raise ValueError(f"{name}: expected {HASH_BYTES} bytes, got {got}")
             object.__setattr__(self, name, bytes(value))
-        as_byte_array(self.payload, name="payload")  # validates type and contiguity
+        # validates type and contiguity (of each piece)
+        object.__setattr__(self, "payload_bytes", payload_views(self.payload)[1])
 
     def parts(self, layout_fingerprint: str) -> tuple[bytes, Any, bytes]:
         """``(header, payload view, checksum)`` of this item's record."""

@@ -100,7 +100,7 @@ import numpy as np
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
-from .record import RecordKey, RecordKind, RecordMeta, as_byte_array, write_segments
+from .record import RecordKey, RecordKind, RecordMeta, write_segments
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
 
@@ -323,7 +323,7 @@ class StoreChain(BlockStore):
         items = self._check_put_items(items)
         if not self._far:
             return self._near.put_many(items)
-        sizes = [as_byte_array(item.payload, name="payload").nbytes for item in items]
+        sizes = [item.payload_bytes for item in items]
         keys = [item.key for item in items]
         with self._writing_keys(keys):
             # The journal's commit (its fsync) runs beside level 0's write, not after it: the
@@ -477,13 +477,13 @@ class StoreChain(BlockStore):
             if self._journal is not None and between:
                 self._journal_done(self._journal_io.submit(
                     self._journal.add, [level.journal_name for level in between],
-                    [(item.key, as_byte_array(item.payload).nbytes) for item in items]), len(items))
+                    [(item.key, item.payload_bytes) for item in items]), len(items))
             with self._cond:
                 self._counters["promotions"] += len(items)
                 self._levels[0].counters["promotions_in"] += len(items)
                 for level in between:
                     for item in items:
-                        self._enqueue(level, item.key, as_byte_array(item.payload).nbytes)
+                        self._enqueue(level, item.key, item.payload_bytes)
 
     def contains(self, key: RecordKey) -> bool:
         check_open(self._closed, self.where)

@@ -84,6 +84,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -101,13 +102,13 @@ from .base import (
     mkdir_private,
 )
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
+from .group_commit import REQUEUE, FaultPoint, GroupCommit
 from .record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
     HEADER_BYTES,
     RecordKey,
     RecordMeta,
-    as_byte_array,
     as_out_segments,
     decode_record,
     encode_record_into,
@@ -117,7 +118,7 @@ from .record import (
     verify_record_parts,
     write_segments,
 )
-from .segments import ALIGN, Location, ReadTask, SegmentFiles
+from .segments import ALIGN, Appended, Location, ReadTask, SegmentFiles
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 
@@ -127,6 +128,9 @@ STORE_FORMAT_VERSION = 2
 DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_IO_THREADS = 8  # transfers in flight per call (1 MiB extents: 8 MiB deep)
 DEFAULT_MAX_BYTES = 64 << 30
+#: A group commit's leader appends concurrent writers' batches up to about this many bytes
+#: in one segment batch (one sync, one index commit).
+DEFAULT_MAX_GROUP_BYTES = 64 << 20
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
 _ACCESS_QUEUE_MAX = 4096
@@ -202,6 +206,27 @@ def _scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
     return out
 
 
+@dataclass(eq=False, slots=True)
+class _PutBatch:
+    """One ``put_many`` call on its way through the group commit: its items, the index
+    values seen before (``seen``), which items are new records (``new``); filled in by the
+    append stage: each new record's checksum and ``locs`` (item index -> location,
+    checksum)."""
+
+    items: list[PutItem]
+    kbs: list[bytes]
+    sizes: list[int]
+    seen: list[bytes | None]
+    new: list[int]
+    checksums: list[bytes] = field(default_factory=list)
+    locs: dict[int, tuple[Location, bytes]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the new records (what this batch appends)."""
+        return sum(self.sizes[i] for i in self.new)
+
+
 def pack_entry(loc: Location, checksum: bytes) -> bytes:
     """The ``records`` value of a record stored at ``loc``."""
     return _ENTRY.pack(loc.segment, loc.offset, loc.length, checksum)
@@ -225,6 +250,8 @@ class LmdbStore(BlockStore):
     stay; access times are not recorded). ``segment_bytes``: a writer starts a new segment
     file past this size. ``direct_io``: O_DIRECT segment writes and cold reads (None: where
     the filesystem accepts it). ``io_threads``: parallel transfers of one call.
+    ``max_group_bytes``: concurrent ``put_many`` calls of this process's threads are
+    appended, synced and indexed together up to about this many bytes (group commit).
     """
 
     supports_multiprocess = True
@@ -236,11 +263,11 @@ class LmdbStore(BlockStore):
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
                  initial_map_size: int | None = None, access_flush_s: float = 5.0,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
-                 io_threads: int = DEFAULT_IO_THREADS) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS, max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES) -> None:
         fingerprint_field(layout_fingerprint)
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size),
                             ("initial_map_size", initial_map_size), ("segment_bytes", segment_bytes),
-                            ("io_threads", io_threads)):
+                            ("io_threads", io_threads), ("max_group_bytes", max_group_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.path = Path(os.path.abspath(path))
@@ -290,6 +317,9 @@ class LmdbStore(BlockStore):
         self._segments = SegmentFiles(self.path / "segments", new_segment_id=self._new_segment_id,
                                       segment_bytes=segment_bytes, direct_io=direct_io,
                                       io_threads=io_threads, readonly=readonly)
+        self._commits: GroupCommit[_PutBatch, Appended | None] = GroupCommit(
+            append=self._append_group, commit=self._commit_group, max_group_bytes=max_group_bytes,
+            closed_error=lambda: StoreError(f"{self.path}: store is closed"))
         self._closed = False
         self._recovered = 0
         if not readonly:
@@ -516,18 +546,31 @@ class LmdbStore(BlockStore):
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        """See :meth:`BlockStore.put_many`. Concurrent calls of this process's threads
+        share one segment sync and one index commit (see group_commit.py); each returns
+        once its own records are synced and indexed."""
         check_open(self._closed, str(self.path))
         self._check_writable()
         items = self._check_put_items(items)
         if not items:
             return []
-        sizes = [record_size(as_byte_array(item.payload, name="payload").nbytes) for item in items]
+        batch = self._prepare_put(items)
+        results, evicted, corrupt, written, freed = self._commits.submit(batch, batch.nbytes)
+        self._segments.punch(freed)
+        self._stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
+        return results
+
+    def _prepare_put(self, items: list[PutItem]) -> _PutBatch:
+        """What one ``put_many`` writes, worked out in the caller's thread: record sizes,
+        which keys are new (an indexed key keeps its record if it verifies: write-once;
+        a corrupt one is replaced), the index values seen. StoreFullError: a record
+        larger than ``max_bytes``."""
+        sizes = [record_size(item.payload_bytes) for item in items]
         for item, size in zip(items, sizes):
             if size > self.max_bytes:
                 raise StoreFullError(f"{self.path}: record {item.key!r} of {size} bytes is larger "
                                      f"than max_bytes={self.max_bytes}")
         kbs = [item.key.to_bytes() for item in items]
-        # Keys already indexed: kept if their record verifies (write-once), replaced if not.
         seen = self._run(lambda txn: [txn.get(kb, db=self._records) for kb in kbs], write=False)
         seen = [bytes(v) if v is not None else None for v in seen]
         present = {i for i, v in enumerate(seen) if v is not None}
@@ -536,50 +579,104 @@ class LmdbStore(BlockStore):
         for i, kb in enumerate(kbs):
             first.setdefault(kb, i)
         new = [i for i, kb in enumerate(kbs) if first[kb] == i and (i not in present or i in corrupt_seen)]
-        with self._segments.write_lock:
-            taken = self._take_access()
+        return _PutBatch(items, kbs, sizes, seen, new)
 
-            def index(locs: dict[int, tuple[Location, bytes]], end: int | None
-                      ) -> tuple[list[bool], int, int, int, list[Location]]:
-                return self._run(lambda txn: self._index_puts(txn, items, kbs, sizes, seen, new, locs, taken, end),
-                                 write=True, need=8 << 10)
-
-            try:
-                results, evicted, corrupt, written, freed = self._append(items, sizes, new, index)
-            except BaseException:
-                self._restore_access(taken)
-                raise
-        self._segments.punch(freed)
-        self._stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
-        return results
-
-    def _append(self, items: Sequence[PutItem], sizes: list[int], new: list[int],
-                index: Callable[[dict[int, tuple[Location, bytes]], int | None], T]) -> T:
-        """Encode items ``new`` into the staging buffer, append them to the segment durably,
-        then index them with ``index(item index -> (location, checksum), batch end)``
-        (under the segment write lock; see SegmentFiles.append); returns what ``index``
-        returned."""
-        if not new:
-            return index({}, None)
-        lengths = [sizes[i] for i in new]
-        checksums: list[bytes] = []
-
-        def index_batch(locs: list[Location], end: int) -> T:
-            return index({i: (loc, checksums[j]) for j, (i, loc) in enumerate(zip(new, locs))}, end)
+    def _append_group(self, batches: list[_PutBatch]) -> Appended | None:
+        """The append stage of a group (see group_commit.py): every new record of
+        ``batches`` encoded into the staging buffer and written to the segment as one
+        batch, not yet synced. None when no batch has a new record."""
+        records = [(b, i) for b in batches for i in b.new]
+        if not records:
+            return None
+        for b in batches:
+            b.checksums = []
+        hook = self._commits.hook
 
         def fill(j: int, dst: np.ndarray) -> None:
-            item = items[new[j]]
+            b, i = records[j]
+            item = b.items[i]
             encode_record_into(dst, key=item.key, parent_hash=item.parent_hash, token_digest=item.token_digest,
                                layout_fingerprint=self.layout_fingerprint, payload=item.payload)
-            checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
+            b.checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
+            hook(FaultPoint.STAGED, j)
 
         try:
-            return self._segments.append(lengths, fill, index_batch)
+            appended = self._segments.append_records([b.sizes[i] for b, i in records], fill)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
                                      f"stored records are intact") from e
             raise
+        pos = 0
+        for b in batches:
+            b.locs = {i: (appended.locations[pos + j], b.checksums[j]) for j, i in enumerate(b.new)}
+            pos += len(b.new)
+        hook(FaultPoint.APPENDED)
+        return appended
+
+    def _commit_group(self, appended: Appended | None, batches: list[_PutBatch]) -> list[Any]:
+        """The commit stage of a group: one ``fdatasync`` of the segment, then one index
+        transaction for every batch (the index never points at bytes that are not
+        durable). Returns each batch's outcome (see group_commit.py): its
+        ``_index_puts`` result, its own error, or REQUEUE. Raises for the whole group
+        (a failed sync: the group's bytes are given up)."""
+        if appended is not None:
+            if appended.segment.failed:  # an earlier sync of its segment failed: write it again
+                self._segments.give_up(appended)
+                return [REQUEUE] * len(batches)
+            try:
+                self._segments.sync(appended)
+            except BaseException:
+                self._segments.give_up(appended, sync_failed=True)
+                raise
+            self._commits.hook(FaultPoint.SYNCED)
+        taken = self._take_access()
+        try:
+            outcomes: list[Any] = self._run(
+                lambda txn: self._index_group(txn, batches, appended, taken), write=True, need=len(batches) << 13)
+        except BaseException as e:
+            self._restore_access(taken)
+            if len(batches) == 1 or appended is None:
+                if appended is not None:
+                    self._segments.give_up(appended)
+                raise
+            outcomes = self._index_each(batches, appended, e)
+        else:
+            if appended is not None:
+                self._segments.release(appended)
+        self._commits.hook(FaultPoint.INDEXED)
+        return outcomes
+
+    def _index_group(self, txn: lmdb.Transaction, batches: list[_PutBatch], appended: Appended | None,
+                     taken: dict[bytes, int], end: int | None = None) -> list[Any]:
+        """Index ``batches`` in one transaction: the queued access times, the segment's
+        indexed end (``end``, default: the whole appended batch; a recovery scan starts
+        past it), then each batch's records."""
+        self._apply_access(txn, taken)
+        if appended is not None:
+            txn.put(_segment_end_key(appended.segment.seg), _U64.pack(appended.end if end is None else end),
+                    db=self._meta)
+        return [self._index_puts(txn, b.items, b.kbs, b.sizes, b.seen, b.new, b.locs) for b in batches]
+
+    def _index_each(self, batches: list[_PutBatch], appended: Appended, group_error: BaseException) -> list[Any]:
+        """The group's index transaction failed (e.g. the map is full): index each batch
+        in a transaction of its own, in segment order, so that only the batches that fail
+        alone get an error; their bytes are punched out. Releases ``appended``."""
+        outcomes: list[Any] = []
+        try:
+            for j, b in enumerate(batches):
+                mine = [loc for loc, _ in b.locs.values()]
+                end = appended.end if j == len(batches) - 1 else (max(loc.end for loc in mine) if mine else None)
+                try:
+                    outcomes.append(self._run(lambda txn: self._index_group(txn, [b], appended if end else None,
+                                                                            {}, end)[0],
+                                              write=True, need=8 << 10))
+                except BaseException as e:
+                    outcomes.append(e)
+                    self._segments.punch(mine)
+        finally:
+            self._segments.release(appended)
+        return outcomes
 
     def _corrupt_among(self, present: list[tuple[int, RecordKey, bytes]]) -> set[int]:
         """Which of the indexed records ``(index, key, index value)`` fail their checks."""
@@ -591,13 +688,10 @@ class LmdbStore(BlockStore):
         return set(failed)
 
     def _index_puts(self, txn: lmdb.Transaction, items: Sequence[PutItem], kbs: list[bytes], sizes: list[int],
-                    seen: list[bytes | None], new: list[int], locs: dict[int, tuple[Location, bytes]],
-                    taken: dict[bytes, int], end: int | None
+                    seen: list[bytes | None], new: list[int], locs: dict[int, tuple[Location, bytes]]
                     ) -> tuple[list[bool], int, int, int, list[Location]]:
-        self._apply_access(txn, taken)
-        if locs and end is not None:  # the batch is indexed: a recovery scan starts past it
-            seg = next(iter(locs.values()))[0].segment
-            txn.put(_segment_end_key(seg), _U64.pack(end), db=self._meta)
+        """Index one ``put_many``'s records (in the group's transaction). Returns
+        ``(results, evicted, corrupt replaced, bytes written, locations to punch)``."""
         total = self._get_total(txn)
         freed: list[Location] = []
         results: list[bool] = []
@@ -1028,6 +1122,9 @@ class LmdbStore(BlockStore):
     def close(self) -> None:
         if self._closed:
             return
+        # Writers queued for a group commit get the closed error; groups already taken
+        # finish (their index transactions need the shared lock that closing takes).
+        self._commits.close()
         if not self.readonly:
             self._maybe_flush_access_now()  # on a full disk the last hints are lost; records are not
         with self._rw.exclusive():

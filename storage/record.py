@@ -25,7 +25,9 @@ parts, e.g. a file streamed straight into the caller's buffer. Any failure raise
 nothing stored is ever executed or unpickled: the payload is copied as raw bytes.
 
 Buffers: a *payload* may be any C-contiguous bytes-like object, numpy array or CPU torch
-tensor (its bytes are taken as they are). An *out* buffer for a read is a writable
+tensor (its bytes are taken as they are), or a list or tuple of them: the pieces of one
+payload, in order (e.g. a page spread over a host pool's per-layer buffers: written with
+no join copy, see :func:`encode_record_into`). An *out* buffer for a read is a writable
 C-contiguous bytearray, memoryview, numpy array or CPU torch tensor (pinned or not) whose
 size in bytes equals the payload length, or a *scatter list*: a list or tuple of such
 buffers whose sizes add up to the payload length, filled in order (e.g. the rows of a
@@ -65,6 +67,7 @@ __all__ = [
     "encode_record_into",
     "fingerprint_field",
     "parse_header",
+    "payload_views",
     "record_parts",
     "record_size",
     "verify_record_parts",
@@ -272,41 +275,67 @@ def _pack_header(*, key: RecordKey, parent_hash: bytes, token_digest: bytes,
                         _check_hash("token_digest", token_digest), payload_bytes)
 
 
+def payload_views(payload: Any, *, name: str = "payload") -> tuple[list[np.ndarray], int]:
+    """A payload as its list of 1-D uint8 views (never a copy) and its total bytes.
+
+    ``payload``: one buffer (see :func:`as_byte_array`), or a list or tuple of them (the
+    pieces of a payload that lives in several places, e.g. one per layer of a host pool's
+    page), taken in order (``name[j]`` in errors).
+    """
+    if isinstance(payload, (list, tuple)):
+        views = [as_byte_array(p, name=f"{name}[{j}]") for j, p in enumerate(payload)]
+        return views, sum(v.nbytes for v in views)
+    view = as_byte_array(payload, name=name)
+    return [view], view.nbytes
+
+
 def record_parts(*, key: RecordKey, parent_hash: bytes, token_digest: bytes, layout_fingerprint: str,
                  payload: Any) -> tuple[bytes, np.ndarray, bytes]:
-    """The record as ``(header, payload bytes view, checksum)`` without copying the payload.
+    """The record as ``(header, payload bytes view, checksum)`` without copying the payload
+    (a payload of several pieces is joined: one copy; :func:`encode_record_into` takes
+    the pieces as they are).
 
     Writing the three parts back to back (e.g. ``os.writev``) gives the same bytes as
     :func:`encode_record`.
     """
-    body = as_byte_array(payload, name="payload")
+    views, nbytes = payload_views(payload)
     header = _pack_header(key=key, parent_hash=parent_hash, token_digest=token_digest,
-                          layout_fingerprint=layout_fingerprint, payload_bytes=body.nbytes)
+                          layout_fingerprint=layout_fingerprint, payload_bytes=nbytes)
     h = xxhash.xxh3_128(header)
-    h.update(body)
+    for v in views:
+        h.update(v)
+    body = views[0] if len(views) == 1 else np.concatenate(views) if views else np.empty(0, np.uint8)
     return header, body, h.digest()
 
 
 def encode_record_into(buf: Any, *, key: RecordKey, parent_hash: bytes, token_digest: bytes,
                        layout_fingerprint: str, payload: Any) -> int:
-    """Write the record into the start of writable ``buf``; returns its size in bytes."""
-    header, body, checksum = record_parts(key=key, parent_hash=parent_hash, token_digest=token_digest,
-                                          layout_fingerprint=layout_fingerprint, payload=payload)
+    """Write the record into the start of writable ``buf``; returns its size in bytes.
+
+    ``payload``: one buffer or a list of pieces (see :func:`payload_views`), copied
+    piece by piece into place; the checksum is then taken over the bytes as they lie in
+    ``buf`` (exactly what is stored, while they are in the CPU cache)."""
+    views, nbytes = payload_views(payload)
+    header = _pack_header(key=key, parent_hash=parent_hash, token_digest=token_digest,
+                          layout_fingerprint=layout_fingerprint, payload_bytes=nbytes)
     dst = as_byte_array(buf, writable=True, name="buf")
-    size = record_size(body.nbytes)
+    size = record_size(nbytes)
     if dst.nbytes < size:
         raise ValueError(f"buf: expected at least {size} bytes, got {dst.nbytes}")
-    end = HEADER_BYTES + body.nbytes
+    end = HEADER_BYTES + nbytes
     dst[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-    np.copyto(dst[HEADER_BYTES:end], body)
-    dst[end:size] = np.frombuffer(checksum, dtype=np.uint8)
+    pos = HEADER_BYTES
+    for v in views:
+        np.copyto(dst[pos:pos + v.nbytes], v)
+        pos += v.nbytes
+    dst[end:size] = np.frombuffer(xxhash.xxh3_128(dst[:end]).digest(), dtype=np.uint8)
     return size
 
 
 def encode_record(*, key: RecordKey, parent_hash: bytes, token_digest: bytes, layout_fingerprint: str,
                   payload: Any) -> bytearray:
     """The record as one new contiguous buffer (one copy of the payload)."""
-    n = as_byte_array(payload, name="payload").nbytes
+    n = payload_views(payload)[1]
     out = bytearray(record_size(n))
     encode_record_into(out, key=key, parent_hash=parent_hash, token_digest=token_digest,
                        layout_fingerprint=layout_fingerprint, payload=payload)

@@ -181,6 +181,29 @@ class ReadTask:
     result: Any = None
 
 
+@dataclass(eq=False, slots=True)
+class _Writing:
+    """A segment this process appends to: its write fd (flock'ed) and its batches."""
+
+    seg: int
+    fd: int
+    end: int = 0           # bytes reserved so far: the next batch starts here
+    in_flight: int = 0     # batches appended and not yet committed or given up
+    retired: bool = False  # takes no more appends; closed once nothing is in flight
+    failed: bool = False   # a sync failed with batches after it: they must be written again
+
+
+@dataclass(eq=False, slots=True)
+class Appended:
+    """A batch written to a segment and not yet synced (:meth:`SegmentFiles.append_records`):
+    ``[start, end)`` of the segment (4 KiB-aligned), one location per record."""
+
+    segment: _Writing
+    start: int
+    end: int
+    locations: list[Location]
+
+
 class _DirectUnsupported(Exception):
     pass
 
@@ -204,12 +227,11 @@ class SegmentFiles:
         if not readonly:
             mkdir_private(path)
         self._lock = threading.Lock()          # fd cache
-        self._write_lock = threading.Lock()    # the active segment (one batch at a time)
+        self._write_lock = threading.Lock()    # the segments this process writes (their state)
         self._fds: dict[int, int] = {}          # segment -> buffered O_RDONLY fd
         self._direct_fds: dict[int, int] = {}   # segment -> O_DIRECT O_RDONLY fd
-        self._active: int | None = None
-        self._active_fd = -1
-        self._active_end = 0
+        self._active: _Writing | None = None    # where the next batch is appended
+        self._writing: dict[int, _Writing] = {}  # the active one + retired ones with syncs pending
         self._staging: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
@@ -265,13 +287,13 @@ class SegmentFiles:
                         del cache[seg]
 
     # ------------------------------------------------------------------ writes
-    def _open_active(self) -> None:
+    def _open_segment(self) -> _Writing:
+        """A fresh segment of this writer: created under a temporary name, flock'ed, then
+        renamed (a gc in another process never sees it unlocked), its name made durable."""
         seg = self._new_id()
         while self.file(seg).exists():  # an id whose allocation an OS crash undid: never reuse it
             seg = self._new_id()
         path = self.file(seg)
-        # Created and flock'ed under a temporary name, then renamed: a gc in another
-        # process never sees this writer's segment unlocked.
         tmp = path.with_name(path.name + ".new")
         fd = -1
         direct = self.direct_io is not False
@@ -296,45 +318,56 @@ class SegmentFiles:
             raise
         if self.direct_io is None:
             self.direct_io = direct
-        self._active, self._active_fd, self._active_end = seg, fd, 0
+        writing = _Writing(seg, fd)
+        with self._write_lock:
+            self._writing[seg] = writing
+        return writing
 
-    def _close_active(self) -> None:
-        if self._active_fd >= 0:
-            os.close(self._active_fd)  # releases the flock: the segment is sealed
-        self._active, self._active_fd, self._active_end = None, -1, 0
+    def _retire(self, w: _Writing) -> None:
+        """No more appends to ``w``; its fd closes (the flock goes: the segment is sealed)
+        once no appended batch waits for its sync. Under ``_write_lock``."""
+        w.retired = True
+        if self._active is w:
+            self._active = None
+        if w.in_flight == 0 and w.fd >= 0:
+            os.close(w.fd)
+            w.fd = -1
+            self._writing.pop(w.seg, None)
 
     def staging(self, nbytes: int) -> np.ndarray:
-        """The aligned staging buffer of one batch, at least ``nbytes`` (under write_lock)."""
+        """The aligned staging buffer of one batch, at least ``nbytes`` (append stage only)."""
         if self._staging is None or self._staging.nbytes < nbytes:
             self._staging = aligned_buffer(max(nbytes, 8 << 20))
         return self._staging
 
-    @property
-    def write_lock(self) -> threading.Lock:
-        return self._write_lock
-
-    def append(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None],
-               index: Callable[[list[Location], int], T]) -> T:
-        """Durably append records of ``lengths`` bytes to the active segment, back to back,
-        then index them; returns what ``index`` returned.
+    def append_records(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> Appended:
+        """Append records of ``lengths`` bytes to the active segment, back to back, as one
+        4 KiB-aligned batch: written, not yet synced (see :meth:`sync`). One caller at a
+        time (the append stage of :class:`~tiered_kv.storage.group_commit.GroupCommit`);
+        the syncs and :meth:`give_up` / :meth:`release` of earlier batches may run
+        meanwhile.
 
         ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
-        Records are staged in order and each 4 KiB-aligned chunk is written as soon as it
-        is complete, while the next records are staged. Once every byte is written and
-        ``fdatasync``ed, ``index(locations, batch_end)`` commits the index entries: the
-        index never points at bytes that are not durable. If a write, the sync or
-        ``index`` raises, the segment is cut back (nothing appended). Call under
-        :attr:`write_lock`. Raises OSError (ENOSPC: nothing was appended).
-
-        (Overlapping the sync with the index commit was measured slower here: 1.07-1.22
-        against 1.24-1.38 GB/s for batches of 16 Flash blocks.)"""
+        Records are staged in order and each 4 KiB-aligned chunk is written (parallel
+        ``pwrite``) as soon as it is complete, while the next records are staged. Raises
+        OSError (ENOSPC from the space reservation: nothing written) or what ``fill``
+        raised; then the segment is cut back (nothing appended)."""
         total = sum(lengths)
         padded = _align_up(total)
         staged = self.staging(padded)
-        if self._active is None or (self._active_end and self._active_end + padded > self.segment_bytes):
-            self._close_active()
-            self._open_active()
-        fd, start = self._active_fd, self._active_end
+        with self._write_lock:
+            w = self._active
+            if w is None or w.failed or (w.end and w.end + padded > self.segment_bytes):
+                if w is not None:
+                    self._retire(w)
+                w = None
+        if w is None:
+            w = self._active = self._open_segment()
+        with self._write_lock:
+            start = w.end
+            w.end = start + padded
+            w.in_flight += 1
+        fd = w.fd
         view = memoryview(staged)
 
         def write(off: int, end: int) -> None:
@@ -359,27 +392,60 @@ class SegmentFiles:
                 write(sent, padded)
             for f in pending:
                 f.result()
-            pending = []
-            os.fdatasync(fd)
-            locs, off = [], start
-            for n in lengths:
-                locs.append(Location(self._active, off, n))
-                off += n
-            result = index(locs, start + padded)
         except BaseException:
             for f in pending:
                 f.exception()  # wait: no write may land after the rollback
-            self.rollback(start)
+            self.give_up(Appended(w, start, start + padded, []))
             raise
-        self._active_end = start + padded
-        return result
+        locs, off = [], start
+        for n in lengths:
+            locs.append(Location(w.seg, off, n))
+            off += n
+        return Appended(w, start, start + padded, locs)
+
+    def sync(self, batch: Appended) -> None:
+        """``fdatasync`` the segment of ``batch``: its records are durable once this
+        returns (every batch appended to that segment before it, too). Raises OSError."""
+        os.fdatasync(batch.segment.fd)
+
+    def give_up(self, batch: Appended, *, sync_failed: bool = False) -> None:
+        """``batch`` will not be indexed: release it, cutting the segment back when
+        nothing was appended after it, else punching a hole over its bytes.
+
+        ``sync_failed``: its sync failed. Batches appended after it in the same segment
+        may have had pages in the failed writeback, so that segment takes no more appends
+        and :attr:`Appended.segment` ``.failed`` tells their committers to write them again."""
+        w = batch.segment
+        with self._write_lock:
+            if w.end == batch.end and not w.retired:
+                try:
+                    os.ftruncate(w.fd, batch.start)
+                    w.end = batch.start
+                except OSError:
+                    self._retire(w)  # a fresh segment next time; the tail is garbage for gc
+            else:
+                punch_hole(w.fd, batch.start, batch.end - batch.start)
+                if sync_failed:
+                    w.failed = True
+                    self._retire(w)
+            self._release(w)
+
+    def release(self, batch: Appended) -> None:
+        """``batch`` is committed (indexed, or given up record by record)."""
+        with self._write_lock:
+            self._release(batch.segment)
+
+    def _release(self, w: _Writing) -> None:
+        w.in_flight -= 1
+        if w.retired:
+            self._retire(w)  # closes it once nothing is in flight
 
     @contextmanager
     def sealed(self, seg: int) -> Iterator[int | None]:
         """Segment ``seg`` held sealed (an exclusive ``flock``: no writer appends to it, no
-        gc reclaims it meanwhile): yields a read fd, or None when it is this process's
-        active segment, another writer holds it, or it is gone."""
-        if seg == self._active:
+        gc reclaims it meanwhile): yields a read fd, or None when this process writes to
+        it, another writer holds it, or it is gone."""
+        if seg in self._writing:
             yield None
             return
         try:
@@ -406,16 +472,6 @@ class SegmentFiles:
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
             self._can_reserve = False  # the filesystem cannot: ENOSPC comes from the writes
-
-    def rollback(self, end: int) -> None:
-        """Cut the active segment back to ``end`` (its records were never indexed)."""
-        if self._active_fd < 0:
-            return
-        try:
-            os.ftruncate(self._active_fd, end)
-            self._active_end = end
-        except OSError:
-            self._close_active()  # a fresh segment next time; the tail is garbage for gc
 
     # ------------------------------------------------------------------ reads
     def read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None = None) -> None:
@@ -548,7 +604,7 @@ class SegmentFiles:
         live, punch the gaps of the others. Segments held by a writer are skipped."""
         removed = punched = 0
         for seg in self.segment_ids():
-            if seg == self._active:
+            if seg in self._writing:
                 continue
             try:
                 fd = os.open(self.file(seg), os.O_WRONLY | os.O_CLOEXEC)
@@ -602,7 +658,9 @@ class SegmentFiles:
 
     def close(self) -> None:
         with self._write_lock:
-            self._close_active()
+            for w in list(self._writing.values()):
+                w.in_flight = 0  # (the store's group commit has drained)
+                self._retire(w)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
