@@ -102,7 +102,7 @@ from .base import (
     mkdir_private,
 )
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
-from .group_commit import REQUEUE, FaultPoint, GroupCommit
+from .group_commit import REWRITE, FaultPoint, GroupCommit
 from .record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
@@ -128,9 +128,6 @@ STORE_FORMAT_VERSION = 2
 DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_IO_THREADS = 8  # transfers in flight per call (1 MiB extents: 8 MiB deep)
 DEFAULT_MAX_BYTES = 64 << 30
-#: A group commit's leader appends concurrent writers' batches up to about this many bytes
-#: in one segment batch (one sync, one index commit).
-DEFAULT_MAX_GROUP_BYTES = 64 << 20
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
 _ACCESS_QUEUE_MAX = 4096
@@ -209,22 +206,22 @@ def _scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
 @dataclass(eq=False, slots=True)
 class _PutBatch:
     """One ``put_many`` call on its way through the group commit: its items, the index
-    values seen before (``seen``), which items are new records (``new``); filled in by the
-    append stage: each new record's checksum and ``locs`` (item index -> location,
-    checksum)."""
+    values seen before (``seen``), which items are new records (``new``); once written,
+    ``appended`` (its range of the segment, until indexed or given up) and ``locs``
+    (item index -> location, checksum)."""
 
     items: list[PutItem]
     kbs: list[bytes]
     sizes: list[int]
     seen: list[bytes | None]
     new: list[int]
-    checksums: list[bytes] = field(default_factory=list)
+    appended: Appended | None = None
     locs: dict[int, tuple[Location, bytes]] = field(default_factory=dict)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the new records (what this batch appends)."""
-        return sum(self.sizes[i] for i in self.new)
+    def start(self) -> int:
+        """Where its records start in their segment (0 if none)."""
+        return self.appended.start if self.appended is not None else 0
 
 
 def pack_entry(loc: Location, checksum: bytes) -> bytes:
@@ -250,8 +247,6 @@ class LmdbStore(BlockStore):
     stay; access times are not recorded). ``segment_bytes``: a writer starts a new segment
     file past this size. ``direct_io``: O_DIRECT segment writes and cold reads (None: where
     the filesystem accepts it). ``io_threads``: parallel transfers of one call.
-    ``max_group_bytes``: concurrent ``put_many`` calls of this process's threads are
-    appended, synced and indexed together up to about this many bytes (group commit).
     """
 
     supports_multiprocess = True
@@ -263,11 +258,11 @@ class LmdbStore(BlockStore):
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
                  initial_map_size: int | None = None, access_flush_s: float = 5.0,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
-                 io_threads: int = DEFAULT_IO_THREADS, max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS) -> None:
         fingerprint_field(layout_fingerprint)
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size),
                             ("initial_map_size", initial_map_size), ("segment_bytes", segment_bytes),
-                            ("io_threads", io_threads), ("max_group_bytes", max_group_bytes)):
+                            ("io_threads", io_threads)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.path = Path(os.path.abspath(path))
@@ -317,9 +312,8 @@ class LmdbStore(BlockStore):
         self._segments = SegmentFiles(self.path / "segments", new_segment_id=self._new_segment_id,
                                       segment_bytes=segment_bytes, direct_io=direct_io,
                                       io_threads=io_threads, readonly=readonly)
-        self._commits: GroupCommit[_PutBatch, Appended | None] = GroupCommit(
-            append=self._append_group, commit=self._commit_group, max_group_bytes=max_group_bytes,
-            closed_error=lambda: StoreError(f"{self.path}: store is closed"))
+        self._commits: GroupCommit[_PutBatch] = GroupCommit(
+            commit=self._commit_group, closed_error=lambda: StoreError(f"{self.path}: store is closed"))
         self._closed = False
         self._recovered = 0
         if not readonly:
@@ -547,24 +541,34 @@ class LmdbStore(BlockStore):
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """See :meth:`BlockStore.put_many`. Concurrent calls of this process's threads
-        share one segment sync and one index commit (see group_commit.py); each returns
-        once its own records are synced and indexed."""
+        write their records in parallel, then share one segment sync and one index commit
+        (group commit, see group_commit.py); each returns once its own records are
+        synced and indexed."""
         check_open(self._closed, str(self.path))
         self._check_writable()
         items = self._check_put_items(items)
         if not items:
             return []
         batch = self._prepare_put(items)
-        results, evicted, corrupt, written, freed = self._commits.submit(batch, batch.nbytes)
+        try:
+            while True:
+                if batch.new:
+                    self._append_batch(batch)
+                outcome = self._commits.submit(batch)
+                if outcome is not REWRITE:
+                    break
+        finally:
+            if batch.appended is not None:  # not committed (the store closed before its turn)
+                self._segments.give_up([batch.appended])
+        results, evicted, corrupt, written, freed = outcome
         self._segments.punch(freed)
         self._stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
         return results
 
     def _prepare_put(self, items: list[PutItem]) -> _PutBatch:
-        """What one ``put_many`` writes, worked out in the caller's thread: record sizes,
-        which keys are new (an indexed key keeps its record if it verifies: write-once;
-        a corrupt one is replaced), the index values seen. StoreFullError: a record
-        larger than ``max_bytes``."""
+        """What one ``put_many`` writes: record sizes, which keys are new (an indexed key
+        keeps its record if it verifies: write-once; a corrupt one is replaced), the index
+        values seen. StoreFullError: a record larger than ``max_bytes``."""
         sizes = [record_size(item.payload_bytes) for item in items]
         for item, size in zip(items, sizes):
             if size > self.max_bytes:
@@ -581,102 +585,117 @@ class LmdbStore(BlockStore):
         new = [i for i, kb in enumerate(kbs) if first[kb] == i and (i not in present or i in corrupt_seen)]
         return _PutBatch(items, kbs, sizes, seen, new)
 
-    def _append_group(self, batches: list[_PutBatch]) -> Appended | None:
-        """The append stage of a group (see group_commit.py): every new record of
-        ``batches`` encoded into the staging buffer and written to the segment as one
-        batch, not yet synced. None when no batch has a new record."""
-        records = [(b, i) for b in batches for i in b.new]
-        if not records:
-            return None
-        for b in batches:
-            b.checksums = []
+    def _append_batch(self, batch: _PutBatch) -> None:
+        """Encode ``batch``'s new records into this thread's staging buffer and write them
+        to a range of the segment reserved for it (in parallel with other writers); not
+        yet synced. Sets ``batch.appended`` and ``batch.locs``. StoreFullError: the disk
+        is full (nothing of this batch was kept)."""
+        checksums: list[bytes] = []
         hook = self._commits.hook
 
         def fill(j: int, dst: np.ndarray) -> None:
-            b, i = records[j]
-            item = b.items[i]
+            item = batch.items[batch.new[j]]
             encode_record_into(dst, key=item.key, parent_hash=item.parent_hash, token_digest=item.token_digest,
                                layout_fingerprint=self.layout_fingerprint, payload=item.payload)
-            b.checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
+            checksums.append(bytes(dst[-CHECKSUM_BYTES:]))
             hook(FaultPoint.STAGED, j)
 
         try:
-            appended = self._segments.append_records([b.sizes[i] for b, i in records], fill)
+            appended = self._segments.append_records([batch.sizes[i] for i in batch.new], fill)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
                                      f"stored records are intact") from e
             raise
-        pos = 0
-        for b in batches:
-            b.locs = {i: (appended.locations[pos + j], b.checksums[j]) for j, i in enumerate(b.new)}
-            pos += len(b.new)
-        hook(FaultPoint.APPENDED)
-        return appended
+        batch.appended = appended
+        batch.locs = {i: (loc, checksum) for i, loc, checksum in zip(batch.new, appended.locations, checksums)}
+        hook(FaultPoint.APPENDED, batch)
 
-    def _commit_group(self, appended: Appended | None, batches: list[_PutBatch]) -> list[Any]:
-        """The commit stage of a group: one ``fdatasync`` of the segment, then one index
-        transaction for every batch (the index never points at bytes that are not
-        durable). Returns each batch's outcome (see group_commit.py): its
-        ``_index_puts`` result, its own error, or REQUEUE. Raises for the whole group
-        (a failed sync: the group's bytes are given up)."""
-        if appended is not None:
-            if appended.segment.failed:  # an earlier sync of its segment failed: write it again
-                self._segments.give_up(appended)
-                return [REQUEUE] * len(batches)
+    def _commit_group(self, batches: list[_PutBatch]) -> list[Any]:
+        """Commit a group of written batches (the leader's work, see group_commit.py): one
+        ``fdatasync`` per segment they lie in, then one index transaction for them all
+        (the index never points at bytes that are not durable). Returns each batch's
+        outcome: its ``_index_puts`` result, its own error, REWRITE, or the error of the
+        failed sync of its segment (every synced batch's bytes are then given up)."""
+        outcomes: list[Any] = [None] * len(batches)
+        live: list[int] = []
+        for j, b in enumerate(batches):
+            if b.appended is not None and b.appended.segment.failed:  # a failed sync gave its segment up
+                self._segments.give_up([b.appended])
+                b.appended, outcomes[j] = None, REWRITE
+            else:
+                live.append(j)
+        group = [batches[j] for j in live]
+        appended = [b.appended for b in group if b.appended is not None]
+        if appended:
             try:
                 self._segments.sync(appended)
-            except BaseException:
+            except BaseException as e:  # every batch of the sync fails with it
                 self._segments.give_up(appended, sync_failed=True)
-                raise
-            self._commits.hook(FaultPoint.SYNCED)
+                for j in live:
+                    batches[j].appended, outcomes[j] = None, e
+                return outcomes
+            self._commits.hook(FaultPoint.SYNCED, len(group))
+        for j, outcome in zip(live, self._index_group(group)):
+            outcomes[j] = outcome
+        self._commits.hook(FaultPoint.INDEXED, len(group))
+        return outcomes
+
+    def _index_group(self, group: list[_PutBatch]) -> list[Any]:
+        """Index synced batches in one transaction (with the queued access times and each
+        segment's indexed end); if it fails for a group of several, each batch in a
+        transaction of its own, in segment order, so that only the batches that fail alone
+        get an error (their bytes are punched). Releases every batch's segment range."""
+        if not group:
+            return []
+        appended = [b.appended for b in group if b.appended is not None]
+        ends = self._segments.indexed_ends(appended)
         taken = self._take_access()
         try:
-            outcomes: list[Any] = self._run(
-                lambda txn: self._index_group(txn, batches, appended, taken), write=True, need=len(batches) << 13)
+            outcomes: list[Any] = self._run(lambda txn: self._index_txn(txn, group, ends, taken),
+                                            write=True, need=len(group) << 13)
         except BaseException as e:
             self._restore_access(taken)
-            if len(batches) == 1 or appended is None:
-                if appended is not None:
-                    self._segments.give_up(appended)
+            if len(group) == 1:
+                self._settle(group, given_up=True)
                 raise
-            outcomes = self._index_each(batches, appended, e)
+            first_error: BaseException = e
         else:
-            if appended is not None:
-                self._segments.release(appended)
-        self._commits.hook(FaultPoint.INDEXED)
+            self._settle(group, given_up=False)
+            return outcomes
+        by_offset = sorted(range(len(group)), key=lambda j: (group[j].appended is None, group[j].start))
+        outcomes = [first_error] * len(group)
+        for j in by_offset:
+            b = group[j]
+            mine = [b.appended] if b.appended is not None else []
+            ends = self._segments.indexed_ends(mine)
+            try:
+                outcomes[j] = self._run(lambda txn: self._index_txn(txn, [b], ends, {})[0], write=True, need=8 << 10)
+            except BaseException as e:
+                outcomes[j] = e
+                self._settle([b], given_up=True)
+            else:
+                self._settle([b], given_up=False)
         return outcomes
 
-    def _index_group(self, txn: lmdb.Transaction, batches: list[_PutBatch], appended: Appended | None,
-                     taken: dict[bytes, int], end: int | None = None) -> list[Any]:
-        """Index ``batches`` in one transaction: the queued access times, the segment's
-        indexed end (``end``, default: the whole appended batch; a recovery scan starts
-        past it), then each batch's records."""
-        self._apply_access(txn, taken)
-        if appended is not None:
-            txn.put(_segment_end_key(appended.segment.seg), _U64.pack(appended.end if end is None else end),
-                    db=self._meta)
-        return [self._index_puts(txn, b.items, b.kbs, b.sizes, b.seen, b.new, b.locs) for b in batches]
-
-    def _index_each(self, batches: list[_PutBatch], appended: Appended, group_error: BaseException) -> list[Any]:
-        """The group's index transaction failed (e.g. the map is full): index each batch
-        in a transaction of its own, in segment order, so that only the batches that fail
-        alone get an error; their bytes are punched out. Releases ``appended``."""
-        outcomes: list[Any] = []
-        try:
-            for j, b in enumerate(batches):
-                mine = [loc for loc, _ in b.locs.values()]
-                end = appended.end if j == len(batches) - 1 else (max(loc.end for loc in mine) if mine else None)
-                try:
-                    outcomes.append(self._run(lambda txn: self._index_group(txn, [b], appended if end else None,
-                                                                            {}, end)[0],
-                                              write=True, need=8 << 10))
-                except BaseException as e:
-                    outcomes.append(e)
-                    self._segments.punch(mine)
-        finally:
+    def _settle(self, batches: list[_PutBatch], *, given_up: bool) -> None:
+        """The batches' segment ranges are indexed (released) or will not be (given up)."""
+        appended = [b.appended for b in batches if b.appended is not None]
+        for b in batches:
+            b.appended = None
+        if given_up:
+            self._segments.give_up(appended)
+        else:
             self._segments.release(appended)
-        return outcomes
+
+    def _index_txn(self, txn: lmdb.Transaction, batches: list[_PutBatch], ends: dict[int, int],
+                   taken: dict[bytes, int]) -> list[Any]:
+        """One index transaction: the queued access times, each segment's indexed end
+        (``ends``: a recovery scan starts there), then each batch's records."""
+        self._apply_access(txn, taken)
+        for seg, end in ends.items():
+            txn.put(_segment_end_key(seg), _U64.pack(end), db=self._meta)
+        return [self._index_puts(txn, b.items, b.kbs, b.sizes, b.seen, b.new, b.locs) for b in batches]
 
     def _corrupt_among(self, present: list[tuple[int, RecordKey, bytes]]) -> set[int]:
         """Which of the indexed records ``(index, key, index value)`` fail their checks."""
@@ -1122,9 +1141,11 @@ class LmdbStore(BlockStore):
     def close(self) -> None:
         if self._closed:
             return
-        # Writers queued for a group commit get the closed error; groups already taken
-        # finish (their index transactions need the shared lock that closing takes).
+        # Writers queued for a group commit get the closed error, the group in commit
+        # finishes (its index transaction needs the shared lock closing takes), writers
+        # still appending give their ranges back.
         self._commits.close()
+        self._segments.drain()
         if not self.readonly:
             self._maybe_flush_access_now()  # on a full disk the last hints are lost; records are not
         with self._rw.exclusive():

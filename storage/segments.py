@@ -43,13 +43,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from .base import fsync_dir, mkdir_private
+from .errors import StoreError
 
 __all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
 
@@ -188,15 +189,15 @@ class _Writing:
     seg: int
     fd: int
     end: int = 0           # bytes reserved so far: the next batch starts here
-    in_flight: int = 0     # batches appended and not yet committed or given up
-    retired: bool = False  # takes no more appends; closed once nothing is in flight
+    pending: set[Appended] = field(default_factory=set)  # reserved, not yet released or given up
+    retired: bool = False  # takes no more appends; closed once nothing is pending
     failed: bool = False   # a sync failed with batches after it: they must be written again
 
 
 @dataclass(eq=False, slots=True)
 class Appended:
-    """A batch written to a segment and not yet synced (:meth:`SegmentFiles.append_records`):
-    ``[start, end)`` of the segment (4 KiB-aligned), one location per record."""
+    """One writer's batch in a segment (:meth:`SegmentFiles.append_records`): ``[start,
+    end)`` of the segment (4 KiB-aligned), one location per record once written."""
 
     segment: _Writing
     start: int
@@ -228,11 +229,13 @@ class SegmentFiles:
             mkdir_private(path)
         self._lock = threading.Lock()          # fd cache
         self._write_lock = threading.Lock()    # the segments this process writes (their state)
+        self._write_cond = threading.Condition(self._write_lock)
+        self._open_lock = threading.Lock()     # one writer at a time opens a new segment
+        self._closing = False
         self._fds: dict[int, int] = {}          # segment -> buffered O_RDONLY fd
         self._direct_fds: dict[int, int] = {}   # segment -> O_DIRECT O_RDONLY fd
         self._active: _Writing | None = None    # where the next batch is appended
         self._writing: dict[int, _Writing] = {}  # the active one + retired ones with syncs pending
-        self._staging: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._swept = time.monotonic()
@@ -325,49 +328,70 @@ class SegmentFiles:
 
     def _retire(self, w: _Writing) -> None:
         """No more appends to ``w``; its fd closes (the flock goes: the segment is sealed)
-        once no appended batch waits for its sync. Under ``_write_lock``."""
+        once no batch in it waits for its commit. Under ``_write_lock``."""
         w.retired = True
         if self._active is w:
             self._active = None
-        if w.in_flight == 0 and w.fd >= 0:
+        if not w.pending and w.fd >= 0:
             os.close(w.fd)
             w.fd = -1
             self._writing.pop(w.seg, None)
+            self._write_cond.notify_all()
 
-    def staging(self, nbytes: int) -> np.ndarray:
-        """The aligned staging buffer of one batch, at least ``nbytes`` (append stage only)."""
-        if self._staging is None or self._staging.nbytes < nbytes:
-            self._staging = aligned_buffer(max(nbytes, 8 << 20))
-        return self._staging
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's aligned staging buffer, at least ``nbytes`` (writers stage their
+        batches concurrently, each in its own)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.staging = aligned_buffer(max(nbytes, 8 << 20))
+        return buf
+
+    def _usable(self, w: _Writing | None, padded: int) -> bool:
+        return w is not None and not w.failed and not w.retired and \
+            not (w.end and w.end + padded > self.segment_bytes)
+
+    def _reserve_range(self, padded: int) -> Appended:
+        """A range of ``padded`` bytes at the end of the active segment, for one writer
+        (rolling over to a new segment when the active one is full or failed)."""
+        with self._write_lock:
+            if self._closing:
+                raise StoreError(f"{self.path}: store is closed")
+            if self._usable(self._active, padded):
+                return self._take_range(self._active, padded)
+        with self._open_lock:  # one writer opens the next segment; the others then use it
+            with self._write_lock:
+                if self._usable(self._active, padded):
+                    return self._take_range(self._active, padded)
+                if self._active is not None:
+                    self._retire(self._active)
+            w = self._open_segment()
+            with self._write_lock:
+                self._active = w
+                return self._take_range(w, padded)
+
+    def _take_range(self, w: _Writing, padded: int) -> Appended:
+        batch = Appended(w, w.end, w.end + padded, [])
+        w.end += padded
+        w.pending.add(batch)
+        return batch
 
     def append_records(self, lengths: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> Appended:
-        """Append records of ``lengths`` bytes to the active segment, back to back, as one
-        4 KiB-aligned batch: written, not yet synced (see :meth:`sync`). One caller at a
-        time (the append stage of :class:`~tiered_kv.storage.group_commit.GroupCommit`);
-        the syncs and :meth:`give_up` / :meth:`release` of earlier batches may run
-        meanwhile.
+        """Append records of ``lengths`` bytes, back to back, as one 4 KiB-aligned batch in
+        a range of the active segment reserved for this caller: written, not yet synced
+        (see :meth:`sync`); then :meth:`release` it once indexed, or :meth:`give_up`.
+        Threads append concurrently, each into its own range.
 
-        ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of the staging buffer).
-        Records are staged in order and each 4 KiB-aligned chunk is written (parallel
-        ``pwrite``) as soon as it is complete, while the next records are staged. Raises
-        OSError (ENOSPC from the space reservation: nothing written) or what ``fill``
-        raised; then the segment is cut back (nothing appended)."""
+        ``fill(j, dst)`` writes record ``j`` into ``dst`` (a slice of this thread's staging
+        buffer). Records are staged in order and each 4 KiB-aligned chunk is written
+        (parallel ``pwrite``, ``O_DIRECT`` where the filesystem takes it) as soon as it is
+        complete, while the next records are staged. Raises OSError (ENOSPC from the space
+        reservation: nothing written) or what ``fill`` raised; then the range is given
+        back (cut off the segment's end, or punched when others appended after it)."""
         total = sum(lengths)
         padded = _align_up(total)
-        staged = self.staging(padded)
-        with self._write_lock:
-            w = self._active
-            if w is None or w.failed or (w.end and w.end + padded > self.segment_bytes):
-                if w is not None:
-                    self._retire(w)
-                w = None
-        if w is None:
-            w = self._active = self._open_segment()
-        with self._write_lock:
-            start = w.end
-            w.end = start + padded
-            w.in_flight += 1
-        fd = w.fd
+        staged = self._staging(padded)
+        batch = self._reserve_range(padded)
+        fd, start = batch.segment.fd, batch.start
         view = memoryview(staged)
 
         def write(off: int, end: int) -> None:
@@ -394,51 +418,78 @@ class SegmentFiles:
                 f.result()
         except BaseException:
             for f in pending:
-                f.exception()  # wait: no write may land after the rollback
-            self.give_up(Appended(w, start, start + padded, []))
+                f.exception()  # wait: no write may land after the range is given back
+            self.give_up([batch])
             raise
-        locs, off = [], start
+        off = start
         for n in lengths:
-            locs.append(Location(w.seg, off, n))
+            batch.locations.append(Location(batch.segment.seg, off, n))
             off += n
-        return Appended(w, start, start + padded, locs)
+        return batch
 
-    def sync(self, batch: Appended) -> None:
-        """``fdatasync`` the segment of ``batch``: its records are durable once this
-        returns (every batch appended to that segment before it, too). Raises OSError."""
-        os.fdatasync(batch.segment.fd)
+    def sync(self, batches: Sequence[Appended]) -> None:
+        """``fdatasync`` each segment ``batches`` lie in (once each): their records are
+        durable once this returns. Raises OSError."""
+        for w in {id(b.segment): b.segment for b in batches}.values():
+            os.fdatasync(w.fd)
 
-    def give_up(self, batch: Appended, *, sync_failed: bool = False) -> None:
-        """``batch`` will not be indexed: release it, cutting the segment back when
-        nothing was appended after it, else punching a hole over its bytes.
-
-        ``sync_failed``: its sync failed. Batches appended after it in the same segment
-        may have had pages in the failed writeback, so that segment takes no more appends
-        and :attr:`Appended.segment` ``.failed`` tells their committers to write them again."""
-        w = batch.segment
+    def indexed_ends(self, batches: Sequence[Appended]) -> dict[int, int]:
+        """For each segment of ``batches``: the offset below which everything is indexed
+        or given up once ``batches`` are indexed (the ``segment_end`` a recovery scan
+        starts from): the start of the lowest range still being written or waiting for
+        its commit, else the segment's end."""
+        ends: dict[int, int] = {}
+        mine = {id(b) for b in batches}
         with self._write_lock:
-            if w.end == batch.end and not w.retired:
-                try:
-                    os.ftruncate(w.fd, batch.start)
-                    w.end = batch.start
-                except OSError:
-                    self._retire(w)  # a fresh segment next time; the tail is garbage for gc
-            else:
-                punch_hole(w.fd, batch.start, batch.end - batch.start)
-                if sync_failed:
+            for w in {id(b.segment): b.segment for b in batches}.values():
+                others = [b.start for b in w.pending if id(b) not in mine]
+                ends[w.seg] = min(others) if others else w.end
+        return ends
+
+    def give_up(self, batches: Sequence[Appended], *, sync_failed: bool = False) -> None:
+        """``batches`` will not be indexed: give their bytes back, cutting a segment back
+        when nothing was appended after them, else punching holes.
+
+        ``sync_failed``: their sync failed. Batches other writers appended to the same
+        segment may have had pages in the failed writeback, so that segment takes no
+        more appends, and its ``failed`` flag tells their commit to have them rewritten."""
+        with self._write_lock:
+            for b in sorted(batches, key=lambda b: -b.start):  # from the end: cuts cascade
+                w = b.segment
+                w.pending.discard(b)
+                if w.fd < 0:
+                    continue
+                if w.end == b.end and not w.retired:
+                    try:
+                        os.ftruncate(w.fd, b.start)
+                        w.end = b.start
+                    except OSError:
+                        self._retire(w)  # a fresh segment next time; the tail is garbage for gc
+                else:
+                    punch_hole(w.fd, b.start, b.end - b.start)
+                if sync_failed and w.pending:
                     w.failed = True
                     self._retire(w)
-            self._release(w)
+                elif w.retired:
+                    self._retire(w)  # closes it once nothing is pending
+            self._write_cond.notify_all()
 
-    def release(self, batch: Appended) -> None:
-        """``batch`` is committed (indexed, or given up record by record)."""
+    def release(self, batches: Sequence[Appended]) -> None:
+        """``batches`` are indexed (or their records given up one by one)."""
         with self._write_lock:
-            self._release(batch.segment)
+            for b in batches:
+                b.segment.pending.discard(b)
+                if b.segment.retired:
+                    self._retire(b.segment)
+            self._write_cond.notify_all()
 
-    def _release(self, w: _Writing) -> None:
-        w.in_flight -= 1
-        if w.retired:
-            self._retire(w)  # closes it once nothing is in flight
+    def drain(self) -> None:
+        """Refuse new appends and wait until every appended batch is released or given
+        up (before closing: writers may still be writing, or holding a closed error)."""
+        with self._write_lock:
+            self._closing = True
+            while any(w.pending for w in self._writing.values()):
+                self._write_cond.wait()
 
     @contextmanager
     def sealed(self, seg: int) -> Iterator[int | None]:
@@ -658,8 +709,9 @@ class SegmentFiles:
 
     def close(self) -> None:
         with self._write_lock:
+            self._closing = True
             for w in list(self._writing.values()):
-                w.in_flight = 0  # (the store's group commit has drained)
+                w.pending.clear()  # (the store drained its writers first)
                 self._retire(w)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
