@@ -48,6 +48,7 @@ class FaultPoint(enum.Enum):
 
     STAGED = "staged"      # one record of a writer's batch staged (info: its index in the batch)
     APPENDED = "appended"  # a writer's records are written to the segment, not synced (info: batch)
+    ENQUEUED = "enqueued"  # a writer queued its written batch for a commit (info: batch)
     LEAD = "lead"          # a writer leads the next commit, before it takes the queue
     SYNCED = "synced"      # the group's segments synced, the index not committed (info: group size)
     INDEXED = "indexed"    # the index committed, the followers not woken (info: group size)
@@ -119,6 +120,8 @@ class GroupCommit(Generic[W]):
             if self._closed:
                 raise self._closed_error()
             self._queue.append(q)
+        self.hook(FaultPoint.ENQUEUED, batch)
+        with self._cond:
             while True:
                 while q.state is not _State.DONE and (self._leading or q.state is not _State.QUEUED):
                     self._cond.wait()

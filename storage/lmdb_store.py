@@ -19,18 +19,23 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
 
-Writes: a ``put_many`` stages its new records in an aligned buffer, appends them to this
-process's active segment (``O_DIRECT`` where the filesystem takes it), ``fdatasync``s the
-segment, then commits their index entries in one LMDB transaction (one data flush, no meta
-flush: see below). Each writer process appends to its own segment (flock'ed),
-so writers never coordinate beyond LMDB's write lock.
+Writes: a ``put_many`` stages its new records in an aligned buffer and appends them to a
+range of this process's active segment reserved for it (``O_DIRECT`` where the filesystem
+takes it); concurrent calls of this process's threads write their ranges in parallel.
+Then, group commit (group_commit.py): one of the waiting calls ``fdatasync``s the segment
+once for every batch written so far and commits all their index entries in one LMDB
+transaction (one data flush, no meta flush: see below), and wakes the others, each with
+its own results. Each writer process appends to its own segment (flock'ed), so writers
+of different processes never coordinate beyond LMDB's write lock.
 
 Durability contract. The segment is the write-ahead log; the index is opened with
 ``MDB_NOMETASYNC`` (``metasync=False``): a commit flushes its pages but not the meta page,
 which LMDB documents as keeping the database's integrity after an OS crash while possibly
 losing the last transaction (``MDB_NOSYNC`` is not used: without an order-preserving
 filesystem an OS crash could leave the meta page pointing at pages never written). Each
-index transaction stores ``segment_end`` of the segment it indexed into, so:
+index transaction stores ``segment_end`` of the segments it indexed into: below it every
+batch is indexed or given up (it stops at the lowest range another thread of the writer
+is still writing or committing), so:
 
 - when ``put_many`` returns, its records survive kill -9, an OS crash and power loss: the
   segment bytes are synced, and if the OS crash took the index transaction with it, the

@@ -13,11 +13,15 @@ over to a new one or closes. A segment nobody holds is sealed: nothing is ever a
 to it again, so :meth:`SegmentFiles.reclaim` (the store's ``gc``) may punch holes into its
 unindexed ranges or unlink it when nothing in it is indexed.
 
-One batch is staged in a page-aligned buffer (records packed back to back, the batch
-padded to 4 KiB), space is reserved with ``posix_fallocate`` (a full disk is ENOSPC here,
+Writes: each ``put_many`` is one batch (records packed back to back, padded to 4 KiB) in
+a range of the active segment reserved for it, so the threads of one process write their
+batches concurrently (see :meth:`SegmentFiles.append_records`): staged in the thread's
+page-aligned buffer, space reserved with ``posix_fallocate`` (a full disk is ENOSPC here,
 before anything is written), written with parallel ``pwrite``s (``O_DIRECT`` where the
-filesystem takes it: no page-cache copy and writeback), then ``fdatasync``ed; only then does
-the store commit the batch's index entries (see :meth:`SegmentFiles.append`).
+filesystem takes it: no page-cache copy and writeback). The store's group commit then
+``fdatasync``s the segment once for every batch written meanwhile, and only then commits
+their index entries (group_commit.py). A range that will not be indexed (a failed write,
+sync or index commit) is cut off the segment's end, or punched when others follow it.
 The segment is the store's write-ahead log: records are self-describing (header, xxh3-128
 checksum), so the bytes a dead writer appended past what the index covers can be scanned,
 verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does

@@ -242,6 +242,26 @@ class StoreConformance:
             assert store.get(make_key(i), out) is not None
             np.testing.assert_array_equal(out, payload_for(make_key(i), n))
 
+    def test_put_payload_of_pieces(self, store: BlockStore) -> None:
+        """A payload given as a list of pieces (of any buffer type, empty ones too) is
+        stored as their bytes back to back, and verified like any record."""
+        n = 130_001
+        whole = payload_for(make_key(0), n)
+        cuts = [0, 7, 7, 4096, 70_000, n]
+        pieces: list[Any] = [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+        pieces[1], pieces[3] = bytes(pieces[1]), torch.from_numpy(pieces[3].copy())
+        item = item_for(make_key(0), payload=pieces)
+        assert item.payload_bytes == n
+        assert store.put_many([item, item_for(make_key(1), payload=(whole[:10], whole[10:100]))]) == [True, True]
+        out = np.empty(n, np.uint8)
+        assert store.get(make_key(0), out, token_digest=digest_for(make_key(0))) is not None
+        np.testing.assert_array_equal(out, whole)
+        assert store.get(make_key(1), np.empty(100, np.uint8)) is not None
+        with pytest.raises(ValueError, match=r"payload\[1\]: expected a contiguous tensor"):
+            PutItem(make_key(2), bytes(32), bytes(32), [whole[:4], torch.zeros(8, dtype=torch.uint8)[::2]])
+        with pytest.raises(TypeError, match=r"payload\[0\]: expected a bytes-like"):
+            PutItem(make_key(2), bytes(32), bytes(32), [3])
+
     def test_bad_out_buffers_raise(self, store: BlockStore) -> None:
         key = make_key(2)
         store.put_many([item_for(key, 1000)])
