@@ -283,8 +283,16 @@ def payload_views(payload: Any, *, name: str = "payload") -> tuple[list[np.ndarr
     page), taken in order (``name[j]`` in errors).
     """
     if isinstance(payload, (list, tuple)):
-        views = [as_byte_array(p, name=f"{name}[{j}]") for j, p in enumerate(payload)]
-        return views, sum(v.nbytes for v in views)
+        views = []
+        n = 0
+        for j, p in enumerate(payload):
+            if type(p) is np.ndarray and p.dtype is _U8 and p.ndim == 1 and p.flags.c_contiguous:
+                views.append(p)  # the fast path (e.g. views of a host pool's pages)
+            else:
+                p = as_byte_array(p, name=f"{name}[{j}]")
+                views.append(p)
+            n += p.size
+        return views, n
     view = as_byte_array(payload, name=name)
     return [view], view.nbytes
 
@@ -313,7 +321,7 @@ def encode_record_into(buf: Any, *, key: RecordKey, parent_hash: bytes, token_di
     """Write the record into the start of writable ``buf``; returns its size in bytes.
 
     ``payload``: one buffer or a list of pieces (see :func:`payload_views`), copied
-    piece by piece into place; the checksum is then taken over the bytes as they lie in
+    into place back to back; the checksum is then taken over the bytes as they lie in
     ``buf`` (exactly what is stored, while they are in the CPU cache)."""
     views, nbytes = payload_views(payload)
     header = _pack_header(key=key, parent_hash=parent_hash, token_digest=token_digest,
@@ -324,10 +332,10 @@ def encode_record_into(buf: Any, *, key: RecordKey, parent_hash: bytes, token_di
         raise ValueError(f"buf: expected at least {size} bytes, got {dst.nbytes}")
     end = HEADER_BYTES + nbytes
     dst[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-    pos = HEADER_BYTES
-    for v in views:
-        np.copyto(dst[pos:pos + v.nbytes], v)
-        pos += v.nbytes
+    if len(views) == 1:
+        np.copyto(dst[HEADER_BYTES:end], views[0])
+    elif views:
+        np.concatenate(views, out=dst[HEADER_BYTES:end])  # the pieces back to back, one call
     dst[end:size] = np.frombuffer(xxhash.xxh3_128(dst[:end]).digest(), dtype=np.uint8)
     return size
 

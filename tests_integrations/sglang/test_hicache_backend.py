@@ -112,6 +112,44 @@ def test_v1_round_trip_through_mla_host_pool(store_url, backends, layout):
     assert c["pages_written"] == 5 and c["pages_read"] == 5 and c["store.records"] == 5
 
 
+def test_layer_first_pages_are_written_and_read_in_place(tmp_path, backends, monkeypatch):
+    """A layer_first page (one host buffer per layer) goes to the store as the list of its
+    buffers and comes back as a scatter list of them: no bounce buffer on either side.
+    The record holds the buffers back to back, and a flipped byte in it is a miss."""
+    import numpy as np
+
+    pool = env.mla_host_pool("layer_first")
+    b = _backend(backends, f"lmdb://{tmp_path / 'kv'}", pool)
+    seen: dict[str, list] = {}
+    put_many, get_many = b.store.put_many, b.store.get_many
+
+    def spy_put(items):
+        seen["put"] = [item.payload for item in items]
+        return put_many(items)
+
+    def spy_get(keys, outs, **kw):
+        seen["get"] = list(outs)
+        return get_many(keys, outs, **kw)
+
+    monkeypatch.setattr(b.store, "put_many", spy_put)
+    monkeypatch.setattr(b.store, "get_many", spy_get)
+    written, read, keys, _ = _store_and_reload(b, pool, 3)
+    assert read == written
+    host = pool.kv_buffer.view(torch.uint8).numpy()
+    for name in ("put", "get"):
+        assert len(seen[name]) == 3
+        for page in seen[name]:
+            assert isinstance(page, list) and len(page) == env.LAYERS
+            assert all(np.shares_memory(piece, host) for piece in page), f"{name}: a copy, not the pool's pages"
+    first, second = b.record_keys(keys[:2])
+    b.close()
+    record = np.frombuffer(lmdb_raw_read(tmp_path / "kv", first.to_bytes()), np.uint8)
+    assert record[144:-16].tobytes() == b"".join(p.tobytes() for p in seen["put"][0])
+    _corrupt(tmp_path / "kv", second, offset_from_end=16 + 1000)  # mid-payload
+    b = _backend(backends, f"lmdb://{tmp_path / 'kv'}", pool)
+    assert b.batch_get_v1(keys, pool.alloc(3 * PAGE)) == [True, False, True]
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_mha_tp_ranks_keep_their_own_heads_apart(store_url, backends, layout):
     """An MHA model's TP ranks store the same page keys with different bytes (their own

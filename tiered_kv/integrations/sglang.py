@@ -51,7 +51,6 @@ plus the store's (hits, misses, corrupt, evictions, bytes).
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import hashlib
 import json
@@ -175,13 +174,27 @@ class _OpenStores:
 _STORES = _OpenStores()
 
 
-def _host_bytes(ptr: int, nbytes: int) -> np.ndarray:
-    """A writable uint8 view of ``nbytes`` of host memory at address ``ptr`` (no copy).
+class _HostSpan:
+    """``[nbytes] uint8`` of host memory at ``ptr``, through numpy's array interface."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+def _host_views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[np.ndarray]:
+    """Writable uint8 views of the host buffers at ``ptrs`` of ``sizes`` bytes (no copy).
 
     The addresses come from the host pool's ``get_page_buffer_meta``: CPU (pinned)
-    memory the pool owns and keeps alive while SGLang holds the pages.
+    memory the pool owns and keeps alive while SGLang holds the pages. One array spans
+    them all and each buffer is a slice of it (a page of a layer_first pool has a buffer
+    per layer: thousands per batch); only the buffers' own bytes are ever touched.
     """
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=np.uint8)
+    if not ptrs:
+        return []
+    lo = min(ptrs)
+    hi = max(p + n for p, n in zip(ptrs, sizes))
+    span = np.asarray(_HostSpan(lo, hi - lo))
+    return [span[p - lo:p - lo + n] for p, n in zip(ptrs, sizes)]
 
 
 def _config_str(extra: dict[str, Any], name: str, default: str | None = None) -> str | None:
@@ -233,7 +246,6 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._namespace_root = self._namespace(storage_config, model_id=model_id, tenant=tenant)
         self._bindings: dict[str, _PoolBinding] = {}
         self._lock = threading.Lock()
-        self._thread_local = threading.local()
         self._counters = _Counters()
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
@@ -339,8 +351,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         if len(ptrs) != n * per_page or tuple(sizes[:per_page]) != binding.buffer_bytes:
             raise ValueError(f"pool {binding.name!r}: expected {per_page} buffers of {binding.buffer_bytes} bytes "
                              f"per page, the pool reported {len(ptrs)} buffers for {n} pages")
-        return [[_host_bytes(int(ptrs[i * per_page + j]), binding.buffer_bytes[j]) for j in range(per_page)]
-                for i in range(n)]
+        flat = _host_views([int(p) for p in ptrs], binding.buffer_bytes * n)
+        return [flat[i * per_page:(i + 1) * per_page] for i in range(n)]
 
     # ------------------------------------------------------------------ page I/O
     def _exists_prefix(self, binding: _PoolBinding, fmt: _PageFormat, keys: Sequence[str]) -> list[bool]:
@@ -370,8 +382,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             self._counters.add(pages_write_failed=len(keys))
             return [False] * len(keys)
         todo = [i for i, p in enumerate(present) if not p]
-        items = [PutItem(rkeys[i], parents[i], digests[i],
-                         views[i][0] if len(views[i]) == 1 else np.concatenate(views[i]))
+        # A page of several host buffers (e.g. one per layer: layer_first) is one record
+        # whose payload is the list of its buffers: encoded straight from the pool.
+        items = [PutItem(rkeys[i], parents[i], digests[i], views[i][0] if len(views[i]) == 1 else views[i])
                  for i in todo]
         ok = [True] * len(keys)
         written = 0
@@ -400,43 +413,20 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             return [True] * len(keys)
         views = self._page_views(binding, keys, host_indices)
         rkeys, digests = self._record_keys(binding, _PageFormat.BUFFERS, keys)
-        # One buffer per page is read straight into the host pool; a page of several
-        # buffers (e.g. layer_first) is read into a bounce buffer and scattered on success.
-        bounce = self._bounce(binding.page_bytes * sum(len(v) > 1 for v in views))
-        outs, used = [], 0
-        for v in views:
-            if len(v) == 1:
-                outs.append(v[0])
-            else:
-                outs.append(bounce[used:used + binding.page_bytes])
-                used += binding.page_bytes
+        # Each page is read straight into its host buffers: a page of several (e.g. one
+        # per layer: layer_first) as the scatter list of its buffers, verified as read.
         start = time.perf_counter()
         try:
-            metas = self.store.get_many(rkeys, outs, token_digests=digests)
+            metas = self.store.get_many(rkeys, views, token_digests=digests)
         except (StoreError, OSError) as e:
             self._store_failed("read", e)
             self._counters.add(pages_missed=len(keys))
             return [False] * len(keys)
         ok = [m is not None for m in metas]
-        for page_ok, page_views, out in zip(ok, views, outs):
-            if page_ok and len(page_views) > 1:
-                offset = 0
-                for view in page_views:
-                    view[:] = out[offset:offset + view.nbytes]
-                    offset += view.nbytes
         hits = sum(ok)
         self._counters.add(pages_read=hits, pages_missed=len(keys) - hits)
         self._record_metric("prefetch", hits, binding.page_bytes, time.perf_counter() - start)
         return ok
-
-    def _bounce(self, nbytes: int) -> np.ndarray:
-        """This thread's reusable read buffer of at least ``nbytes`` (SGLang reads on its
-        prefetch thread; reusing the buffer spares fresh pages on every batch)."""
-        buf = getattr(self._thread_local, "bounce", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(nbytes, dtype=np.uint8)
-            self._thread_local.bounce = buf
-        return buf[:nbytes]
 
     def _store_failed(self, what: str, e: BaseException) -> None:
         logger.warning("tiered_kv HiCache storage: %s failed, pages count as misses: %s: %s", what,
