@@ -650,7 +650,8 @@ class LmdbStore(BlockStore):
         """Index synced batches in one transaction (with the queued access times and each
         segment's indexed end); if it fails for a group of several, each batch in a
         transaction of its own, in segment order, so that only the batches that fail alone
-        get an error (their bytes are punched). Releases every batch's segment range."""
+        get an error (their bytes are given back). Returns each batch's outcome (its
+        result or its error); releases every batch's segment range."""
         if not group:
             return []
         appended = [b.appended for b in group if b.appended is not None]
@@ -663,14 +664,12 @@ class LmdbStore(BlockStore):
             self._restore_access(taken)
             if len(group) == 1:
                 self._settle(group, given_up=True)
-                raise
-            first_error: BaseException = e
+                return [e]
         else:
             self._settle(group, given_up=False)
             return outcomes
-        by_offset = sorted(range(len(group)), key=lambda j: (group[j].appended is None, group[j].start))
-        outcomes = [first_error] * len(group)
-        for j in by_offset:
+        outcomes = [None] * len(group)
+        for j in sorted(range(len(group)), key=lambda j: (group[j].appended is None, group[j].start)):
             b = group[j]
             mine = [b.appended] if b.appended is not None else []
             ends = self._segments.indexed_ends(mine)
