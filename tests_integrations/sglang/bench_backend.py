@@ -82,10 +82,10 @@ def main() -> None:
     page_mb = PAGE * LAYERS * (KV_LORA + ROPE) * 2 / 1e6
     run_store(a.pages)  # warm-up
     runs: dict[str, list[tuple[float, float]]] = {"store": [], "page_first": [], "layer_first": []}
-    for _ in range(a.repeat):  # interleaved, so machine noise hits all three alike
-        runs["store"].append(run_store(a.pages))
-        for layout in ("page_first", "layer_first"):
-            runs[layout].append(run_adapter(layout, a.pages))
+    names = list(runs)
+    for r in range(a.repeat):  # interleaved, each going first in turn, so machine noise hits all three alike
+        for name in names[r % 3:] + names[:r % 3]:
+            runs[name].append(run_store(a.pages) if name == "store" else run_adapter(name, a.pages))
     med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in runs.items()}
     bw, br = med["store"]
     gb = a.pages * page_mb / 1e3

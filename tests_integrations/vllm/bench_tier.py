@@ -71,7 +71,8 @@ def main() -> None:
                  f"before the timed part, and kept), got {args.chunks}")
     runs: dict[str, list[tuple[float, float]]] = {"tiered_kv": [], "vllm_fs": []}
     for r in range(args.repeats):
-        for name in runs:                         # alternate, so drift hits both alike
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for name in order:                        # alternate, so drift (and going first) hits both alike
             with tempfile.TemporaryDirectory(dir=Path.home()) as d:
                 runs[name].append(run_once(name, Path(d), args.chunks, f"bench-{r}"))
     med = {name: (statistics.median(s for s, _ in v), statistics.median(lo for _, lo in v))
