@@ -76,6 +76,10 @@ What the chain guarantees:
   ``close_timeout_s`` (a level that is down is not waited for) and logs what was left
   (``abandoned_uploads``): with a journal the next process resumes those, without one
   :meth:`StoreChain.resync` (``tiered-kv sync``) queues them again.
+- A chain still open when the interpreter exits is closed then, as :meth:`StoreChain.close`
+  does, before Python's thread pools stop accepting work (:mod:`~.at_exit`): a script that
+  never calls ``close()`` loses no promotion and no journaled upload, and prints no
+  traceback.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from .at_exit import close_at_exit
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
@@ -268,6 +273,7 @@ class StoreChain(BlockStore):
         self._worker = threading.Thread(target=self._run_background, name="tiered_kv.chain.uploads", daemon=True)
         self._closed = False
         self._worker.start()
+        self._at_exit = close_at_exit(self.close)
 
     # ------------------------------------------------------------------ health
     def _usable(self, level: _Level) -> bool:
@@ -810,7 +816,7 @@ class StoreChain(BlockStore):
     def _unjournal(self, level: _Level, keys: list[RecordKey]) -> None:
         """Remove ``keys`` from ``level``'s journal entries. A failure only means they are
         sent again later (create-only: found present), so it is logged, not raised."""
-        if self._journal is None or not keys:
+        if self._journal is None or not keys or self._closed:  # closed: an abandoned upload ended late
             return
         try:
             self._journal.remove(level.journal_name, keys)
@@ -861,12 +867,18 @@ class StoreChain(BlockStore):
         waited for), then stop and close the owned levels. Idempotent."""
         if self._closed:
             return
+        self._at_exit.cancel()
         self._promoter.shutdown(wait=True)  # promotions land in level 0 (and queue their uploads)
         with self._cond:
             self._closing = True
             self._close_deadline = time.monotonic() + self.close_timeout_s
             self._cond.notify_all()
-        self._worker.join()
+        # An upload in flight is bounded by its store's own timeouts; one that hangs past
+        # them (a stalled link) is abandoned: it stays journaled, the thread is a daemon.
+        self._worker.join(timeout=self.close_timeout_s + self.timeout_s)
+        if self._worker.is_alive():
+            log.warning("store chain %s: an upload still in flight after close_timeout_s=%g s is abandoned",
+                        self.where, self.close_timeout_s)
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._journal_io.shutdown(wait=True)
