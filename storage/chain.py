@@ -26,8 +26,17 @@ promotion is written on the request path instead (back-pressure, never dropped).
 **Writes** (``put_many``) go to level 0 at once; the result is level 0's. Every item is
 queued for each farther level (deduplicated by key); one background thread uploads them
 in batches. The queue holds keys, not payloads: an upload reads the record back from level
-0, so the queue's memory is small and an upload always sends what level 0 verified. A
-record evicted from level 0 before its upload is skipped (``uploads_skipped``).
+0, so the queue's memory is small and an upload always sends what level 0 verified.
+
+**No upload is lost to eviction.** Level 0 (LMDB or Zarr: ``supports_eviction_guard``)
+gets an eviction guard from the chain: a record whose upload is queued, in flight or
+journaled (by any process: the journal is shared) is not evicted, neither by a put nor by
+``gc``, until a far level has it. A level 0 full of such records refuses new puts
+(:class:`StoreFullError`, counted by the cache as a write error; the data stays in the
+GPU and host tiers) until uploads free it, so a far level that is down for long makes
+level 0 stop taking new records rather than drop owed ones. A record gone from level 0
+anyway (deleted, ``gc`` run on level 0 alone, a level 0 without the guard) is skipped
+(``uploads_skipped``).
 
 **Far levels fail without harming the request path.**
 
@@ -272,6 +281,9 @@ class StoreChain(BlockStore):
             level.scan_more = self._journal is not None  # resume what an earlier process left
         self._worker = threading.Thread(target=self._run_background, name="tiered_kv.chain.uploads", daemon=True)
         self._closed = False
+        self._guarded = bool(self._far) and near.supports_eviction_guard and near.eviction_guard is None
+        if self._guarded:
+            near.eviction_guard = self._uploads_pending
         self._worker.start()
         self._at_exit = close_at_exit(self.close)
 
@@ -320,6 +332,22 @@ class StoreChain(BlockStore):
         except _LEVEL_ERRORS as e:
             self._failed(level, what, e)
         return _SKIPPED
+
+    def _uploads_pending(self, keys: Sequence[RecordKey]) -> set[RecordKey]:
+        """Level 0's eviction guard: which of ``keys`` a far level still needs (queued, in
+        flight, being written and queued by this process, or journaled by any process)."""
+        with self._cond:
+            held = {key for key in keys if key in self._writing
+                    or any(key in level.pending or key in level.inflight_keys for level in self._far)}
+        if self._journal is not None and not self._closed:
+            rest = [key for key in keys if key not in held]
+            try:
+                held |= self._journal.pending_among([level.journal_name for level in self._far], rest)
+            except (StoreError, lmdb.Error) as e:  # unreadable journal: hold them all, never lose one
+                log.warning("upload journal %s: could not be read for level 0's eviction (%s); "
+                            "nothing is evicted meanwhile", self._journal.path, e)
+                return set(keys)
+        return held
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
@@ -894,6 +922,8 @@ class StoreChain(BlockStore):
                         "; ".join(f"level {lv.index}: {len(lv.pending)} ({lv.last_error})"
                                   for lv in self._far if lv.pending))
         self.abandoned_uploads = abandoned
+        if self._guarded:
+            self._near.eviction_guard = None
         errors: list[BaseException] = []
         for level in reversed(self._levels):
             if level.owned and level.store is not None:

@@ -204,6 +204,17 @@ class UploadJournal:
 
         return self._read(read)
 
+    def pending_among(self, levels: Sequence[str], keys: Sequence[RecordKey]) -> set[RecordKey]:
+        """Which of ``keys`` have an entry for any of ``levels`` (one read transaction)."""
+        if not levels or not keys:
+            return set()
+        dbs = [self._db(name) for name in levels]
+
+        def read(txn: lmdb.Transaction) -> set[RecordKey]:
+            return {key for key in keys if any(txn.get(key.to_bytes(), db=db) is not None for db in dbs)}
+
+        return self._read(read)
+
     def count(self, level: str) -> int:
         """Entries of ``level`` (O(1))."""
         db = self._db(level)

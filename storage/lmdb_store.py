@@ -99,6 +99,7 @@ from .base import (
     check_open,
     create_private_file,
     mkdir_private,
+    select_victims,
 )
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
 from .record import (
@@ -231,6 +232,7 @@ class LmdbStore(BlockStore):
     supports_shared_writers = True
     supports_mmap_reads = False  # records are pread (page cache or O_DIRECT) into the out buffers
     supports_scatter_reads = True  # one preadv per record: header, every piece, checksum
+    supports_eviction_guard = True
 
     def __init__(self, path: str | os.PathLike[str], *, layout_fingerprint: str,
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
@@ -445,18 +447,46 @@ class LmdbStore(BlockStore):
     def _evict_for(self, txn: lmdb.Transaction, total: int, need: int, freed: list[Location], *,
                    limit: int | None = None, max_records: int | None = None) -> tuple[int, int]:
         """Evict least recently accessed records until ``need`` more bytes fit in ``limit``
-        (default ``max_bytes``), or ``max_records`` were evicted."""
+        (default ``max_bytes``), or ``max_records`` were evicted; records the
+        :attr:`eviction_guard` holds are skipped. Returns (bytes left, records evicted).
+
+        Raises StoreFullError when a put (``need > 0``) cannot make room because the
+        guard holds the rest; ``gc`` (``need == 0``) then stops short of its bound."""
         bound = self.max_bytes if limit is None else limit
-        evicted = 0
-        while total + need > bound and (max_records is None or evicted < max_records):
-            cur = txn.cursor(db=self._lru)
-            if not cur.first():
+        if total + need <= bound:
+            return total, 0
+        victims, _, kept = select_victims(self._lru_candidates(txn), total + need - bound, self.eviction_guard,
+                                          max_records=max_records)
+        for kb in victims:
+            total -= self._remove(txn, kb, freed)
+        if total + need > bound and (max_records is None or len(victims) < max_records):
+            if kept and need:
+                raise StoreFullError(
+                    f"{self.path}: no room for {need} bytes: records take {total} of {bound} bytes and the "
+                    f"{kept} least recently used that could go are held by the store's eviction guard "
+                    f"(uploads to a farther level still pending); nothing was written by this call")
+            if not kept:
                 raise StoreError(f"{self.path}: accounting broken: {total} bytes recorded but no "
                                  f"record left to evict")
+        return total, len(victims)
+
+    def _lru_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, RecordKey | None, int]]:
+        """Every record, least recently accessed first: (key bytes, its RecordKey when an
+        eviction guard is set, accounted bytes)."""
+        guarded = self.eviction_guard is not None
+        cur = txn.cursor(db=self._lru)
+        ok = cur.first()
+        while ok:
             kb = bytes(cur.key()[_LRU_NS.size:])
-            total -= self._remove(txn, kb, freed)
-            evicted += 1
-        return total, evicted
+            raw = txn.get(kb, db=self._atime)
+            key = None
+            if guarded:
+                try:
+                    key = RecordKey.from_bytes(kb)
+                except ValueError:  # not a RecordKey: nothing can hold it
+                    key = None
+            yield kb, key, _ATIME.unpack(raw)[1] if raw is not None else 0
+            ok = cur.next()
 
     def _take_access(self) -> dict[bytes, int]:
         with self._access_lock:

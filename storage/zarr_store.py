@@ -79,7 +79,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import BlockStore, PutItem, StoreStats, check_open, scatter_via_temporaries
+from .base import BlockStore, PutItem, StoreStats, check_open, scatter_via_temporaries, select_victims
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
 from .record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
 from .zarr_api import ZarrApiObjects
@@ -126,6 +126,7 @@ class ZarrStore(BlockStore):
     supports_multiprocess = True
     supports_shared_writers = True
     supports_mmap_reads = False
+    supports_eviction_guard = True
 
     def __init__(self, url_or_path: Any, *, layout_fingerprint: str, max_bytes: int | None = None,
                  io_threads: int = 8, stale_partial_s: float = 3600.0, rescan_fraction: float = 0.1,
@@ -266,13 +267,36 @@ class ZarrStore(BlockStore):
         assert self._rescan_bytes is not None
         if self._written_since_scan >= self._rescan_bytes:
             self._rescan()
-        victims = []
         with self._lock:
-            while self._total + need > self.max_bytes and self._index:
-                key, (size, _) = self._index.popitem(last=False)
-                self._total -= size
-                victims.append(key)
-        return sum(self._objects.remove(object_name(key)) for key in victims)
+            victims, kept = self._take_victims(self._total + need - self.max_bytes)
+            if self._total + need > self.max_bytes and kept:
+                self._restore_victims(victims)
+                raise StoreFullError(
+                    f"{self.where}: no room for {need} bytes: records take {self._total} of {self.max_bytes} "
+                    f"bytes and the {kept} least recently used that could go are held by the store's eviction "
+                    f"guard (uploads to a farther level still pending); nothing was written by this call")
+        return sum(self._objects.remove(object_name(key)) for key, _ in victims)
+
+    def _take_victims(self, excess: int) -> tuple[list[tuple[RecordKey, tuple[int, int]]], int]:
+        """Take least recently accessed records worth ``excess`` bytes out of the index,
+        skipping those the eviction guard holds; (their entries, guarded records walked
+        past). Caller holds the lock."""
+        if excess <= 0:
+            return [], 0
+        candidates = ((key, key, size) for key, (size, _) in self._index.items())
+        keys, _, kept = select_victims(candidates, excess, self.eviction_guard)
+        victims = [(key, self._index.pop(key)) for key in keys]
+        self._total -= sum(entry[0] for _, entry in victims)
+        return victims, kept
+
+    def _restore_victims(self, victims: list[tuple[RecordKey, tuple[int, int]]]) -> None:
+        """Undo :meth:`_take_victims` (nothing is evicted after all), LRU order kept.
+        Caller holds the lock."""
+        if not victims:
+            return
+        rest = list(self._index.items())
+        self._index = OrderedDict(sorted([*victims, *rest], key=lambda kv: kv[1][1]))
+        self._total += sum(entry[0] for _, entry in victims)
 
     # ------------------------------------------------------------------ writes
     def _existing_is_valid(self, key: RecordKey, size: int) -> bool | None:
@@ -495,12 +519,8 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         self._check_gc_bound(max_bytes)
         self._rescan()
-        victims: list[tuple[RecordKey, int]] = []
-        with self._lock:
-            while self._total > max_bytes and self._index:
-                key, (size, _) = self._index.popitem(last=False)
-                self._total -= size
-                victims.append((key, size))
+        with self._lock:  # (records the eviction guard holds stay: gc may stop above its bound)
+            victims = [(key, size) for key, (size, _) in self._take_victims(self._total - max_bytes)[0]]
         removed = self._io.map(lambda v: self._objects.remove(object_name(v[0])), victims)
         raise_first(removed)
         evicted = sum(1 for r in removed if r)
