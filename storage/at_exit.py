@@ -27,7 +27,7 @@ an object at that point (non-daemon threads are joined only afterwards) find it 
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401  (registers _python_exit first: ours must run before it)
+import importlib
 import itertools
 import logging
 import threading
@@ -78,6 +78,8 @@ def _install() -> None:
         if _installed:
             return
         _installed = True
+    # Importing it registers _python_exit (once per process); registered after it, ours runs first.
+    importlib.import_module("concurrent.futures.thread")
     try:
         threading._register_atexit(_run)  # type: ignore[attr-defined]
     except RuntimeError:  # the interpreter is already exiting: nothing can be registered

@@ -59,7 +59,16 @@ import numpy as np
 
 from ..prefix import HASH_BYTES
 from .errors import StoreError, StoreLockedError
-from .record import RecordKey, RecordMeta, as_byte_array, as_out_segments, record_parts, write_segments
+from .record import (
+    CHECKSUM_BYTES,
+    HEADER_BYTES,
+    RecordKey,
+    RecordMeta,
+    as_byte_array,
+    as_out_segments,
+    record_parts,
+    write_segments,
+)
 
 __all__ = ["BlockStore", "EvictionGuard", "PutItem", "StoreStats", "scatter_via_temporaries", "select_victims"]
 
@@ -167,6 +176,9 @@ class BlockStore(abc.ABC):
 
     layout_fingerprint: str
     max_bytes: int | None
+    #: Opened with ``layout_fingerprint=None``: bound to whatever fingerprint the store
+    #: holds, for maintenance (stats, verify, gc, delete, reads); puts raise StoreError.
+    maintenance: bool = False
     _closed: bool = True
 
     @property
@@ -245,6 +257,13 @@ class BlockStore(abc.ABC):
         ``max_bytes``. Returns at least ``{"evicted": int, "freed_bytes": int, "bytes": int,
         "records": int}`` (``bytes`` / ``records``: what is left)."""
 
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """The payload bytes of the record stored under each key (None: absent), from the
+        store's index or object sizes, not verified: what a reader must allocate to
+        ``get`` it when it does not know the layout (``tiered-kv sync`` / ``prefetch`` on
+        a store of an engine's)."""
+        raise NotImplementedError(f"{type(self).__name__}: payload sizes are not known without the layout")
+
     # --------------------------------------------------------------- helpers
     def put(self, item: PutItem) -> bool:
         return self.put_many([item])[0]
@@ -260,6 +279,12 @@ class BlockStore(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_layout_known(self, where: str) -> None:
+        if self.maintenance:
+            raise StoreError(f"{where}: opened without a layout fingerprint (a maintenance open); writing "
+                             f"records needs the layout: open it with layout_fingerprint=... (the store holds "
+                             f"{self.layout_fingerprint!r})")
 
     @staticmethod
     def _check_gc_bound(max_bytes: object) -> int:
@@ -448,6 +473,13 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def payload_of_record(nbytes: int | None) -> int | None:
+    """Payload bytes of a stored record of ``nbytes`` (None: absent or too short to be one)."""
+    if nbytes is None or nbytes < HEADER_BYTES + CHECKSUM_BYTES:
+        return None
+    return nbytes - HEADER_BYTES - CHECKSUM_BYTES
 
 
 def check_open(closed: bool, what: str) -> None:

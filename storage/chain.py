@@ -237,6 +237,7 @@ class StoreChain(BlockStore):
             raise ValueError(f"owned: expected one flag per level ({len(levels)}), got {len(owned)}")
         near = levels[0]
         self.layout_fingerprint = near.layout_fingerprint
+        self.maintenance = near.maintenance  # (level 0 refuses puts then)
         for i, lvl in enumerate(levels):
             if isinstance(lvl, BlockStore) and lvl.layout_fingerprint != self.layout_fingerprint:
                 raise LayoutMismatchError(f"levels[{i}] ({_where(lvl)})", lvl.layout_fingerprint,
@@ -597,11 +598,13 @@ class StoreChain(BlockStore):
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending_promotions, timeout=timeout_s)
 
-    def resync(self, payload_bytes: dict[RecordKind, int]) -> dict[str, int]:
+    def resync(self, payload_bytes: dict[RecordKind, int] | None = None) -> dict[str, int]:
         """Queue for upload every level-0 record that a farther level lacks.
 
-        ``payload_bytes``: the payload size of each record kind (a store holds one layout:
-        ``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); an upload reads
+        ``payload_bytes``: the payload size of each record kind, when the layout is known
+        (``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); None (default):
+        each record's own size, from level 0's index (:meth:`BlockStore.payload_sizes`), so
+        a store of any layout (an engine's pages of several sizes) resyncs. An upload reads
         the record back from level 0 into a buffer of that size.
 
         With a journal (see the module docstring) uploads pending when a process stopped are
@@ -621,13 +624,29 @@ class StoreChain(BlockStore):
                 continue
             missing = [key for key in local if key not in listed]
             out["present"] += len(local) - len(missing)
-            out["queued"] += len(missing)
+            sizes = ([payload_bytes[key.kind] for key in missing] if payload_bytes is not None
+                     else self._near.payload_sizes(missing))
+            owed = [(key, n) for key, n in zip(missing, sizes) if n is not None]  # (None: gone meanwhile)
+            out["queued"] += len(owed)
             if self._journal is not None:
-                self._journal.add([level.journal_name], [(key, payload_bytes[key.kind]) for key in missing])
+                self._journal.add([level.journal_name], owed)
             with self._cond:
-                for key in missing:
-                    self._enqueue(level, key, payload_bytes[key.kind])
+                for key, n in owed:
+                    self._enqueue(level, key, n)
         return out
+
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """Level 0's answer, and for the keys it lacks each farther level's in turn (far
+        levels are asked directly, an admin call: one not open raises StoreError)."""
+        check_open(self._closed, self.where)
+        sizes = self._near.payload_sizes(keys)
+        for level in self._far:
+            todo = [i for i, n in enumerate(sizes) if n is None]
+            if not todo:
+                break
+            for i, n in zip(todo, self._open_store(level, "payload_sizes").payload_sizes([keys[i] for i in todo])):
+                sizes[i] = n
+        return sizes
 
     def levels(self) -> list[BlockStore | None]:
         """The levels' stores, nearest first (None: a deferred level not opened yet)."""
@@ -649,6 +668,7 @@ class StoreChain(BlockStore):
         near = self._near.stats()
         out: dict[str, Any] = {
             "backend": "chain", "path": self.where, "layout_fingerprint": self.layout_fingerprint,
+            "writer": near.get("writer"),
             **{k: near.get(k) for k in ("records", "bytes", "max_bytes", "evictions", "puts", "put_bytes",
                                           "oldest_access_ns", "newest_access_ns")},
         }
@@ -677,6 +697,8 @@ class StoreChain(BlockStore):
                             "journaled_uploads": journaled.get(level.index, 0), **level.counters}
                 if stats_error is not None:
                     info["stats_error"] = stats_error
+                info["writer"] = store_stats.get("writer")
+                info["records"] = store_stats.get("records")
             per_level.append(info)
             for k, v in {**store_stats, **info}.items():
                 if isinstance(v, (int, float)):  # bools as 0 / 1

@@ -116,7 +116,8 @@ class TieredKVCache(TierMoves):
         self._host_of_block: dict[int, int] = {}
         #: HiSparse: mirror copies (device -> host) not yet known to be complete
         self._mirrors_pending: collections.deque[CopyHandle] = collections.deque()
-        self.disk = DiskTier(store, layout, store_options=store_options) if store is not None else None
+        self.disk = DiskTier(store, layout, store_options=store_options,
+                             writer=self._store_writer(salt)) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._shut_down = False
@@ -126,6 +127,13 @@ class TieredKVCache(TierMoves):
              "snapshots_elided",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
+
+    def _store_writer(self, salt: str | bytes) -> object:
+        """What a store created by this cache records about its writer (model id, a hash
+        of the tenant salt; see :mod:`tiered_kv.storage.writer`)."""
+        from .storage import StoreWriter, WriterKind
+
+        return StoreWriter.of(WriterKind.CACHE, model=self.hasher.model_id, tenant=salt)
 
     # ---------------------------------------------------------------- checks
     def _check_running(self, what: str) -> None:

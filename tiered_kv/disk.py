@@ -58,16 +58,22 @@ class DiskTier:
         store_options: options of :func:`~tiered_kv.storage.open_store`; for a list, the
             chain's (``timeout_s``, ``backoff_max_s``, ...) and ``level_options``, one
             dict per level.
+        writer: who writes (a :class:`~tiered_kv.storage.StoreWriter`), recorded by a
+            store created here.
     """
 
     def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
-                 store_options: dict[str, Any] | None = None, read_threads: int = 2) -> None:
+                 store_options: dict[str, Any] | None = None, read_threads: int = 2,
+                 writer: Any | None = None) -> None:
         from .storage import BlockStore, open_store
         from .storage.at_exit import close_at_exit
 
         self._owns_store = not isinstance(store, BlockStore)
         if self._owns_store:
-            store = open_store(store, layout_fingerprint=layout.fingerprint, **(store_options or {}))
+            options = dict(store_options or {})
+            if writer is not None:
+                options.setdefault("writer", writer)
+            store = open_store(store, layout_fingerprint=layout.fingerprint, **options)
         elif store.layout_fingerprint != layout.fingerprint:
             from .storage import LayoutMismatchError
             raise LayoutMismatchError(f"store: expected layout fingerprint {layout.fingerprint}, "

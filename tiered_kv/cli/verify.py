@@ -4,6 +4,10 @@
 
     tiered-kv verify --store .demo/store
     tiered-kv verify --store lmdb:///var/cache/kv --repair --json
+    tiered-kv verify --store lmdb:///var/cache/kv --store "zarr+s3://kv/v4?endpoint=..."   # a chain: every level
+
+No layout option is needed (the store is checked against the fingerprint it holds);
+``--model`` and the overrides only check that it holds that layout (exit 4 if not).
 
 Every record's checksum, layout fingerprint and key are checked
 (:meth:`tiered_kv.storage.BlockStore.verify`). Without ``--repair`` nothing is changed:
@@ -40,8 +44,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="exit codes: 0 all good (or bad records removed), 1 corrupt records found, "
                "2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
     )
-    _common.add_store_arg(p)
-    _common.add_layout_args(p)
+    _common.add_store_arg(p, chain=True)
+    _common.add_layout_args(p, optional=True)
     p.add_argument("--repair", action="store_true", help="remove the records that fail a check")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -52,17 +56,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = _common.layout_from_args(args)
-    loc = _common.parse_store(args.store)
-    with _common.open_cli_store(loc, layout) as store:
+    layout = _common.layout_option(args)
+    locs = [_common.parse_store(text) for text in args.store]
+    with _common.open_cli_store(locs, layout) as store:
         result = dict(store.verify(repair=args.repair))
+        model = _common.model_of(layout, store.layout_fingerprint)
     bad = [_key_name(k) for k in result.get("corrupt_keys", [])]
-    out = {"store": loc.url, "model": layout.name, "repair": args.repair, **result, "corrupt_keys": bad}
+    out = {"store": _common.store_url(locs), "model": model, "repair": args.repair, **result, "corrupt_keys": bad}
     found = out["corrupt"]
     if args.json:
         _common.print_json(out)
     else:
-        print(f"{loc.url}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
+        where = " -> ".join(loc.url for loc in locs)
+        print(f"{where}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
         for name in bad:
             print(f"  corrupt  {name}")
         if found and not args.repair:
