@@ -326,11 +326,18 @@ def parse_store(text: str) -> StoreLocation:
     return StoreLocation(backend=backend, path=path, given=text)
 
 
+class _NoObjectStoreError(Exception):
+    """Stands for the object-store errors where obstore is not installed (never raised)."""
+
+
 @contextmanager
 def _object_store_errors(loc: StoreLocation) -> Iterator[None]:
     """Object-store failures as a command failure naming what to check (no secrets)."""
-    from ..storage.s3 import BucketNotFoundError, ObjectStoreAuthError, ObjectStoreUnavailable
-
+    try:
+        from ..storage.s3 import BucketNotFoundError, ObjectStoreAuthError, ObjectStoreUnavailable
+    except ImportError:  # no obstore (the optional `s3` extra): no object store can be in use
+        yield
+        return
     try:
         yield
     except BucketNotFoundError as exc:
@@ -356,7 +363,10 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
     import lmdb
 
     from ..storage import LayoutMismatchError, StoreError, StoreLockedError
-    from ..storage.s3 import ObjectStoreError
+    try:
+        from ..storage.s3 import ObjectStoreError
+    except ImportError:  # no obstore (the optional `s3` extra): nothing raises it
+        ObjectStoreError = _NoObjectStoreError  # noqa: N806
 
     try:
         with _object_store_errors(loc):
