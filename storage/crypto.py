@@ -300,6 +300,7 @@ class Keyring:
         if importlib.util.find_spec("cryptography") is None:
             raise ImportError("encryption needs the cryptography package: pip install 'tiered-kv[encryption]'")
         self.config = config
+        self._fp_fields: dict[str, bytes] = {}
         self.tenant = tenant_bytes(config.tenant)
         keys: list[TenantKeys] = []
         seen: set[bytes] = set()
@@ -321,8 +322,11 @@ class Keyring:
             layout_fingerprint: str) -> bytes:
         """The associated data of a record (see the module docstring); ``head``: the
         envelope head (its nonce is bound by GCM itself and left out)."""
+        fp = self._fp_fields.get(layout_fingerprint)
+        if fp is None:
+            fp = self._fp_fields[layout_fingerprint] = fingerprint_field(layout_fingerprint)
         return b"".join((_AAD_LABEL, head[:16], bytes((int(key.kind),)), key.block_hash, parent_hash,
-                         token_digest, fingerprint_field(layout_fingerprint), self.tenant))
+                         token_digest, fp, self.tenant))
 
     def seal_into(self, env: np.ndarray, payload: np.ndarray, *, key: RecordKey, parent_hash: bytes,
                   token_digest: bytes, layout_fingerprint: str) -> tuple[bytes, bytes]:

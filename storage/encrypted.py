@@ -44,6 +44,7 @@ seen).
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -242,7 +243,7 @@ class EncryptedStore(BlockStore):
             return []
         bodies = [as_byte_array(item.payload, name="payload") for item in items]
         sizes = [b.nbytes + ENVELOPE_OVERHEAD for b in bodies]
-        offs = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        offs = [0, *itertools.accumulate(sizes)]
         arena = self._arena("put_arena", offs[-1])
         fp = self.layout_fingerprint
 
@@ -282,7 +283,7 @@ class EncryptedStore(BlockStore):
         reads = [_ABSENT] * len(keys)
         env_sizes = [s.nbytes + ENVELOPE_OVERHEAD for s in segs]
         for chunk in self._chunks(env_sizes):
-            offs = np.concatenate([[0], np.cumsum([env_sizes[i] for i in chunk])]).tolist()
+            offs = [0, *itertools.accumulate(env_sizes[i] for i in chunk)]
             arena = self._arena("get_arena", offs[-1])
             envs = [arena[offs[j]:offs[j + 1]] for j in range(len(chunk))]
             jobs = []
@@ -462,6 +463,15 @@ class EncryptedStore(BlockStore):
             if progress is not None:
                 progress(start + len(chunk), len(todo))
         return len(keys) - len(todo)
+
+    def sample(self, keys: Sequence[RecordKey], payload_bytes: Mapping[RecordKind, int]) -> list[bytes | None]:
+        """The id of the key each record of ``keys`` (of a kind in ``payload_bytes``)
+        opens under; None where it is not authentic under a key given. Reads, removes
+        nothing, counts nothing."""
+        keys = [k for k in keys if k.kind in payload_bytes]
+        segs = [as_out_segments(np.empty(payload_bytes[k.kind], np.uint8)) for k in keys]
+        reads = self._read(keys, segs, [None] * len(keys), remove=False)
+        return [r.key_id if r.outcome is _Outcome.OK else None for r in reads]
 
     def rekey(self, payload_bytes: Mapping[RecordKind, int], *, batch: int = 16,
               progress: Callable[[int, int, RekeyReport], None] | None = None) -> RekeyReport:
