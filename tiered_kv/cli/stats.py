@@ -91,8 +91,8 @@ def format_table(s: dict[str, Any]) -> str:
         ("max_bytes", str(max_bytes) if max_bytes is not None else "none",
          format_bytes(max_bytes) if max_bytes is not None else "unbounded"),
         ("oldest_access", s["oldest_access"] or "-", "least recently used record (evicted first)"),
-        *_encryption_rows(s.get("encryption") or {}),
         ("newest_access", s["newest_access"] or "-", ""),
+        *_encryption_rows(s.get("encryption") or {}),
     ]
     lifetime = "lifetime_hits" in s  # LMDB persists counters across processes
     note = "since the store was created, all processes" if lifetime else "since this process opened the store"

@@ -89,6 +89,8 @@ def _run(args: argparse.Namespace) -> int:
                   f"({out['foreign']} under no key given or not sealed, {out['auth_removed']} removed)")
             for name in out["auth_failed_keys"]:
                 print(f"  unauthentic  {name}")
+            if out["foreign"] and not out["authenticated"]:
+                print("  no record opened under the keys given: check --tenant (default '') and --key-file")
         if found and not args.repair:
             print(f"{found} corrupt record{'s' if found != 1 else ''} left in place (a cache reads "
                   f"{'them' if found != 1 else 'it'} as a miss); run again with --repair to remove "
