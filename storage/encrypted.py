@@ -11,10 +11,11 @@ unchanged, and the wrapper adds authentication::
                encryption={"key_files": ["/etc/tiered-kv/key-2026", "/etc/tiered-kv/key-2025"],
                            "tenant": "acme"})
 
-Reads. The envelopes of one call are read by the backend into a reusable per-thread
-arena (in chunks of at most 32 MiB), then opened on several threads at once (AES-GCM in
-``cryptography`` >= 50 runs without the GIL): each is decrypted straight from the arena
-into the caller's buffer (one pass: no copy of the ciphertext into place first). A
+Reads. The envelopes of one call are read by the backend, in chunks of at most 8
+MiB, into reusable per-thread arenas, and opened on several threads (AES-GCM in
+``cryptography`` >= 50 runs without the GIL), pipelined: while the pool opens one
+chunk, the calling thread reads the next. Each envelope is decrypted straight from the
+arena into the caller's buffer (one pass: no copy of the ciphertext into place first). A
 scatter-list out is decrypted into a per-thread scratch buffer and copied into its
 pieces.
 
@@ -48,7 +49,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -61,8 +62,9 @@ from .record import RecordKey, RecordKind, RecordMeta, as_byte_array, as_out_seg
 
 __all__ = ["EncryptedStore", "RekeyReport"]
 
-#: Envelopes read (or sealed) per backend call: bounds the per-thread arena.
-_ARENA_BYTES = 32 << 20
+#: Envelopes read per backend call (and the bound of a kept per-thread arena): reads are
+#: pipelined chunk by chunk, so a chunk is small enough to overlap with the next one.
+_CHUNK_BYTES = 8 << 20
 #: Below this many bytes in a call, (de)crypt on the calling thread only.
 _PARALLEL_MIN_BYTES = 1 << 20
 T = TypeVar("T")
@@ -191,10 +193,7 @@ class EncryptedStore(BlockStore):
         the work is large enough to gain from it."""
         if self.threads == 1 or len(jobs) < 2 or nbytes < _PARALLEL_MIN_BYTES:
             return [fn(j) for j in jobs]
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tiered_kv.crypto")
-            pool = self._pool
+        pool = self._get_pool()
         groups = min(self.threads, len(jobs))
         out: list[Any] = [None] * len(jobs)
 
@@ -210,24 +209,50 @@ class EncryptedStore(BlockStore):
                 f.result()
         return out
 
+    def _submit(self, fn: Callable[[J], T], jobs: Sequence[J]) -> list[Future[list[T]]]:
+        """``fn`` over ``jobs`` on the pool only (the calling thread goes on reading):
+        futures of interleaved groups, one per pool thread."""
+        if not jobs:
+            return []
+        if self.threads == 1:
+            f: Future[list[T]] = Future()
+            f.set_result([fn(j) for j in jobs])
+            return [f]
+        pool = self._get_pool()
+        groups = min(self.threads - 1, len(jobs))
+        return [pool.submit(lambda g=g: [fn(jobs[i]) for i in range(g, len(jobs), groups)]) for g in range(groups)]
+
+    @staticmethod
+    def _gather(futures: list[Future[list[T]]]) -> list[T]:
+        out: list[T] = []
+        for f in futures:
+            out += f.result()
+        return out
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tiered_kv.crypto")
+            return self._pool
+
     def _arena(self, name: str, nbytes: int) -> np.ndarray:
         """A per-thread reusable buffer of at least ``nbytes`` (grown as needed, kept
-        while at most the arena bound; a larger one is allocated for this call only)."""
+        while at most the chunk bound; a larger one is allocated for this call only)."""
         buf = getattr(self._local, name, None)
         if buf is not None and buf.nbytes >= nbytes:
             return buf
         buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-        if nbytes <= _ARENA_BYTES:
+        if nbytes <= _CHUNK_BYTES:
             setattr(self._local, name, buf)
         return buf
 
     @staticmethod
     def _chunks(sizes: list[int]) -> Iterator[list[int]]:
-        """Indices of ``sizes`` in runs whose total stays within the arena bound."""
+        """Indices of ``sizes`` in runs whose total stays within the chunk bound."""
         run: list[int] = []
         total = 0
         for i, n in enumerate(sizes):
-            if run and total + n > _ARENA_BYTES:
+            if run and total + n > _CHUNK_BYTES:
                 yield run
                 run, total = [], 0
             run.append(i)
@@ -279,12 +304,23 @@ class EncryptedStore(BlockStore):
               skip_current: bool = False, remove: bool = True) -> list[_Read]:
         """Read, authenticate and decrypt each record into ``segs[i]`` (OutSegments).
         ``remove``: remove the records no holder of their key can read (FORGED, DIGEST).
-        ``skip_current``: leave records under the current key undecrypted (``SKIPPED``)."""
+        ``skip_current``: leave records under the current key undecrypted (``SKIPPED``).
+
+        Pipelined over chunks of at most ``_CHUNK_BYTES`` of envelopes, two arenas per
+        thread: while the pool opens chunk k, this thread reads chunk k+1 into the other
+        arena; the last chunk is opened by the pool and this thread together."""
         reads = [_ABSENT] * len(keys)
         env_sizes = [s.nbytes + ENVELOPE_OVERHEAD for s in segs]
-        for chunk in self._chunks(env_sizes):
+
+        def open_one(job: tuple[int, np.ndarray, RecordMeta]) -> tuple[int, _Read]:
+            i, env, m = job
+            return i, self._open(keys[i], env, m, segs[i], digests[i], skip_current)
+
+        chunks = list(self._chunks(env_sizes))
+        inflight: list[Future[list[tuple[int, _Read]]]] = []
+        for n, chunk in enumerate(chunks):
             offs = [0, *itertools.accumulate(env_sizes[i] for i in chunk)]
-            arena = self._arena("get_arena", offs[-1])
+            arena = self._arena(f"get_arena{n % 2}", offs[-1])
             envs = [arena[offs[j]:offs[j + 1]] for j in range(len(chunk))]
             jobs = []
             for i, env, m in zip(chunk, envs, self._inner_get([keys[i] for i in chunk], envs)):
@@ -292,13 +328,12 @@ class EncryptedStore(BlockStore):
                     reads[i] = _Read(_Outcome.FOREIGN)
                 elif m is not None:
                     jobs.append((i, env, m))
-
-            def open_one(job: tuple[int, np.ndarray, RecordMeta]) -> _Read:
-                i, env, m = job
-                return self._open(keys[i], env, m, segs[i], digests[i], skip_current)
-
-            opened = self._parallel(open_one, jobs, sum(env_sizes[i] for i, _, _ in jobs))
-            for (i, _, _), r in zip(jobs, opened):
+            done = self._gather(inflight)  # chunk n-1 opened: its arena is free for chunk n+1
+            if n == len(chunks) - 1:
+                done += self._parallel(open_one, jobs, sum(env_sizes[i] for i, _, _ in jobs))
+            else:
+                inflight = self._submit(open_one, jobs)
+            for i, r in done:
                 reads[i] = r
                 if r.outcome is _Outcome.OK:
                     self._sizes.setdefault(keys[i].kind, segs[i].nbytes)

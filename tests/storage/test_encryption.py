@@ -124,6 +124,25 @@ def test_round_trip_scatter_and_digest(backend, tmp_path: Path) -> None:
         assert s.stats()["corrupt"] == 1 and not s.contains(keys[2])
 
 
+def test_a_batch_larger_than_a_chunk_is_read_pipelined_and_exact(tmp_path: Path) -> None:
+    """30 x 600 KB: three chunks, opened on the pool while the next one is read; a missing
+    and a foreign record in the middle stay misses, every other byte is exact."""
+    a, b = key_files(tmp_path, "a", "b")
+    n = 600_000
+    keys = [make_key(i) for i in range(30)]
+    url = f"lmdb://{tmp_path / 's'}"
+    with open_store(url, layout_fingerprint=FP, encryption=enc([b])) as s:
+        s.put_many([item_for(keys[13], n)])  # sealed under another key
+    with open_store(url, layout_fingerprint=FP, encryption={**enc([a]), "threads": 3}) as s:
+        s.put_many([item_for(k, n) for i, k in enumerate(keys) if i not in (7, 13)])
+        got = read_all(s, keys, n)
+        assert [i for i, g in enumerate(got) if g is None] == [7, 13]
+        for k, out in zip(keys, got):
+            if out is not None:
+                np.testing.assert_array_equal(out, payload_for(k, n))
+        assert (s.stats()["hits"], s.stats()["auth_failures"]) == (28, 1)
+
+
 def test_no_plaintext_reaches_the_backend(tmp_path: Path) -> None:
     files = key_files(tmp_path, "a")
     keys = [make_key(i) for i in range(8)]
