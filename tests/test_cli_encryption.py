@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,18 +19,35 @@ def _json(capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.fixture
-def sealed(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str, str]:
-    """A store warmed with the bundled prompts, sealed under key k1 for tenant "acme"."""
-    monkeypatch.delenv("TIERED_KV_KEY_FILE", raising=False)
-    k1, k2 = str(tmp_path / "k1"), str(tmp_path / "k2")
+@pytest.fixture(scope="module")
+def _warmed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """A store warmed once with the bundled prompts, sealed under k1 for tenant "acme"."""
+    root = tmp_path_factory.mktemp("sealed")
+    k1, k2 = str(root / "k1"), str(root / "k2")
     assert main(["keygen", k1]) == 0 and main(["keygen", k2]) == 0
     assert main(["keygen", k1]) == 1  # never overwritten
-    store = tmp_path / "store"
-    assert main(["warm-start", "--store", str(store), "--prompts", "bundled", "--salt", "acme",
-                 "--key-file", k1, "--json"]) == 0
-    capsys.readouterr()
+    store = root / "store"
+    env = os.environ.pop("TIERED_KV_KEY_FILE", None)
+    try:
+        assert main(["warm-start", "--store", str(store), "--prompts", "bundled", "--salt", "acme",
+                     "--key-file", k1, "--json"]) == 0
+    finally:
+        if env is not None:
+            os.environ["TIERED_KV_KEY_FILE"] = env
     return store, k1, k2
+
+
+@pytest.fixture
+def sealed(_warmed, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str, str]:
+    """A copy of the warmed store (each test may change it) and the two key files."""
+    monkeypatch.delenv("TIERED_KV_KEY_FILE", raising=False)
+    store, k1, k2 = _warmed
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    for key in (k1, k2):
+        os.chmod(key, 0o600)  # (a test makes one group-readable)
+    capsys.readouterr()
+    return copy, k1, k2
 
 
 def test_stats_and_verify_with_and_without_keys(sealed, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
