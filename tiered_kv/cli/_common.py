@@ -402,7 +402,7 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
 
 @contextmanager
 def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayout | None, *,
-                   readonly: bool = False) -> Iterator[BlockStore]:
+                   readonly: bool = False, encryption: Any = None) -> Iterator[BlockStore]:
     """Open the existing store at ``locs`` (several: a chain, nearest first) for ``layout``
     (exit 3 when there is none).
 
@@ -410,11 +410,16 @@ def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayo
     written, see :func:`tiered_kv.storage.open_store`); the farther levels of a chain must
     hold level 0's. ``readonly`` opens LMDB stores without writing (no access times
     recorded); other backends ignore it. A chain is opened without its upload journal, so
-    inspecting it uploads nothing (the node's own process does that).
+    inspecting it uploads nothing (the node's own process does that). ``encryption``: an
+    EncryptionConfig (see :mod:`._keys`) seals and opens the records of a single store
+    (a chain's levels may be sealed differently: UsageError).
     """
     from ..storage import StoreChain, open_store
 
     levels = [locs] if isinstance(locs, StoreLocation) else list(locs)
+    if encryption is not None and len(levels) > 1:
+        raise UsageError("--key-file: expected one --store: the levels of a chain may be sealed differently; "
+                         "check each level on its own")
     for loc in levels:
         if not loc.exists():
             raise missing_store(loc)
@@ -425,6 +430,8 @@ def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayo
             expected = "" if i == 0 else f"the layout of {levels[0].path}, the chain's level 0"
             with store_errors(loc, layout, expected=expected):
                 options: dict[str, Any] = {"readonly": True} if readonly and loc.backend is Backend.LMDB else {}
+                if encryption is not None:
+                    options["encryption"] = encryption
                 opened.append(open_store(loc.url, layout_fingerprint=fingerprint, **options))
             fingerprint = opened[0].layout_fingerprint
         store = opened[0] if len(opened) == 1 else StoreChain(opened, journal=False)
