@@ -74,13 +74,23 @@ class Gated(BlockStore):
 
 
 def small_level0(kind: str, path: Path) -> BlockStore:
+    """A level 0 that holds three records (sealed ones: three envelopes)."""
     if kind == "lmdb":
         return LmdbStore(path, layout_fingerprint=FP, max_bytes=3 * RECORD, initial_map_size=8 << 20)
-    return ZarrStore(path, layout_fingerprint=FP, max_bytes=3 * RECORD)
+    if kind == "zarr":
+        return ZarrStore(path, layout_fingerprint=FP, max_bytes=3 * RECORD)
+    pytest.importorskip("cryptography", reason="encryption needs the cryptography package")
+    from encryption_helpers import key_files
+    from tiered_kv.storage import EncryptedStore
+    from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD
+
+    inner = LmdbStore(path, layout_fingerprint=FP, max_bytes=3 * (RECORD + ENVELOPE_OVERHEAD),
+                      initial_map_size=8 << 20)
+    return EncryptedStore(inner, {"key_files": key_files(path.parent, "k"), "tenant": "t"})
 
 
-@pytest.mark.parametrize("kind, journal", [("lmdb", None), ("lmdb", False), ("zarr", None)],
-                         ids=["lmdb-journal", "lmdb-memory", "zarr-journal"])
+@pytest.mark.parametrize("kind, journal", [("lmdb", None), ("lmdb", False), ("zarr", None), ("sealed-lmdb", None)],
+                         ids=["lmdb-journal", "lmdb-memory", "zarr-journal", "sealed-lmdb-journal"])
 def test_a_record_owed_to_the_far_level_is_never_evicted(tmp_path: Path, kind: str, journal: bool | None) -> None:
     near = small_level0(kind, tmp_path / "near")
     far = Gated(ZarrStore(tmp_path / "far", layout_fingerprint=FP))
