@@ -56,9 +56,14 @@ class Down(BlockStore):
         pass
 
 
-def serve(store: Any) -> None:
+#: a chain closed at exit uploads until done (a loaded CI box is slow, never a failure)
+CHAIN_OPTIONS = {"close_timeout_s": 300.0}
+
+
+def serve(store: Any, store_options: dict[str, Any] | None = None) -> None:
     model = ReferenceModel(layout, seed=0)
-    cache = TieredKVCache(layout, num_blocks=32, num_state_slots=1, snapshot_interval=1, store=store)
+    cache = TieredKVCache(layout, num_blocks=32, num_state_slots=1, snapshot_interval=1, store=store,
+                          store_options=store_options)
     for tokens in PROMPTS:
         req = cache.open(tokens)
         model.forward(cache, req, tokens[req.num_cached_tokens:])
@@ -67,7 +72,7 @@ def serve(store: Any) -> None:
 
 
 def put_directly(urls: Sequence[str]) -> None:
-    chain = open_store(list(urls), layout_fingerprint=layout.fingerprint)
+    chain = open_store(list(urls), layout_fingerprint=layout.fingerprint, **CHAIN_OPTIONS)
     items = [PutItem(RecordKey.block(bytes([i]) * 32), bytes(32), token_digest([i]),
                      np.full(layout.block_bytes, i, np.uint8)) for i in range(4)]
     chain.put_many(items)
@@ -78,7 +83,7 @@ for job in sys.argv[1:]:
     mode, _, spec = job.partition("=")
     urls = spec.split(",")
     if mode == "cache":
-        serve(urls[0] if len(urls) == 1 else urls)
+        serve(urls[0], None) if len(urls) == 1 else serve(urls, CHAIN_OPTIONS)
     elif mode == "far-down":
         serve(StoreChain([open_store(urls[0], layout_fingerprint=layout.fingerprint), Down()], close_timeout_s=1.0))
     elif mode == "chain":
