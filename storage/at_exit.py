@@ -27,6 +27,7 @@ an object at that point (non-daemon threads are joined only afterwards) find it 
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import itertools
 import logging
@@ -80,8 +81,12 @@ def _install() -> None:
         _installed = True
     # Importing it registers _python_exit (once per process); registered after it, ours runs first.
     importlib.import_module("concurrent.futures.thread")
+    register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+    if register is None:  # another interpreter: the nearest hook it offers
+        atexit.register(_run)
+        return
     try:
-        threading._register_atexit(_run)  # type: ignore[attr-defined]
+        register(_run)
     except RuntimeError:  # the interpreter is already exiting: nothing can be registered
         pass
 
