@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,32 @@ def test_store_evict_load_back_exact_bytes(tmp_path: Path, engines: list[Engine]
     assert info["tier"] == TIER and info["tiered_kv_tenant"] == "team-a"
     assert info["tiered_kv_store"] == f"{scheme}://{tmp_path / 'store'}"
     assert info["tiered_kv_layout"] == engine.tier.keys.layout_fingerprint
+
+
+def test_the_cli_opens_the_tiers_store_and_names_its_writer(tmp_path: Path, engines: list[Engine],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiered-kv stats / verify / gc`` with no layout option on the store the tier wrote;
+    ``stats`` names the vLLM adapter, the model and a hash of the tenant."""
+    from tiered_kv.cli.main import main
+    from tiered_kv.storage import tenant_hash
+
+    store = f"lmdb://{tmp_path / 'store'}"
+    engine = Engine(store, num_chunks=4, tenant="team-secret")
+    engines.append(engine)
+    engine.store(chunk_keys("cli", 4))
+    engine.wait_jobs()
+    engine.close()
+    assert main(["stats", "--store", store, "--json"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out)
+    assert stats["layout_fingerprint"] == engine.tier.keys.layout_fingerprint and stats["records"] == 4
+    writer = stats["writer"]
+    assert (writer["writer"], writer["model"]) == ("vllm-adapter", engine.tier.keys.model_id)
+    assert writer["tenant_sha256"] == tenant_hash("team-secret") and "team-secret" not in out
+    assert main(["verify", "--store", store, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 4
+    assert main(["gc", "--store", store, "--max-bytes", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 0
 
 
 def test_chunks_already_stored_are_not_written_twice(tmp_path: Path, engines: list[Engine]) -> None:
@@ -313,3 +340,36 @@ def test_a_requests_lookups_and_loads_are_batched(tmp_path: Path, engines: list[
     assert engine.load(keys) == {k: chunk_bytes(k) for k in keys}
     assert batches == [6]                       # one lookup round trip for the request's 6 chunks
     assert loads == [6]                         # and one load job (vLLM batches a step's promotions)
+
+
+def test_an_encrypted_tier_seals_chunks_and_a_wrong_key_only_misses(tmp_path: Path, engines: list[Engine]) -> None:
+    """``encryption`` in the tier config (through vLLM's own config path): chunks sealed for
+    the tier's tenant; the files hold no chunk bytes; a restart with the key reads them
+    exactly; another key gets failed keys (vLLM recomputes), never bytes or an exception."""
+    from tiered_kv.storage.crypto import write_key_file
+
+    key, other = tmp_path / "fleet.key", tmp_path / "other.key"
+    write_key_file(key)
+    write_key_file(other)
+    store = f"zarr://{tmp_path / 'store'}"
+    keys = chunk_keys("sealed", 4)
+    a = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(key)]})
+    engines.append(a)
+    assert a.store(keys) == keys
+    a.wait_jobs()
+    st = a.tier.store.stats()
+    assert st["encrypted"] and st["puts"] == 4
+    a.close()
+    blob = b"".join(p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file())
+    for k in keys:
+        data = chunk_bytes(k)
+        assert not any(data[i:i + 64] in blob for i in range(0, len(data) - 64, 997))
+    b = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(key)]})
+    engines.append(b)
+    assert b.load(keys) == {k: chunk_bytes(k) for k in keys}
+    b.close()
+    c = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(other)]})
+    engines.append(c)
+    assert c.load(keys) == {k: None for k in keys}
+    assert c.tier.store.stats()["auth_failures"] == 4
+    assert c.counter(tiered("LOAD_MISSES")) == 4

@@ -4,6 +4,10 @@
 
     tiered-kv verify --store .demo/store
     tiered-kv verify --store lmdb:///var/cache/kv --repair --json
+    tiered-kv verify --store lmdb:///var/cache/kv --store "zarr+s3://kv/v4?endpoint=..."   # a chain: every level
+
+No layout option is needed (the store is checked against the fingerprint it holds);
+``--model`` and the overrides only check that it holds that layout (exit 4 if not).
 
 Every record's checksum, layout fingerprint and key are checked
 (:meth:`tiered_kv.storage.BlockStore.verify`). Without ``--repair`` nothing is changed:
@@ -11,12 +15,19 @@ a bad record is reported and stays (a cache never serves it: every read verifies
 failed read is a miss). With ``--repair`` the bad records are removed, so the next
 ``warm-start`` writes them again.
 
+With ``--key-file`` (see :mod:`._keys`) every record's AES-GCM tag is checked too: it
+must open under one of the keys given for ``--tenant``. ``--repair`` then also removes
+the records whose tag fails under a key given (nobody holding that key can read them);
+records under keys not given are reported (``foreign``), never removed.
+
 JSON: ``{"store", "model", "repair", "checked", "corrupt", "removed", "corrupt_keys"}``
 (keys as ``"block:<hash hex>"`` / ``"snapshot:<hash hex>"``), plus what the backend adds
-(LMDB: ``accounted_bytes``, ``actual_bytes``).
+(LMDB: ``accounted_bytes``, ``actual_bytes``), and with keys ``authenticated``,
+``auth_failures``, ``auth_failed_keys``, ``foreign``, ``auth_removed``, ``key_records``
+(records per key id).
 
 Exit codes: 0 every record is good, or ``--repair`` removed the bad ones; 1 corrupt
-records found and left in place (no ``--repair``); 2 bad arguments; 3 no store at
+records (or, with keys, records failing authentication) found and left in place; 2 bad arguments; 3 no store at
 ``--store``; 4 the store holds another layout; 5 the store is locked.
 """
 
@@ -25,7 +36,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import _common
+from . import _common, _keys
 from .main import ExitCode
 
 __all__ = ["add_parser", "run"]
@@ -40,8 +51,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="exit codes: 0 all good (or bad records removed), 1 corrupt records found, "
                "2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
     )
-    _common.add_store_arg(p)
-    _common.add_layout_args(p)
+    _common.add_store_arg(p, chain=True)
+    _common.add_layout_args(p, optional=True)
+    _keys.add_key_args(p)
     p.add_argument("--repair", action="store_true", help="remove the records that fail a check")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -52,26 +64,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = _common.layout_from_args(args)
-    loc = _common.parse_store(args.store)
-    with _common.open_cli_store(loc, layout) as store:
-        result = dict(store.verify(repair=args.repair))
+    layout = _common.layout_option(args)
+    locs = [_common.parse_store(text) for text in args.store]
+    encryption = _keys.encryption_from_args(args)
+    with _common.open_cli_store(locs, layout, encryption=encryption) as store:
+        sizing = layout or _common.preset_layout(store.layout_fingerprint)
+        if encryption is not None and sizing is not None:  # tags are checked at the layout's sizes
+            from ..storage import RecordKind
+
+            result = dict(store.verify(repair=args.repair, payload_bytes={  # type: ignore[call-arg]
+                RecordKind.BLOCK: sizing.block_bytes, RecordKind.SNAPSHOT: sizing.snapshot_bytes}))
+        else:  # (sealed, of an engine's layout: the records this handle has not read stay `unchecked`)
+            result = dict(store.verify(repair=args.repair))
+        model = _common.model_of(layout, store.layout_fingerprint)
     bad = [_key_name(k) for k in result.get("corrupt_keys", [])]
-    out = {"store": loc.url, "model": layout.name, "repair": args.repair, **result, "corrupt_keys": bad}
+    out = {"store": _common.store_url(locs), "model": model, "repair": args.repair, **result, "corrupt_keys": bad}
+    if encryption is not None:
+        out["auth_failed_keys"] = [_key_name(k) for k in result["auth_failed_keys"]]
     found = out["corrupt"]
+    unauthentic = out.get("auth_failures", 0) - out.get("auth_removed", 0)
     if args.json:
         _common.print_json(out)
     else:
-        print(f"{loc.url}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
+        where = " -> ".join(loc.url for loc in locs)
+        print(f"{where}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
         for name in bad:
             print(f"  corrupt  {name}")
+        if encryption is not None:
+            keys = ", ".join(f"{n} under {k}" for k, n in out["key_records"].items()) or "none"
+            print(f"  authenticated {out['authenticated']} ({keys}); {out['auth_failures']} failed authentication "
+                  f"({out['foreign']} under no key given or not sealed, {out['auth_removed']} removed)")
+            for name in out["auth_failed_keys"]:
+                print(f"  unauthentic  {name}")
+            if out["foreign"] and not out["authenticated"]:
+                print("  no record opened under the keys given: check --tenant (default '') and --key-file")
         if found and not args.repair:
             print(f"{found} corrupt record{'s' if found != 1 else ''} left in place (a cache reads "
                   f"{'them' if found != 1 else 'it'} as a miss); run again with --repair to remove "
                   f"{'them' if found != 1 else 'it'}")
     # With --repair every bad record is gone: removed, or replaced meanwhile by another
     # process with a good one (the backend checks each again before deleting it).
-    return ExitCode.FAILURE if found and not args.repair else ExitCode.OK
+    return ExitCode.FAILURE if (found and not args.repair) or unauthentic else ExitCode.OK
 
 
 def _key_name(key: object) -> str:

@@ -73,7 +73,18 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ..storage import BlockStore, PutItem, RecordKey, StoreError, StoreFullError, open_store
+from ..storage import (
+    BlockStore,
+    EncryptionConfig,
+    PutItem,
+    RecordKey,
+    StoreError,
+    StoreFullError,
+    StoreWriter,
+    WriterKind,
+    open_store,
+)
+from ..storage.crypto import default_tenant
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "TieredKVHiCacheStorage"]
 
@@ -152,12 +163,15 @@ class _OpenStores:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[BlockStore, int]] = {}
 
-    def acquire(self, url: Any, options: dict[str, Any]) -> tuple[str, BlockStore]:
+    def acquire(self, url: Any, options: dict[str, Any], writer: StoreWriter | None = None) -> tuple[str, BlockStore]:
+        """The store at ``url`` (opened with ``options`` unless open); ``writer`` is recorded
+        if this call creates it."""
         ident = json.dumps([url, options], sort_keys=True, default=str)
         with self._lock:
             store, refs = self._open.get(ident, (None, 0))
             if store is None or store.closed:
-                store, refs = open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT, **options), 0
+                opts = {"writer": writer, **options} if writer is not None else options
+                store, refs = open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT, **opts), 0
             self._open[ident] = (store, refs + 1)
             return ident, store
 
@@ -215,6 +229,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     - ``store_options``: keyword options of :func:`tiered_kv.storage.open_store`
       (``max_bytes``, ``timeout_s``, ``level_options``...).
     - ``tenant``: salt of this deployment's keys (default ``""``).
+    - ``encryption``: seal every page record for this tenant (AES-256-GCM, see
+      docs/shared-store.md): ``{"key_files": ["/etc/tiered-kv/key"], "tenant": ...}``; the
+      tenant defaults to ``tenant``. For a chain it seals every level; one level only:
+      put it in that level's ``store_options["level_options"]`` entry instead.
     - ``model_id``: the model part of the namespace (default: SGLang's ``model_name``).
     - ``interface_v1``: SGLang's switch to the zero-copy calls; it also selects which
       record format ``exists`` / ``batch_exists`` look for.
@@ -237,6 +255,11 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise ValueError("extra_config['model_id'] or SGLang's model name: expected a non-empty model id "
                              "(pages are namespaced by model)")
         tenant = _config_str(extra, "tenant", "") or ""
+        store_options = dict(store_options)
+        if extra.get("encryption") is not None:
+            store_options["encryption"] = EncryptionConfig.parse(extra["encryption"],
+                                                                 name="extra_config['encryption']")
+        store_options = default_tenant(store_options, tenant) or {}
         self.storage_config = storage_config
         self.model_id = model_id
         self.tenant = tenant
@@ -251,7 +274,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.store: BlockStore
         self._store_ident: str | None
-        self._store_ident, self.store = _STORES.acquire(store_url, store_options)
+        writer = StoreWriter.of(WriterKind.SGLANG, model=model_id, tenant=tenant)  # (the tenant is hashed)
+        self._store_ident, self.store = _STORES.acquire(store_url, store_options, writer)
         logger.info("tiered_kv HiCache storage: store %r, model %r, tenant %r, %s calls", store_url, model_id,
                     tenant, "zero-copy v1" if self.interface_v1 else "legacy")
 
