@@ -7,22 +7,27 @@ written batch to a :class:`GroupCommit` and waits. One of them, the *leader*, ta
 batch queued so far (the *group*), syncs the segment once, commits the index once, and
 wakes the others (*followers*) with their own results. A ``put_many`` still returns only
 after its records are synced and indexed: durability is unchanged, only the syncs are
-shared. While a leader syncs, the next writers are already writing::
+shared. Two stages, so that neither the disk nor the index waits for the other::
 
-    writer A   [ stage + write A ]─┐
-    writer B   [ stage + write B ]─┴─ group 1: [ fdatasync + index txn ] -> wake A, B
-    writer C         [ stage + write C ]──────── group 2:                 [ sync + index ] -> wake C
+    writer A  [ stage + write A ]─┐
+    writer B  [ stage + write B ]─┴ group 1: [ fdatasync ][ index txn ] -> wake A, B
+    writer C        [ stage + write C ]───── group 2:     [ fdatasync ][ index txn ] -> wake C
+
+A leader that synced its group takes the index stage before it hands the leadership on,
+so the next leader syncs the next group while this one commits the index, and groups
+commit in the order they were synced.
 
 Errors go to the writers they belong to:
 
 - a writer's own append fails (disk full, a payload that cannot be encoded): only that
   writer sees it, before it queues anything;
-- the commit reports an outcome per batch (see ``commit`` of :class:`GroupCommit`): its
-  result, its own error (an index transaction that fails for the group is retried batch
-  by batch), :data:`REWRITE` (appended to a segment that a failed sync gave up: the
-  writer appends it again), or the group's error (a failed sync) for every member;
+- each stage reports an outcome per batch (``sync`` and ``index`` of
+  :class:`GroupCommit`): its result, its own error (an index transaction that fails for
+  the group is retried batch by batch), :data:`REWRITE` (appended to a segment that a
+  failed sync gave up: the writer appends it again), or the error of a failed sync for
+  every batch it covered;
 - :meth:`GroupCommit.close` fails the queued batches with the store's "closed" error and
-  waits for the group being committed.
+  waits for the groups being committed.
 
 Fault injection: :attr:`GroupCommit.fault` (None in production) is called at each
 :class:`FaultPoint`, so tests kill or pause a process at an exact step of a group
@@ -38,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["REWRITE", "FaultPoint", "GroupCommit"]
+__all__ = ["REWRITE", "SYNCED", "FaultPoint", "GroupCommit"]
 
 W = TypeVar("W")   # one writer's batch (the store's type)
 
@@ -64,6 +69,15 @@ class _Rewrite:
 REWRITE: Any = _Rewrite()
 
 
+class _Synced:
+    def __repr__(self) -> str:
+        return "SYNCED"
+
+
+#: A sync-stage outcome: the batch is synced and goes on to the index stage.
+SYNCED: Any = _Synced()
+
+
 class _State(enum.Enum):
     QUEUED = 1
     TAKEN = 2
@@ -79,21 +93,26 @@ class _Queued(Generic[W]):
 
 
 class GroupCommit(Generic[W]):
-    """Leader/follower commit queue.
+    """Leader/follower commit queue with two stages.
 
-    ``commit(batches) -> outcomes``: syncs and indexes a group; one outcome per batch:
-    its result, an exception (raised to that writer only) or :data:`REWRITE`; if it
-    raises, every batch of the group gets that exception. ``closed_error()``: the
+    ``sync(batches) -> outcomes``: makes a group durable; one outcome per batch:
+    :data:`SYNCED` (on to ``index``), an exception (raised to that writer only) or
+    :data:`REWRITE`. ``index(batches) -> outcomes``: commits the synced batches of a
+    group, in group order; one outcome per batch: its result or an exception. If a stage
+    raises, every batch it was given gets that exception. ``closed_error()``: the
     exception of a write to a closed store.
     """
 
-    def __init__(self, *, commit: Callable[[list[W]], Sequence[Any]],
+    def __init__(self, *, sync: Callable[[list[W]], Sequence[Any]], index: Callable[[list[W]], Sequence[Any]],
                  closed_error: Callable[[], BaseException]) -> None:
-        self._commit = commit
+        self._sync = sync
+        self._index = index
         self._closed_error = closed_error
         self._cond = threading.Condition()
         self._queue: deque[_Queued[W]] = deque()
-        self._leading = False
+        self._leading = False               # a leader takes and syncs the next group
+        self._indexing = 0                  # groups in (or waiting for) the index stage
+        self._index_stage = threading.Lock()
         self._closed = False
         #: fault-injection hook ``fault(point, info)``; None in production
         self.fault: Callable[[FaultPoint, Any], None] | None = None
@@ -138,9 +157,11 @@ class GroupCommit(Generic[W]):
         return q.result
 
     def _lead(self) -> None:
-        """Commit every queued batch as one group (the caller holds the leadership)."""
+        """Take every queued batch as one group and commit it (the caller holds the
+        leadership; it hands it on once the group is synced and in the index stage)."""
         group: list[_Queued[W]] = []
         outcomes: list[Any] = []
+        handed_on = False
         try:
             self.hook(FaultPoint.LEAD)
             with self._cond:
@@ -149,30 +170,59 @@ class GroupCommit(Generic[W]):
                 for q in group:
                     q.state = _State.TAKEN
             if group:
-                try:
-                    outcomes = list(self._commit([q.batch for q in group]))
-                except BaseException as e:  # the whole group's failure (e.g. its sync)
-                    outcomes = [e] * len(group)
+                outcomes = self._stage(self._sync, group)
+                synced = [j for j, outcome in enumerate(outcomes) if outcome is SYNCED]
+                if synced:
+                    with self._cond:
+                        self._indexing += 1
+                    self._index_stage.acquire()  # before the next leader may sync: commits stay in order
+                    try:
+                        with self._cond:
+                            self._leading, handed_on = False, True
+                            self._cond.notify_all()
+                        for j, outcome in zip(synced, self._stage(self._index, [group[j] for j in synced])):
+                            outcomes[j] = outcome
+                    finally:
+                        self._index_stage.release()
+                        with self._cond:
+                            self._indexing -= 1
         finally:
-            with self._cond:
-                if len(outcomes) != len(group):  # a broken commit callback, or the hook raised
-                    err = RuntimeError(f"group commit: {len(outcomes)} outcomes for {len(group)} batches")
-                    outcomes = [err] * len(group)
-                for q, outcome in zip(group, outcomes):
-                    if isinstance(outcome, BaseException):
-                        q.error = outcome
-                    else:
-                        q.result = outcome
-                    q.state = _State.DONE
-                if group:
-                    self.groups += 1
-                    self.batches += len(group)
+            self._finish(group, outcomes, leading=not handed_on)
+
+    @staticmethod
+    def _stage(fn: Callable[[list[W]], Sequence[Any]], group: list[_Queued[W]]) -> list[Any]:
+        try:
+            outcomes = list(fn([q.batch for q in group]))
+        except BaseException as e:  # the whole group's failure (e.g. its sync)
+            return [e] * len(group)
+        if len(outcomes) != len(group):
+            return [AssertionError(f"{len(outcomes)} outcomes for {len(group)} batches")] * len(group)
+        return outcomes
+
+    def _finish(self, group: list[_Queued[W]], outcomes: list[Any], *, leading: bool) -> None:
+        """Hand each batch its outcome and wake every writer (``leading``: give up the
+        leadership too)."""
+        with self._cond:
+            if len(outcomes) != len(group):  # the fault hook raised before the group's outcomes
+                outcomes = [RuntimeError("group commit: the leader failed before this batch's outcome")] * len(group)
+            for q, outcome in zip(group, outcomes):
+                if isinstance(outcome, BaseException):
+                    q.error = outcome
+                elif outcome is SYNCED:  # (never left so: index outcomes replace it)
+                    q.error = AssertionError("group commit: a synced batch was not indexed")
+                else:
+                    q.result = outcome
+                q.state = _State.DONE
+            if group:
+                self.groups += 1
+                self.batches += len(group)
+            if leading:
                 self._leading = False
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Refuse new batches, fail the queued ones with the closed error, and wait for
-        the group being committed. Idempotent."""
+        the groups being committed. Idempotent."""
         with self._cond:
             self._closed = True
             while self._queue:
@@ -181,5 +231,5 @@ class GroupCommit(Generic[W]):
             self._cond.notify_all()
         self.hook(FaultPoint.CLOSING)
         with self._cond:
-            while self._leading:
+            while self._leading or self._indexing:
                 self._cond.wait()

@@ -110,7 +110,7 @@ from .base import (
     select_victims,
 )
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
-from .group_commit import REWRITE, FaultPoint, GroupCommit
+from .group_commit import REWRITE, SYNCED, FaultPoint, GroupCommit
 from .record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
@@ -335,7 +335,8 @@ class LmdbStore(BlockStore):
                                       segment_bytes=segment_bytes, direct_io=direct_io,
                                       io_threads=io_threads, readonly=readonly)
         self._commits: GroupCommit[_PutBatch] = GroupCommit(
-            commit=self._commit_group, closed_error=lambda: StoreError(f"{self.path}: store is closed"))
+            sync=self._sync_group, index=self._index_group,
+            closed_error=lambda: StoreError(f"{self.path}: store is closed"))
         self._closed = False
         self._recovered = 0
         if not readonly:
@@ -671,22 +672,19 @@ class LmdbStore(BlockStore):
         batch.locs = {i: (loc, checksum) for i, loc, checksum in zip(batch.new, appended.locations, checksums)}
         hook(FaultPoint.APPENDED, batch)
 
-    def _commit_group(self, batches: list[_PutBatch]) -> list[Any]:
-        """Commit a group of written batches (the leader's work, see group_commit.py): one
-        ``fdatasync`` per segment they lie in, then one index transaction for them all
-        (the index never points at bytes that are not durable). Returns each batch's
-        outcome: its ``_index_puts`` result, its own error, REWRITE, or the error of the
-        failed sync of its segment (every synced batch's bytes are then given up)."""
-        outcomes: list[Any] = [None] * len(batches)
-        live: list[int] = []
+    def _sync_group(self, batches: list[_PutBatch]) -> list[Any]:
+        """The sync stage of a group of written batches (a leader's work, see
+        group_commit.py): one ``fdatasync`` per segment they lie in. Returns each batch's
+        outcome: SYNCED (its index entries may now be committed: the index never points at
+        bytes that are not durable), REWRITE (its segment was given up by a failed sync),
+        or the error of the failed sync (its bytes are given up)."""
+        outcomes: list[Any] = [SYNCED] * len(batches)
         for j, b in enumerate(batches):
             if b.appended is not None and b.appended.segment.failed:  # a failed sync gave its segment up
                 self._segments.give_up([b.appended])
                 b.appended, outcomes[j] = None, REWRITE
-            else:
-                live.append(j)
-        group = [batches[j] for j in live]
-        appended = [b.appended for b in group if b.appended is not None]
+        live = [j for j, outcome in enumerate(outcomes) if outcome is SYNCED]
+        appended = [batches[j].appended for j in live if batches[j].appended is not None]
         if appended:
             try:
                 self._segments.sync(appended)
@@ -695,20 +693,21 @@ class LmdbStore(BlockStore):
                 for j in live:
                     batches[j].appended, outcomes[j] = None, e
                 return outcomes
-            self._commits.hook(FaultPoint.SYNCED, len(group))
-        for j, outcome in zip(live, self._index_group(group)):
-            outcomes[j] = outcome
-        self._commits.hook(FaultPoint.INDEXED, len(group))
+        self._commits.hook(FaultPoint.SYNCED, len(live))
         return outcomes
 
     def _index_group(self, group: list[_PutBatch]) -> list[Any]:
-        """Index synced batches in one transaction (with the queued access times and each
-        segment's indexed end); if it fails for a group of several, each batch in a
-        transaction of its own, in segment order, so that only the batches that fail alone
-        get an error (their bytes are given back). Returns each batch's outcome (its
-        result or its error); releases every batch's segment range."""
-        if not group:
-            return []
+        """The index stage of a group: its synced batches in one transaction (with the
+        queued access times and each segment's indexed end); if it fails for a group of
+        several, each batch in a transaction of its own, in segment order, so that only
+        the batches that fail alone get an error (their bytes are given back). Returns
+        each batch's outcome (its ``_index_puts`` result or its error); releases every
+        batch's segment range."""
+        outcomes = self._index_txns(group)
+        self._commits.hook(FaultPoint.INDEXED, len(group))
+        return outcomes
+
+    def _index_txns(self, group: list[_PutBatch]) -> list[Any]:
         appended = [b.appended for b in group if b.appended is not None]
         ends = self._segments.indexed_ends(appended)
         taken = self._take_access()

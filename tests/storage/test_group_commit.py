@@ -137,6 +137,37 @@ def test_each_put_returns_only_once_its_records_are_synced_and_indexed(tmp_path:
         assert all(r == [True] * 3 for r in out.values())
 
 
+def test_the_next_group_syncs_while_one_commits_its_index_and_commits_stay_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group 1 ({w0}) holds the index stage until group 2 ({w1}) is synced: the two
+    stages overlap, and group 2's index commit still comes after group 1's."""
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
+        hook = Hook()
+        store._commits.fault = hook
+        order: list[str] = []
+        overlap: list[list[bool]] = []
+        real = store._index_txns
+        out: dict[str, Any] = {}
+        second = threading.Thread(target=lambda: _run_writers(store, {"w1": _keys(1)}, out=out))
+
+        def index_txns(group: list) -> list:
+            name = "w0" if group[0].kbs[0] == _keys(0)[0].to_bytes() else "w1"
+            if name == "w0":
+                second.start()
+                hook.wait(FaultPoint.SYNCED, 2)  # group 2 synced while group 1 holds the index stage
+            order.append(name)
+            return real(group)
+
+        hook.actions[FaultPoint.SYNCED] = lambda _: overlap.append(store.contains_many(_keys(0)))
+        monkeypatch.setattr(store, "_index_txns", index_txns)
+        _run_writers(store, {"w0": _keys(0)}, out=out)
+        second.join(WAIT_S)
+        assert overlap == [[False] * 3, [False] * 3]  # at group 2's sync, group 1 is not indexed yet
+        assert order == ["w0", "w1"]
+        assert out == {"w0": [True] * 3, "w1": [True] * 3}
+        assert verify_all(store, sizes={k: N for k in _keys(0) + _keys(1)}) == 6
+
+
 def test_a_full_disk_fails_only_the_writer_that_does_not_fit(tmp_path: Path) -> None:
     where = tmp_path / "s"
     with LmdbStore(where, layout_fingerprint=FP) as store:
