@@ -371,6 +371,13 @@ def test_ttft_is_the_first_event_of_a_chunked_stream(tmp_path: Path, stub: Threa
     (["m"], (200, b"{truncated"), ExitCode.FAILURE, "expected a JSON answer"),
     (None, (200, {}), ExitCode.FAILURE, "/models: HTTP 404 Not Found: Not Found (name the model with --served-model)"),
     ([], (200, {}), ExitCode.FAILURE, "lists no model; name one with --served-model"),
+    # malformed streams and answers: one line naming what was expected, never a traceback
+    (["m"], (200, [{"choices": 5}, "[DONE]"]), ExitCode.FAILURE,
+     'expected an event with "choices": a list of objects, got \'{"choices": 5}\''),
+    (["m"], (200, [{"choices": {"text": "x"}}, "[DONE]"]), ExitCode.FAILURE, '"choices": a list of objects'),
+    (["m"], (200, [{"choices": ["x"]}, "[DONE]"]), ExitCode.FAILURE, '"choices": a list of objects'),
+    (["m"], (200, ["[" * 100_000 + "]" * 100_000]), ExitCode.FAILURE, "expected a JSON event in the stream"),
+    (["m"], (200, b"[" * 100_000 + b"]" * 100_000), ExitCode.FAILURE, "expected a JSON answer"),
 ])
 def test_http_errors_exit_1_naming_the_url(tmp_path: Path, stub: ThreadingHTTPServer,
                                            capsys: pytest.CaptureFixture[str], models: list[str] | None,
@@ -380,6 +387,7 @@ def test_http_errors_exit_1_naming_the_url(tmp_path: Path, stub: ThreadingHTTPSe
     got = main(["warm-start", "--endpoint", _stub_url(stub), "--prompts", str(write_prompts(tmp_path / "p.jsonl"))])
     err = capsys.readouterr().err
     assert got == code and f"{_stub_url(stub)}/v1" in err and expected in err, err
+    assert err.startswith("tiered-kv warm-start: error: ") and err.count("\n") == 1, err
 
 
 def test_served_model_skips_the_models_route(tmp_path: Path, stub: ThreadingHTTPServer,

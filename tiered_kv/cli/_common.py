@@ -20,7 +20,9 @@ import argparse
 import enum
 import itertools
 import json
+import math
 import os
+import reprlib
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -94,6 +96,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (``--timeout``). ``inf`` and ``nan``
+    are refused: sockets and waits take no infinite timeout, so say a long one instead."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 (e.g. 86400 for a day), "
+                                         f"got {text!r}")
     return value
 
 
@@ -359,12 +374,15 @@ def load_prompts(spec: str, *, vocab_size: int | None = None) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{where}: expected a JSON object, got invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise UsageError(f"{where}: expected a JSON object, got JSON nested too deeply to read") from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         pid = obj.get("id", f"#{n}")
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise UsageError(f"{where}: id: expected a string or integer, got {pid!r}")
+            raise UsageError(f"{where}: id: expected a string or integer, got {show(pid)}")
         pid = str(pid)
+        _check_unicode(f"{where}: id", pid)
         if pid in seen:
             raise UsageError(f"{where}: duplicate id {pid!r}")
         seen.add(pid)
@@ -375,6 +393,7 @@ def load_prompts(spec: str, *, vocab_size: int | None = None) -> list[Prompt]:
         if has_text:
             if not isinstance(obj["text"], str):
                 raise UsageError(f"{where}: text: expected a string, got {type(obj['text']).__name__}")
+            _check_unicode(f"{where}: text", obj["text"])
             tokens = encode(obj["text"])
         else:
             tokens = _check_tokens(where, obj["tokens"], vocab_size)
@@ -414,6 +433,26 @@ def _check_tokens(where: str, tokens: object, vocab_size: int | None) -> list[in
                              + ("" if vocab_size is None else f" (the reference model's vocabulary is "
                                                               f"{vocab_size}; use \"text\" for byte-level ids)"))
     return tokens
+
+
+def _check_unicode(where: str, text: str) -> None:
+    """UsageError if ``text`` cannot be UTF-8 (a lone surrogate such as ``"\\ud800"``, which
+    JSON escapes can spell): it could be neither tokenized nor printed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{where}: expected valid Unicode text, got a lone surrogate "
+                         f"U+{ord(text[exc.start]):04X} at character {exc.start}") from None
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
+def show(value: object) -> str:
+    """A short repr of a bad value for a message: bounded in length and nesting (a value
+    from a file may be megabytes long or nested thousands deep)."""
+    return _SHOW.repr(value)
 
 
 # ---------------------------------------------------------------- output

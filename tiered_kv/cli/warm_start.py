@@ -103,19 +103,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     live.add_argument("--passes", type=_common.positive_int, default=1, metavar="N",
                       help="send the prompt set N times; the report compares the first pass (cold) with "
                            "the last (warm) (default %(default)s)")
-    live.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+    live.add_argument("--timeout", type=_common.seconds_arg, default=300.0, metavar="S",
                       help="seconds to wait to connect and for each answer (default %(default)s)")
     return p
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
