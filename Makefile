@@ -53,9 +53,24 @@ bench: venv
 
 # ---------------------------------------------------------------- engine integrations
 # Each engine pins its own torch, so each adapter is tested in a venv of its own against the
-# engine's real classes (tests_integrations/<engine>/). `make test-integrations` runs them
-# all; .ci/run calls it after `make test`.
-test-integrations: test-vllm test-sglang
+# engine's real classes (tests_integrations/<engine>/). `make test-integrations` runs every
+# suite (test-<suite>) even when one fails, prints each one's result, and fails if any failed;
+# .ci/run calls it after `make test`. The sub-makes read the same makefiles (MAKEFILE_LIST),
+# so `make -f Makefile -f extra.mk test-integrations INTEGRATION_SUITES=...` works too
+# (tests/test_makefile.py).
+INTEGRATION_SUITES ?= vllm sglang
+
+test-integrations:
+	@failed=""; summary=""; \
+	for suite in $(INTEGRATION_SUITES); do \
+		echo "== make test-$$suite"; \
+		rc=0; $(MAKE) --no-print-directory $(foreach f,$(MAKEFILE_LIST),-f $(f)) test-$$suite || rc=$$?; \
+		if [ $$rc -eq 0 ]; then result="passed"; else result="FAILED (exit $$rc)"; failed="$$failed $$suite"; fi; \
+		echo "== test-$$suite: $$result"; \
+		summary="$$summary  test-$$suite: $$result\n"; \
+	done; \
+	printf "== test-integrations:\n$$summary"; \
+	if [ -n "$$failed" ]; then echo "make test-integrations: failed:$$failed" >&2; exit 1; fi
 
 # vLLM 0.33 without its ~9 GB CUDA dependency set: torch==2.13.0 CPU first, then vLLM and
 # exactly the modules its tiering package imports, all --no-deps and pinned
