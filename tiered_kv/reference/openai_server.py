@@ -353,6 +353,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._cut = self.server.cut_event(self.request)
         #: the stream's sender once a stream started (errors then go into the stream)
         self._sender: StreamSender | None = None
+        #: the completion's outcome, once counted (see _count)
+        self._outcome: str | None = None
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         if self.server.log is not None:
@@ -426,16 +428,17 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(request)
             else:
                 done = engine.complete(request, cancelled=self._abandoned)
+                self._count("ok")  # before the answer: a client that reads it sees it in /metrics
                 self._send_json(HTTPStatus.OK, self._body(done))  # after the lock: see _send
         except RequestError as err:
-            engine.count("rejected" if err.status < 500 else "failed")
+            self._count("rejected" if err.status < 500 else "failed")
             self._send_error(err)
             return
         except (RequestCancelled, ClientGone):
-            engine.count("cancelled")  # the client left or the server is stopping; the request was closed
+            self._count("cancelled")  # the client left or the server is stopping; the request was closed
             return
         except Exception as exc:  # a broken invariant: answer 500, keep the server up, say what
-            engine.count("failed")
+            self._count("failed")
             self.server.log_error(f"completion failed: {type(exc).__name__}: {exc}")
             err = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
                                kind="InternalServerError")
@@ -445,9 +448,15 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send_error(err)
             return
-        engine.count("ok")
         if not request.stream:
             engine.sync_store()  # after the answer, which is the first token's time
+
+    def _count(self, outcome: str) -> None:
+        """Count this request's outcome once: the first one counted stands (a completion
+        whose client leaves while its answer goes out stays ``ok``)."""
+        if self._outcome is None:
+            self._outcome = outcome
+            self.server.engine.count(outcome)
 
     def _abandoned(self) -> bool:
         """Whether the request in progress should stop: the server cut its connection
@@ -517,6 +526,7 @@ class _Handler(BaseHTTPRequestHandler):
                                  "logprobs": None, "finish_reason": None}]))
 
         done = engine.complete(request, on_token, cancelled=lambda: sender.broken or self._abandoned())
+        self._count("ok")  # every token is made; before [DONE], so a client that reads it sees it counted
         tail = decoder.decode(b"", final=True)
         sender.offer(event([{"index": 0, "text": tail, "token_ids": [], "logprobs": None, "finish_reason": "length"}]))
         if request.include_usage:
