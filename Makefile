@@ -15,7 +15,7 @@ BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
 BENCHES := $(wildcard bench/*.py)
 
-.PHONY: venv demo test bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations
+.PHONY: venv demo test test-cuda-emu bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations
 
 venv: $(STAMP)
 
@@ -37,7 +37,11 @@ demo: venv
 
 # pytest exits 5 when it collects no tests: fine locally (e.g. PYTEST_ARGS='-k nothing'),
 # a failure in CI (CI set), where zero tests means the suite went missing.
+# The suite includes tests/test_cuda_emu.py (`make test-cuda-emu`, below) wherever a C++17
+# compiler exists; without one those tests are skipped and this says so up front.
 test: venv
+	@$(CXX17_CHECK) || echo "make test: no C++17 compiler ($${CXX:-c++}): the CUDA kernels will NOT be executed" \
+		"(tests/test_cuda_emu.py, make test-cuda-emu, is SKIPPED)" >&2
 	@rc=0; $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then \
 		echo "make test: pytest collected no tests" >&2; \
@@ -45,6 +49,17 @@ test: venv
 		rc=0; \
 	fi; \
 	exit $$rc
+
+# The CUDA kernels executed on the CPU: each unmodified kernels/*.cu compiled with g++ against
+# tests/cuda_emu (a fiber per CUDA thread, counting barriers, 32-lane warps; docs/cuda-emu.md)
+# and run against its torch twin on random traces, in a plain and an ASan+UBSan build, plus
+# positive controls (broken copies of the kernels) that must fail. FULL=1: the full trace set
+# (10x the CI set; not in CI). Builds are cached in $$TMPDIR/tiered_kv_cuda_emu-$$UID.
+CXX17_CHECK = printf '\043include <utility>\nint main() { return 0; }\n' | \
+	$${CXX:-c++} -std=c++17 -x c++ - -o /dev/null >/dev/null 2>&1
+test-cuda-emu: venv
+	@$(CXX17_CHECK) || { echo "make test-cuda-emu: no C++17 compiler ($${CXX:-c++}): SKIPPED" >&2; }
+	TKV_EMU_FULL=$(FULL) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_cuda_emu.py $(PYTEST_ARGS)
 
 bench: venv
 	@set -e; for b in $(BENCHES); do \

@@ -27,7 +27,7 @@
 //
 // i.e. 16*H + 20*N + 12*k + 128 bytes (cuda_ops.hisparse_work_bytes). Two entry points
 // share the algorithm: tkv_hisparse_swap_in keeps the work area in dynamic shared memory
-// (the fast one, while it fits: N up to ~7,500 at k = 512), tkv_hisparse_swap_in_global in
+// (the fast one, while it fits: N up to ~7,000 at k = 512), tkv_hisparse_swap_in_global in
 // a global-memory scratch of one area per block (any N whose tables fit the device).
 //
 //   1. insert ids into the hash (atomicCAS; atomicMin keeps the first position)
