@@ -259,6 +259,16 @@ def test_thread_order_differs_by_mode(selftest: EmuModule) -> None:
     assert rnd[:n] not in (first, orders["reversed"][:n]) and rnd[n:2 * n] != rnd[:n]
 
 
+def test_endless_kernel_thread_ends_the_process_not_a_hang() -> None:
+    code = ("import sys, numpy as np, torch; sys.path.insert(0, %r); from cuda_emu import EmuModule; "
+            "m = EmuModule(%r); out = torch.zeros(32, dtype=torch.int32); "
+            "m.launch('emu_endless', (1,), (32,), (np.uint64(out.data_ptr()),))" % (str(TESTS),
+                                                                                      str(TESTS / "cuda_emu" / "selftest.cu")))
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TKV_EMU_TIMEOUT_S="2"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "the launch of emu_endless ran over 2 s" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_trap_fails_the_launch_naming_block_and_thread(selftest: EmuModule) -> None:
     out = torch.zeros(4 * 64, dtype=torch.int32)
     with pytest.raises(EmuLaunchError, match=r"__trap\(\) in block \(2,0,0\) thread \(33,0,0\) \(selftest.cu:\d+\)"):

@@ -15,8 +15,6 @@
 // fails with who waits where (never a hang). Any failure (a __trap, a deadlock, a warp that
 // disagrees, a write past the dynamic shared memory) stops the launch; tkv_emu_error()
 // then says what happened, naming the block and thread.
-#include "cuda_emu.h"
-
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -24,9 +22,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -36,6 +38,8 @@
 #else
 #define TKV_ASAN 0
 #endif
+
+#include "cuda_emu.h"  // last: its qualifier macros (__noinline__, ...) must not reach the system headers
 
 #define TKV_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -556,6 +560,39 @@ bool shared_overrun(std::size_t size, std::string* msg) {
     return false;
 }
 
+// A kernel thread that loops without ever reaching a synchronisation point cannot be
+// preempted: after TKV_EMU_TIMEOUT_S seconds (default 600) of one launch the process
+// aborts with a message, so CI fails instead of hanging.
+class Watchdog {
+  public:
+    explicit Watchdog(const char* kernel) : kernel_(kernel), thread_([this] { watch(); }) {}
+    ~Watchdog() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            done_ = true;
+        }
+        cv_.notify_one();
+        thread_.join();
+    }
+
+  private:
+    void watch() {
+        const char* env = std::getenv("TKV_EMU_TIMEOUT_S");
+        const long limit = env && std::atol(env) > 0 ? std::atol(env) : 600;
+        std::unique_lock<std::mutex> lock(mu_);
+        if (!cv_.wait_for(lock, std::chrono::seconds(limit), [this] { return done_; })) {
+            std::fprintf(stderr, "cuda_emu: the launch of %s ran over %ld s: a kernel thread loops without reaching a "
+                         "synchronisation point (an endless loop?); aborting\n", kernel_, limit);
+            std::abort();
+        }
+    }
+    const char* kernel_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool done_ = false;
+    std::thread thread_;
+};
+
 bool run_block(Block& b) {
     b.ready.clear();
     b.head = 0;
@@ -791,6 +828,7 @@ TKV_EXPORT int tkv_emu_launch(const char* name, const unsigned* grid, const unsi
     }
 
     FaultGuard guard;
+    Watchdog watchdog(name);
     Block b;
     b.kernel = k;
     b.args = args;

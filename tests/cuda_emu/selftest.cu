@@ -96,3 +96,13 @@ extern "C" __global__ void __launch_bounds__(256) emu_coordinates(i64* out) {
     out[block * per + thread] = ((i64)blockIdx.z << 48) | ((i64)blockIdx.y << 40) | ((i64)blockIdx.x << 32) |
                                 (threadIdx.z << 20) | (threadIdx.y << 10) | threadIdx.x;
 }
+
+// Thread 3 never reaches a synchronisation point: the emulator cannot preempt it, so its
+// watchdog ends the process (tests/test_cuda_emu.py runs this in a subprocess).
+extern "C" __global__ void emu_endless(int* out) {
+    volatile int x = 0;
+    if (threadIdx.x == 3) {
+        while (true) x = x + 1;
+    }
+    out[threadIdx.x] = x;
+}
