@@ -453,8 +453,10 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("GB/s (payload)")
     c = res["config"]
     missing = [r["label"] for r in res["rows"].values() if "not_run" in r]
+    note = res["machine"].get("note")
     ax.set_title(f"disk tier, {c['records']} x {c['payload_bytes']:,} B blocks, median of {c['repeats']}, "
-                 f"same run" + (f" (not run: {', '.join(missing)})" if missing else ""), fontsize=9)
+                 f"same run" + (f" (not run: {', '.join(missing)})" if missing else "")
+                 + (f"\n{note}" if note else ""), fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
