@@ -346,7 +346,8 @@ def results(w: Workload, repeats: int, workdir: Path, runs: dict[str, list[dict[
     for proc in procs:
         info = proc.info or {}
         rows[proc.peer.name] = {"label": info.get("label", proc.peer.label), "kind": "peer",
-                                "durability": info.get("durability"), "settings": info.get("settings")}
+                                "durability": info.get("durability"), "settings": info.get("settings"),
+                                "note": info.get("note")}
         if proc.not_run is not None:
             rows[proc.peer.name]["not_run"] = proc.not_run
         else:
@@ -431,6 +432,8 @@ def table(res: dict[str, Any]) -> str:
                                                    if t["ratio"] is not None else f"not measured (>= {t['target']})")
                 for k, t in res["targets"].items()]
     lines.append("LMDB hot-read targets (issue 15): " + "; ".join(verdicts))
+    lines += [f"note, {row['label']}: {row['note']}" for row in res["rows"].values()
+              if row.get("note") and "not_run" not in row]
     return "\n".join(lines)
 
 

@@ -99,9 +99,11 @@ class VllmFsTier:
                           + " write to a temp file + rename, no fsync, no checksum",
             "settings": {"tier_config": TIER_CONFIG, "io_threads": threads, "o_direct": o_direct,
                          "chunk_bytes": self.chunk, "payload_bytes": size, "blocks_per_job": self.batch,
-                         "native_io": fs_io._HAS_FSIO_C,
-                         "native_io_note": None if fs_io._HAS_FSIO_C else
-                         "vLLM's fs_io_C links CUDA torch: its pure-Python I/O path ran here"},
+                         "native_io": fs_io._HAS_FSIO_C},
+            "note": f"each block in a {self.chunk:,} B chunk (vLLM: whole pages); "
+                    + ("reads with O_DIRECT too, so its hot read is a disk read; " if o_direct else "")
+                    + ("its C I/O helper ran" if fs_io._HAS_FSIO_C else
+                       "its pure-Python I/O path ran (vLLM's fs_io_C links CUDA torch)"),
         }
 
     # ----------------------------------------------------------- the tier's own calls
