@@ -1,7 +1,8 @@
 """The bench's side of a peer: start a driver in its peer's own venv and talk to it.
 
 A peer that cannot run (its venv's interpreter missing, an import failing, a round failing)
-is a :class:`PeerProcess` whose ``not_run`` says why; it never yields a figure.
+is a :class:`PeerProcess` whose ``not_run`` says why (with the last lines the driver wrote to
+its standard error, kept in ``<workdir>.log`` while the run lasts); it never yields a figure.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import json
 import os
 import select
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +69,7 @@ class PeerProcess:
             self.not_run = f"{python} not found (make {peer.make_target})"
             return
         workdir.mkdir(parents=True)
-        self._stderr_path = Path(tempfile.mkstemp(prefix=f"tkv-peer-{peer.name}-", suffix=".log")[1])
+        self._stderr_path = workdir.with_suffix(".log")
         self._stderr = open(self._stderr_path, "wb")  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(
             [str(python), str(HERE / peer.driver), "--records", str(records), "--payload-bytes", str(payload_bytes),
@@ -126,8 +126,6 @@ class PeerProcess:
                 self._proc.kill()
                 self._proc.wait()
         self._stderr.close()
-        if self.not_run is None:
-            self._stderr_path.unlink(missing_ok=True)  # kept, and named, where the peer failed
         self._proc = None
 
     # ----------------------------------------------------------- helpers
@@ -145,7 +143,7 @@ class PeerProcess:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._fail(f"no answer {doing} within {timeout_s:.0f} s (log: {self._stderr_path})")
+                self._fail(f"no answer {doing} within {timeout_s:.0f} s; it wrote: {_tail(self._stderr_path)}")
                 return None
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
@@ -154,14 +152,12 @@ class PeerProcess:
             if not chunk:
                 self._proc.wait()
                 self._stderr.flush()
-                self._fail(f"the driver exited ({self._proc.returncode}) {doing}: {_tail(self._stderr_path)} "
-                           f"(log: {self._stderr_path})")
+                self._fail(f"the driver exited ({self._proc.returncode}) {doing}: {_tail(self._stderr_path)}")
                 return None
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         msg = json.loads(line)
         if "error" in msg:
-            self._stderr.flush()
-            self._fail(f"{msg['error']} ({doing}; log: {self._stderr_path})")
+            self._fail(f"{msg['error']} ({doing})")
             return None
         return msg
