@@ -15,7 +15,7 @@ BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
 BENCHES := $(wildcard bench/*.py)
 
-.PHONY: venv demo test test-cuda-emu bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations
+.PHONY: venv demo test test-cuda-emu bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations venv-lmcache
 
 venv: $(STAMP)
 
@@ -117,7 +117,27 @@ test-sglang: venv-sglang
 	if [ $$rc -eq 5 ]; then echo "make test-sglang: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 
+# ---------------------------------------------------------------- peers of bench/disk.py
+# LMCache 0.5.6, for bench/peers/lmcache_disk.py (its local-disk backend, measured beside our
+# store by bench/disk.py; vLLM's FS tier runs in .venv-vllm). torch==2.13.0 (CPU) first, then
+# LMCache and exactly what its local-disk backend imports, all --no-deps and pinned
+# (bench/peers/lmcache-requirements.txt): the full set pulls CUDA. Not part of CI.
+LMC_VENV  := .venv-lmcache
+LMC_STAMP := $(LMC_VENV)/.installed
+LMC_REQS  := bench/peers/lmcache-requirements.txt
+
+venv-lmcache: $(LMC_STAMP)
+
+$(LMC_VENV)/bin/python:
+	$(PYTHON) -m venv $(LMC_VENV)
+
+$(LMC_STAMP): $(LMC_REQS) | $(LMC_VENV)/bin/python
+	$(LMC_VENV)/bin/python -m pip install -q $(TORCH)
+	$(LMC_VENV)/bin/python -m pip install -q --no-deps -r $(LMC_REQS)
+	$(LMC_VENV)/bin/python -c "import lmcache.v1.storage_backend.local_disk_backend"
+	touch $@
+
 # Build outputs and caches; keeps .venv (remove it by hand for a fresh set-up).
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis .mypy_cache
-	find . -path ./$(VENV) -prune -o -path ./$(VLLM_VENV) -prune -o -path ./$(SGL_VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(VLLM_VENV) -prune -o -path ./$(SGL_VENV) -prune -o -path ./$(LMC_VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
