@@ -428,8 +428,10 @@ def table(res: dict[str, Any]) -> str:
                 lines.append(f"  / {label:<40}{r}")
             else:
                 lines.append(f"  / {label:<40}" + "".join(_cell(r[k], 8) for k in METRICS))
-    verdicts = [f"x {res['rows'][k]['label']} " + (f"{t['ratio']:.2f} ({t['verdict']} >= {t['target']})"
-                                                   if t["ratio"] is not None else f"not measured (>= {t['target']})")
+    peer_labels = {p.name: p.label for p in PEERS}    # a peer left out of this run has no row
+    verdicts = [f"x {res['rows'].get(k, {}).get('label', peer_labels.get(k, k))} "
+                + (f"{t['ratio']:.2f} ({t['verdict']} >= {t['target']})"
+                   if t["ratio"] is not None else f"not measured (>= {t['target']})")
                 for k, t in res["targets"].items()]
     lines.append("LMDB hot-read targets (issue 15): " + "; ".join(verdicts))
     lines += [f"note, {row['label']}: {row['note']}" for row in res["rows"].values()
