@@ -27,6 +27,7 @@ from .base import BlockStore, PutItem
 from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
 from .errors import (
     CorruptRecordError,
+    IndexDamagedError,
     LayoutMismatchError,
     RecordCheck,
     StoreError,
@@ -51,6 +52,7 @@ __all__ = [
     "CorruptRecordError",
     "DeferredLevel",
     "FORMAT_VERSION",
+    "IndexDamagedError",
     "LayoutMismatchError",
     "LmdbStore",
     "OBJECT_STORE_SCHEMES",

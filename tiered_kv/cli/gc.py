@@ -54,6 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     layout = _common.layout_from_args(args)
     loc = _common.parse_store(args.store)
     with _common.open_cli_store(loc, layout) as store:
+        _common.report_index_rebuild(loc, store)
         result = dict(store.gc(args.max_bytes))
     out = {"store": loc.url, "model": layout.name, "max_bytes": args.max_bytes, **result}
     if args.json:

@@ -6,18 +6,27 @@
     tiered-kv verify --store lmdb:///var/cache/kv --repair --json
 
 Every record's checksum, layout fingerprint and key are checked
-(:meth:`tiered_kv.storage.BlockStore.verify`). Without ``--repair`` nothing is changed:
-a bad record is reported and stays (a cache never serves it: every read verifies, and a
-failed read is a miss). With ``--repair`` the bad records are removed, so the next
-``warm-start`` writes them again.
+(:meth:`tiered_kv.storage.BlockStore.verify`); on an LMDB store the index is checked whole
+first (every page of every sub-database, then every entry of ``meta``, ``atime`` and
+``lru``). Without ``--repair`` nothing is changed and the store is opened read-only, so
+this works on a read-only mount: a bad record is reported and stays (a cache never serves
+it: every read verifies, and a failed read is a miss); a damaged index is reported with
+the command that fixes it. With ``--repair`` the bad records are removed, so the next
+``warm-start`` writes them again, bad index entries are fixed, and a damaged index
+(truncated, zeroed, empty or deleted ``data.mdb``) is rebuilt from the segment files,
+which hold every record (the damaged file is moved into ``damaged-index-<time>/``).
 
 JSON: ``{"store", "model", "repair", "checked", "corrupt", "removed", "corrupt_keys"}``
 (keys as ``"block:<hash hex>"`` / ``"snapshot:<hash hex>"``), plus what the backend adds
-(LMDB: ``accounted_bytes``, ``actual_bytes``).
+(LMDB: ``accounted_bytes``, ``actual_bytes``, ``index_problems`` (one line per kind of bad
+index entry), ``index_rebuilt`` (``{"records", "bytes", "segments", "moved_to",
+"problem"}`` when this run rebuilt the index, else null)).
 
-Exit codes: 0 every record is good, or ``--repair`` removed the bad ones; 1 corrupt
-records found and left in place (no ``--repair``); 2 bad arguments; 3 no store at
-``--store``; 4 the store holds another layout; 5 the store is locked.
+Exit codes: 0 every record and the index are good, or ``--repair`` fixed what was not;
+1 corrupt records or bad index entries found and left in place (no ``--repair``), or
+a damaged index (no ``--repair``); 2 bad arguments; 3 no store at ``--store``; 4 the
+store holds another layout; 5 the store is locked (``--repair`` of a damaged index
+needs every other process to have closed the store).
 """
 
 from __future__ import annotations
@@ -37,12 +46,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="check every record's checksum; --repair removes the bad ones",
         description="Check every record of a prefix-cache store (checksum, layout, key). Nothing "
                     "is changed unless --repair is given, which removes the records that fail.",
-        epilog="exit codes: 0 all good (or bad records removed), 1 corrupt records found, "
+        epilog="exit codes: 0 all good (or repaired), 1 corrupt records, bad index entries or a damaged "
+               "index found (no --repair), "
                "2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
     )
     _common.add_store_arg(p)
     _common.add_layout_args(p)
-    p.add_argument("--repair", action="store_true", help="remove the records that fail a check")
+    p.add_argument("--repair", action="store_true",
+                   help="remove the records that fail a check, fix bad index entries, rebuild a damaged "
+                        "index from the segment files")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -54,24 +66,37 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     layout = _common.layout_from_args(args)
     loc = _common.parse_store(args.store)
-    with _common.open_cli_store(loc, layout) as store:
+    # Without --repair nothing may be written: read-only (a read-only mount works). With it,
+    # a writable open first rebuilds a damaged LMDB index from the segment files.
+    with _common.open_cli_store(loc, layout, readonly=not args.repair) as store:
         result = dict(store.verify(repair=args.repair))
     bad = [_key_name(k) for k in result.get("corrupt_keys", [])]
     out = {"store": loc.url, "model": layout.name, "repair": args.repair, **result, "corrupt_keys": bad}
     found = out["corrupt"]
+    problems: list[str] = out.get("index_problems") or []
     if args.json:
         _common.print_json(out)
     else:
-        print(f"{loc.url}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
+        rebuilt = out.get("index_rebuilt")
+        if rebuilt:
+            print(f"{loc.url}: the index was damaged ({rebuilt['problem']}); rebuilt it from "
+                  f"{rebuilt['segments']} segment files: {rebuilt['records']} records"
+                  + (f"; the damaged index is kept at {rebuilt['moved_to']}" if rebuilt["moved_to"] else ""))
+        print(f"{loc.url}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed"
+              + (f"; {len(problems)} kinds of bad index entries{' fixed' if args.repair else ''}" if problems else ""))
         for name in bad:
             print(f"  corrupt  {name}")
+        for line in problems:
+            print(f"  index    {line}")
         if found and not args.repair:
             print(f"{found} corrupt record{'s' if found != 1 else ''} left in place (a cache reads "
                   f"{'them' if found != 1 else 'it'} as a miss); run again with --repair to remove "
                   f"{'them' if found != 1 else 'it'}")
+        if problems and not args.repair:
+            print("bad index entries left in place; run again with --repair to fix them")
     # With --repair every bad record is gone: removed, or replaced meanwhile by another
     # process with a good one (the backend checks each again before deleting it).
-    return ExitCode.FAILURE if found and not args.repair else ExitCode.OK
+    return ExitCode.FAILURE if (found or problems) and not args.repair else ExitCode.OK
 
 
 def _key_name(key: object) -> str:
