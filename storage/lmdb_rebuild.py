@@ -40,7 +40,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .base import fsync_dir
+from .base import fsync_dir, mkdir_private
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreLockedError
 from .lmdb_store import (
     _ATIME,
@@ -80,6 +80,8 @@ def exclusive_store_lock(path: Path) -> Iterator[None]:
     descriptor of ``lock.mdb`` drops every lock this process holds on it)."""
     try:
         fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(fd).st_size == 0:
+            os.fchmod(fd, 0o600)  # owner-only whatever the umask, as every file of a store
     except OSError as e:
         raise StoreError(f"{path}: cannot open lock.mdb for writing ({e.strerror}); the index can only "
                          f"be rebuilt where the store is writable") from None
@@ -119,8 +121,9 @@ def rebuild_index(path: str | os.PathLike[str], layout_fingerprint: str | None, 
         records, sizes = _scan_all(seg_dir, segs, fingerprint, io_threads)
         tmp = root / REBUILD_DIR
         shutil.rmtree(tmp, ignore_errors=True)
-        os.mkdir(tmp, 0o700)
+        mkdir_private(tmp)
         total = _write_index(tmp, fingerprint, records, sizes)
+        os.chmod(tmp / "data.mdb", 0o600)
         moved = _move_aside(root)
         os.replace(tmp / "data.mdb", root / "data.mdb")
         fsync_dir(root)
@@ -245,6 +248,6 @@ def _move_aside(root: Path) -> Path | None:
     while dst_dir.exists():
         n += 1
         dst_dir = root / f"{DAMAGED_PREFIX}{stamp}-{n}"
-    os.mkdir(dst_dir, 0o700)
+    mkdir_private(dst_dir)
     os.rename(src, dst_dir / "data.mdb")
     return dst_dir / "data.mdb"

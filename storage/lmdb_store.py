@@ -129,7 +129,7 @@ from .record import (
     verify_record_parts,
     write_segments,
 )
-from .segments import ALIGN, Location, ReadTask, SegmentFiles
+from .segments import ALIGN, DEFAULT_MAX_OPEN_SEGMENTS, Location, ReadTask, SegmentFiles, allocate_blocks
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 
@@ -141,6 +141,14 @@ DEFAULT_IO_THREADS = 8  # transfers in flight per call (1 MiB extents: 8 MiB dee
 DEFAULT_MAX_BYTES = 64 << 30
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
+#: ``index.reserve``: disk held for the index's deletes on a full disk (see gc)
+_RESERVE_NAME = "index.reserve"
+_DEFAULT_RESERVE = 4 * _MiB  # or 1/64 of the filesystem if that is less, but at least:
+_MIN_RESERVE = 256 << 10
+#: disk blocks allocated for ``lock.mdb`` (LMDB's reader table: 8 KiB for 126 readers)
+_LOCK_FILE_BYTES = 64 << 10
+#: records per eviction transaction once the disk is full (each one's holes punched before the next)
+_GC_FULL_DISK_BATCH = 4
 _ACCESS_QUEUE_MAX = 4096
 
 _U16 = struct.Struct("<H")
@@ -269,6 +277,9 @@ class LmdbStore(BlockStore):
     ``repair_index``: a writable open that finds the index damaged rebuilds it from the
     segments when no other process has the store open (see "Index damage" in the module
     docstring); False raises :class:`IndexDamagedError` instead, as a readonly open does.
+    ``index_reserve_bytes``: disk held back for a gc on a full disk (default 4 MiB, or
+    1/64 of a smaller filesystem; see "Full disk"). ``max_open_segments``: read
+    descriptors of segment files kept open at most (least recently used closed first).
     """
 
     supports_multiprocess = True
@@ -280,11 +291,14 @@ class LmdbStore(BlockStore):
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
                  initial_map_size: int | None = None, access_flush_s: float = 5.0,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
-                 io_threads: int = DEFAULT_IO_THREADS, repair_index: bool = True) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS, repair_index: bool = True,
+                 index_reserve_bytes: int | None = None,
+                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS) -> None:
         fingerprint_field(layout_fingerprint)
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size),
                             ("initial_map_size", initial_map_size), ("segment_bytes", segment_bytes),
-                            ("io_threads", io_threads)):
+                            ("io_threads", io_threads), ("index_reserve_bytes", index_reserve_bytes),
+                            ("max_open_segments", max_open_segments)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.path = Path(os.path.abspath(path))
@@ -315,6 +329,7 @@ class LmdbStore(BlockStore):
         self.index_rebuild: dict[str, Any] | None = None
         self._repair_index = repair_index
         self._io_threads = io_threads
+        self._reserve_option = index_reserve_bytes
         ident = _REGISTRY.claim(self.path)
         try:
             self._env = self._open_index(initial)
@@ -331,7 +346,8 @@ class LmdbStore(BlockStore):
             raise
         self._segments = SegmentFiles(self.path / "segments", new_segment_id=self._new_segment_id,
                                       segment_bytes=segment_bytes, direct_io=direct_io,
-                                      io_threads=io_threads, readonly=readonly)
+                                      io_threads=io_threads, readonly=readonly,
+                                      max_open_segments=max_open_segments)
         self._closed = False
         self._recovered = 0
         if not readonly:
@@ -342,6 +358,7 @@ class LmdbStore(BlockStore):
             except BaseException:
                 self.close()
                 raise
+            self._keep_reserve()
 
     # ------------------------------------------------------------------ opening
     def _open_dbs(self) -> None:
@@ -425,7 +442,7 @@ class LmdbStore(BlockStore):
             fd = create_private_file(data)  # owner-only before LMDB opens it
             if fd is not None:
                 os.close(fd)
-        env = self._lmdb_open(map_size)
+        env = self._lmdb_open(map_size, lock=self._prepare_lock_file())
         try:
             self.index_pages = self._walk_snapshot(env).pages
             self._check_meta_entries(env)
@@ -448,18 +465,19 @@ class LmdbStore(BlockStore):
                 if want is not None and want >= 0 and len(value) != want and bytes(kb) != _M_COUNTERS:
                     raise IndexDamage(f"meta entry {bytes(kb)[:32]!r} is {len(value)} bytes, expected {want}")
 
-    def _lmdb_open(self, map_size: int) -> lmdb.Environment:
+    def _lmdb_open(self, map_size: int, *, lock: bool) -> lmdb.Environment:
         """lmdb.open with the store's flags. A readonly open where ``lock.mdb`` cannot be
         written (a read-only mount: LMDB skips the lock itself on EROFS; a directory this
-        user may not write: EACCES) opens without the lock: there is no reader slot, so a
-        writer in another process could reuse pages under this reader (every record read
-        is still verified). ``self.lock_free`` says which."""
-        self.lock_free = False
+        user may not write: EACCES; a full disk: see _prepare_lock_file) opens without
+        the lock: there is no reader slot, so a writer in another process could reuse
+        pages under this reader (every record read is still verified). ``self.lock_free``
+        says which."""
+        self.lock_free = not lock
         options = dict(map_size=map_size, subdir=True, readonly=self.readonly, create=not self.readonly,
                        max_dbs=4, mode=0o600, sync=True, metasync=False, writemap=False, map_async=False,
                        readahead=True, meminit=True)
         try:
-            return lmdb.open(str(self.path), lock=True, **options)
+            return lmdb.open(str(self.path), lock=lock, **options)
         except lmdb.Error as e:
             if not self.readonly or not isinstance(e, (lmdb.ReadonlyError, PermissionError)) and \
                     getattr(e, "errno", None) not in (errno.EACCES, errno.EROFS, errno.EPERM):
@@ -966,7 +984,13 @@ class LmdbStore(BlockStore):
         def keys(txn: lmdb.Transaction) -> list[bytes]:
             return [bytes(k) for k in txn.cursor(db=self._records).iternext(keys=True, values=False)]
 
-        return iter([RecordKey.from_bytes(kb) for kb in self._run(keys, write=False)])
+        out = []
+        for kb in self._run(keys, write=False):
+            try:
+                out.append(RecordKey.from_bytes(kb))
+            except ValueError:
+                continue  # not a record key: verify reports it, verify --repair removes it
+        return iter(out)
 
     def __len__(self) -> int:
         return self._run(lambda txn: txn.stat(self._records)["entries"], write=False)
@@ -991,6 +1015,7 @@ class LmdbStore(BlockStore):
         out["map_limit"] = self.map_limit
         out["segments"] = len(self._segments.segment_ids())
         out["segment_disk_bytes"] = self._segments.disk_bytes()
+        out["open_segment_files"] = self._segments.open_files
         out["direct_io"] = self._segments.direct_io
         out["recovered_records"] = self._recovered
         return out
@@ -1254,25 +1279,40 @@ class LmdbStore(BlockStore):
         exact. Evicts in transactions of at most 4096 records. Then gives back segment
         space that no record uses (bytes of crashed writers, of removed records): sealed
         segments with nothing indexed are unlinked, the rest get holes punched.
-        Also returns ``segments_removed`` and ``punched_bytes``."""
+        Also returns ``segments_removed`` and ``punched_bytes``.
+
+        On a full disk (the copy-on-write index needs new pages even to delete) the
+        index reserve is given to the deletes and transactions shrink to a few records,
+        each followed by its punched holes, until there is room again; then the reserve
+        is taken back (see "Full disk" in the module docstring); ``full_disk`` says
+        whether it came to that."""
         check_open(self._closed, str(self.path))
         self._check_writable()
         self._check_gc_bound(max_bytes)
         evicted = freed_bytes = 0
+        batch, full = _ACCESS_QUEUE_MAX, False
         while True:
-            taken = self._take_access()
+            taken = {} if full else self._take_access()  # (a full disk: no page to spare for hints)
             freed: list[Location] = []
 
             def evict(txn: lmdb.Transaction, taken: dict[bytes, int] = taken,
-                      freed: list[Location] = freed) -> tuple[int, int, int]:
+                      freed: list[Location] = freed, batch: int = batch) -> tuple[int, int, int]:
                 self._apply_access(txn, taken)
                 total = self._get_total(txn)
-                left, n = self._evict_for(txn, total, 0, freed, limit=max_bytes, max_records=_ACCESS_QUEUE_MAX)
+                left, n = self._evict_for(txn, total, 0, freed, limit=max_bytes, max_records=batch)
                 txn.put(_M_TOTAL, _U64.pack(left), db=self._meta)
                 return n, total - left, left
 
             try:
                 n, gone, left = self._run(evict, write=True)
+            except StoreFullError:
+                self._restore_access(taken)
+                if full and batch == _GC_FULL_DISK_BATCH:
+                    raise
+                full = True
+                self._release_reserve()
+                batch = max(_GC_FULL_DISK_BATCH, batch // 64)
+                continue
             except BaseException:
                 self._restore_access(taken)
                 raise
@@ -1283,8 +1323,79 @@ class LmdbStore(BlockStore):
                 break
         self._stats.add(evictions=evicted)
         records = self._run(lambda txn: txn.stat(self._records)["entries"], write=False)
-        return {"evicted": evicted, "freed_bytes": freed_bytes, "bytes": left, "records": records,
-                **self._reclaim()}
+        out = {"evicted": evicted, "freed_bytes": freed_bytes, "bytes": left, "records": records,
+               **self._reclaim(), "full_disk": full}
+        self._keep_reserve()
+        return out
+
+    # ------------------------------------------------------------------ full disk: the index reserve
+    @property
+    def _reserve_file(self) -> Path:
+        return self.path / _RESERVE_NAME
+
+    def _keep_reserve(self) -> bool:
+        """Hold ``index_reserve_bytes`` of disk in ``index.reserve`` (allocated, never
+        written), for the deletes of a gc on a full disk: LMDB copies every page it
+        changes, so even a delete needs new pages. Best effort: False where there is no
+        room now (the next writable open or gc tries again). A reserve already there is
+        kept as it is (its size is the store's)."""
+        path = self._reserve_file
+        if path.exists():
+            return True
+        st = os.statvfs(self.path)
+        want = self._reserve_option or min(_DEFAULT_RESERVE, max(_MIN_RESERVE, st.f_blocks * st.f_frsize // 64))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)  # whatever the umask
+                os.posix_fallocate(fd, 0, want)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            return True
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+
+    def _prepare_lock_file(self) -> bool:
+        """Allocate the disk blocks of ``lock.mdb`` before LMDB maps it: LMDB writes its
+        reader table through a shared mapping, and on a full disk the first write to a
+        page the filesystem cannot allocate is a SIGBUS, not an error. Returns whether
+        LMDB may use the lock file; False (a readonly open only) when it can be neither
+        written nor allocated: that open goes on without it (see _lmdb_open). A writable
+        open on a disk too full for it raises StoreFullError.
+
+        Only before this process opens the environment: closing any descriptor of
+        ``lock.mdb`` drops every LMDB lock the process holds on it."""
+        try:
+            fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            if self.readonly:
+                return False  # a read-only mount or directory (LMDB would skip it on EROFS too)
+            raise
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0 and not self.readonly:
+                os.fchmod(fd, 0o600)  # created here (or by create_private_file): owner-only
+            err = allocate_blocks(fd, 0, max(st.st_size, _LOCK_FILE_BYTES))
+            if err in (0, errno.EOPNOTSUPP, errno.ENOSYS) or \
+                    (st.st_size and os.fstat(fd).st_blocks * 512 >= st.st_size):
+                return True  # allocated (or the filesystem cannot say: as before)
+        finally:
+            os.close(fd)
+        if self.readonly:
+            return False
+        raise StoreFullError(f"{self.path}: disk full: no room for the store's lock file (lock.mdb, "
+                             f"{_LOCK_FILE_BYTES} bytes); free some space first")
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's disk space back (to the transaction about to retry)."""
+        try:
+            self._reserve_file.unlink()
+            return True
+        except FileNotFoundError:
+            return False
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -405,3 +405,18 @@ def test_verify_as_a_user_who_cannot_write_the_store(tiny_store: tuple[Path, set
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == ExitCode.FAILURE, out  # 1: the flipped record
     assert '"checked": %d' % (len(keep) + 1) in out and '"corrupt": 1' in out
     assert after == before
+
+
+def test_a_rebuilt_store_keeps_owner_only_files(store_and_keys: tuple[Path, set]) -> None:
+    import stat
+
+    where, _ = store_and_keys
+    damage(where, "zeroed_page")
+    old = os.umask(0o277)
+    try:
+        LmdbStore(where, layout_fingerprint=FP).close()
+    finally:
+        os.umask(old)
+    for p in [where / "data.mdb", where / "lock.mdb", where / "index.reserve",
+              *where.glob("damaged-index-*"), *where.glob("damaged-index-*/*")]:
+        assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p

@@ -444,6 +444,21 @@ def _check_tokens(where: str, tokens: object, vocab_size: int | None) -> list[in
 
 
 # ---------------------------------------------------------------- output
+@contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Drop the warnings of logger ``name`` meanwhile (a command that reports the same
+    failures in its own summary line)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
 
