@@ -5,6 +5,8 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
 
     data.mdb, lock.mdb        the LMDB environment (the index)
     segments/00000001.seg     records, appended in 4 KiB-aligned batches
+    index.reserve             disk held for the index's deletes on a full disk (see below)
+    damaged-index-<time>/     a damaged data.mdb, moved aside by a rebuild (see below)
 
     sub-db    key                                 value
     -------   ---------------------------------   -----------------------------------------
@@ -38,8 +40,9 @@ index transaction stores ``segment_end`` of the segment it indexed into, so:
 - recovery (:meth:`LmdbStore._recover`, on a writable open and before ``gc`` /
   ``verify(repair=True)`` reclaim space) scans each segment no writer holds from its
   ``segment_end`` to its end and indexes every record that verifies (header, xxh3-128
-  checksum, fingerprint) and whose key is not indexed; torn or failing records never are
-  (a segment whose id allocation the index lost is scanned from 0; ids are never reused);
+  checksum, fingerprint) and whose key is not indexed; torn or failing records never are,
+  and the scan resumes at the next record magic (a segment whose id allocation the index
+  lost is scanned from 0; ids are never reused);
 - a crash before ``put_many`` returns leaves each record of the batch indexed (and
   durable), recovered, or a miss; the index never points at segment bytes that were not
   synced, and every read verifies anyway;
@@ -65,10 +68,32 @@ those queued hints, never a record.
 
 Full disk: segment space is reserved with ``posix_fallocate`` before a batch is written,
 so a full disk raises :class:`StoreFullError` with nothing appended (never SIGBUS: nothing
-is written through a mapping; ``writemap`` stays off). The map starts at
+is written through a mapping of ``data.mdb``, ``writemap`` stays off; ``lock.mdb``, which
+LMDB does write through a mapping, has its blocks allocated before LMDB maps it, and a
+new store on a disk without room for them is a StoreFullError). The index is
+copy-on-write, so even a delete needs new pages: a writable open holds ``index.reserve``
+(``index_reserve_bytes``: allocated, never written), which ``gc`` on a full disk gives to
+its deletes, in transactions of a few records each followed by its punched holes, and
+takes back once there is room. The map starts at
 ``initial_map_size`` (default ``min(map limit, 1 GiB)``) and doubles on ``MDB_MAP_FULL``
 up to the map limit, ``map_size`` if given, else ``1.5 * max_bytes + 64 MiB``; at the
 limit ``put_many`` raises :class:`StoreFullError` and the transaction is aborted.
+
+Index damage. LMDB maps ``data.mdb`` and follows page numbers through the mapping: a
+truncated file is a SIGBUS, a zeroed page an assertion abort or garbage. So every open
+checks the meta pages and walks every page of the snapshot it pins with ``pread`` before
+LMDB touches one (:mod:`.lmdb_file`), and checks the ``meta`` entries' lengths; a value of
+the wrong length read later is :class:`IndexDamagedError` too, never a struct.error. A
+damaged index (or a missing / empty ``data.mdb`` beside segment files) is
+:class:`IndexDamagedError` on a readonly open; a writable open rebuilds it from the
+segments (:mod:`.lmdb_rebuild`: LMDB's exclusive lock, every verified record indexed,
+the damaged file moved aside) unless ``repair_index=False``. ``verify`` walks the index
+again and checks every entry of every sub-database.
+
+A readonly open writes nothing: where ``lock.mdb`` cannot be written (a read-only mount,
+a directory this user may not write) it opens without LMDB's lock file (``lock_free``).
+Readers keep at most ``max_open_segments`` segment descriptors open (LRU; one in use is
+never closed).
 
 Stores of format version 1 (records inside LMDB, before segment files) are refused with
 an error that says what to do: the disk tier is a cache, so remove the directory (or use
