@@ -217,8 +217,7 @@ class _Walker:
     pass 1: every page reached must be a good page of the right kind, at the right
     depth, inside the file, and reached once."""
 
-    CHUNK = 4096  # pages read and checked at once (16 MiB of 4 KiB pages)
-    CELLS = 1 << 21  # node slots checked at once (pages x widest node table)
+    CHUNK = 1024  # pages read and checked at once (4 MiB of 4 KiB pages)
 
     def __init__(self, fd: int, meta: MetaPage) -> None:
         self.fd = fd
@@ -269,62 +268,56 @@ class _Walker:
         self.kind[pgnos[over]] = _OVERFLOW
         self.count[pgnos[over]] = head[over, 12:16].view("<u4")[:, 0]
         tree = own & ((kind == P_BRANCH) | (kind == P_LEAF))
-        table_ok = (lower >= PAGE_HEADER + 2) & (lower & 1 == 0) & (upper <= ps) & (upper >= lower)
+        most = (ps - PAGE_HEADER) // (2 + NODE_HEADER)  # nodes a page can hold (pointer + node header each)
+        table_ok = (lower >= PAGE_HEADER + 2) & (lower & 1 == 0) & (upper <= ps) & (upper >= lower) & \
+            ((lower - PAGE_HEADER) >> 1 <= most)
         self.why[pgnos[tree & ~table_ok]] = 2
         rows = np.flatnonzero(tree & table_ok)
         if rows.size == 0:
             return
-        n = (lower[rows] - PAGE_HEADER) >> 1
-        order = rows[np.argsort(n, kind="stable")]  # sub-batches of similar table widths
-        i = 0
-        while i < order.size:
-            width = int((lower[order[min(order.size - 1, i + 63)]] - PAGE_HEADER) >> 1)
-            step = max(64, self.CELLS // max(width, 1))
-            part = order[i:i + step]
-            self._check_nodes(pages[part], pgnos[part], kind[part] == P_LEAF, lower[part], upper[part])
-            i += part.size
+        self._check_nodes(pages[rows], pgnos[rows], kind[rows] == P_LEAF, lower[rows], upper[rows])
 
     def _check_nodes(self, pages: np.ndarray, pgnos: np.ndarray, leaf: np.ndarray,
                      lower: np.ndarray, upper: np.ndarray) -> None:
         """Node-table checks of pages whose headers passed; records kind, count, the
-        children of branch pages and the overflow / named-database nodes of leaves."""
+        children of branch pages and the overflow / named-database nodes of leaves.
+        Vectorized over every node of the batch: ``row`` / ``ptr`` / ... are ``[nodes]``."""
         ps = self.psize
         n = (lower - PAGE_HEADER) >> 1
-        width = int(n.max())
-        words = pages.view("<u2")
-        used = np.arange(width)[None, :] < n[:, None]                     # [pages, width]
-        ptrs = np.where(used, words[:, PAGE_HEADER // 2:PAGE_HEADER // 2 + width], ps - NODE_HEADER)
-        ptrs = ptrs.astype(np.int32)
-        inside = ~(used & ((ptrs < upper[:, None]) | (ptrs + NODE_HEADER > ps) | (ptrs & 1 == 1))).any(1)
-        at = (ptrs >> 1) + (np.arange(pages.shape[0], dtype=np.int32) * (ps // 2))[:, None]
-        node = words.reshape(-1)[at[..., None] + np.arange(4, dtype=np.int32)].astype(np.int64)  # [p, w, 4]
-        lo, hi, nflags, ksize = (node[..., i] for i in range(4))
-        key_end = ptrs + NODE_HEADER + ksize
-        big = used & leaf[:, None] & ((nflags & F_BIGDATA) != 0)
-        end = np.where(leaf[:, None], np.where(big, key_end + 8, key_end + (lo | (hi << 16))), key_end)
-        fits = ~(used & (end > ps)).any(1)
-        dup = (used & leaf[:, None] & ((nflags & F_DUPDATA) != 0)).any(1)
-        good = inside & fits & ~dup
-        why = np.where(~inside, 3, np.where(~fits, 4, 5)).astype(np.uint8)
+        first = np.cumsum(n) - n                                   # each page's first node
+        row = np.repeat(np.arange(n.size), n)                      # [nodes] -> its page (row)
+        col = np.arange(row.size) - first[row]                     # its slot in the page's table
+        words = pages.view("<u2").reshape(-1)
+        base = row * (ps // 2)
+        ptr = words[base + PAGE_HEADER // 2 + col].astype(np.int64)
+        outside = (ptr < upper[row]) | (ptr + NODE_HEADER > ps) | (ptr & 1 == 1)
+        at = base + (np.where(outside, ps - NODE_HEADER, ptr) >> 1)
+        lo, hi, nflags, ksize = (words[at + i].astype(np.int64) for i in range(4))
+        key_end = ptr + NODE_HEADER + ksize
+        on_leaf = leaf[row]
+        big = on_leaf & ((nflags & F_BIGDATA) != 0)
+        dsize = lo | (hi << 16)
+        past = ~outside & (np.where(on_leaf, np.where(big, key_end + 8, key_end + dsize), key_end) > ps)
+        dup = ~outside & ~past & on_leaf & ((nflags & F_DUPDATA) != 0)
+        why = np.zeros(n.size, np.uint8)                           # per page: the first reason, by rank
+        for code, bad in ((5, dup), (4, past), (3, outside)):
+            why[np.unique(row[bad])] = code
+        good = why == 0
         self.why[pgnos[~good]] = why[~good]
         self.kind[pgnos[good]] = np.where(leaf[good], _LEAF, _BRANCH)
         self.count[pgnos[good]] = n[good]
-        child = lo | (hi << 16) | (nflags << 32)
         for r in np.flatnonzero(good & ~leaf).tolist():
-            self.children[int(pgnos[r])] = child[r, :int(n[r])].copy()
-        special = good & leaf & ((big | (used & ((nflags & F_SUBDATA) != 0))).any(1))
-        for r in np.flatnonzero(special).tolist():
-            pg = int(pgnos[r])
-            for c in range(int(n[r])):
-                if big[r, c]:
-                    at_data = int(key_end[r, c])
-                    self.big.setdefault(pg, []).append(
-                        (int(pages[r, at_data:at_data + 8].view("<u8")[0]), int(lo[r, c] | (hi[r, c] << 16))))
-                elif nflags[r, c] & F_SUBDATA and int(lo[r, c] | (hi[r, c] << 16)) == _DB.size:
-                    k0, k1 = int(ptrs[r, c]) + NODE_HEADER, int(key_end[r, c])
-                    self.named.setdefault(pg, []).append(
-                        (pages[r, k0:k1].tobytes().decode("ascii", "replace"),
-                         DbRecord.parse(pages[r, k1:k1 + _DB.size].tobytes())))
+            a, b = int(first[r]), int(first[r] + n[r])
+            self.children[int(pgnos[r])] = lo[a:b] | (hi[a:b] << 16) | (nflags[a:b] << 32)
+        special = good[row] & on_leaf & (big | ((nflags & F_SUBDATA) != 0))
+        for j in np.flatnonzero(special).tolist():
+            r, pg, k_end = int(row[j]), int(pgnos[row[j]]), int(key_end[j])
+            if big[j]:
+                self.big.setdefault(pg, []).append((int(pages[r, k_end:k_end + 8].view("<u8")[0]), int(dsize[j])))
+            elif int(dsize[j]) == _DB.size:
+                self.named.setdefault(pg, []).append(
+                    (pages[r, int(ptr[j]) + NODE_HEADER:k_end].tobytes().decode("ascii", "replace"),
+                     DbRecord.parse(pages[r, k_end:k_end + _DB.size].tobytes())))
 
     # ---------------------------------------------------------------- pass 2
     def _claim(self, pgnos: np.ndarray, what: str) -> None:

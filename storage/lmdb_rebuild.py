@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import shutil
 import struct
@@ -224,17 +225,25 @@ def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Locat
         # Access times in segment order (oldest write first), all in the past, distinct.
         ordered = sorted(records.items(), key=lambda kv: (kv[1][0].segment, kv[1][0].offset))
         base = time.time_ns() - len(ordered) - 1
-        for start in range(0, len(ordered), _TXN_RECORDS):
-            with env.begin(write=True) as txn:
-                for i, (kb, (loc, checksum)) in enumerate(ordered[start:start + _TXN_RECORDS], start):
-                    ns = base + i
-                    txn.put(kb, pack_entry(loc, checksum), db=dbs[b"records"])
-                    txn.put(kb, _ATIME.pack(ns, loc.length), db=dbs[b"atime"])
-                    txn.put(_LRU_NS.pack(ns) + kb, b"", db=dbs[b"lru"])
+        ns = {kb: base + i for i, (kb, _) in enumerate(ordered)}
+        by_key = sorted(records.items())  # each tree filled in key order (MDB_APPEND: dense pages)
+        _append(env, dbs[b"records"], ((kb, pack_entry(loc, sum_)) for kb, (loc, sum_) in by_key))
+        _append(env, dbs[b"atime"], ((kb, _ATIME.pack(ns[kb], loc.length)) for kb, (loc, _) in by_key))
+        _append(env, dbs[b"lru"], ((_LRU_NS.pack(ns[kb]) + kb, b"") for kb, _ in ordered))
         env.sync(True)
     finally:
         env.close()
     return total
+
+
+def _append(env: lmdb.Environment, db: Any, items: Iterator[tuple[bytes, bytes]]) -> None:
+    """Put ``items`` (in key order) into ``db``, in transactions of ``_TXN_RECORDS``."""
+    while True:
+        chunk = list(itertools.islice(items, _TXN_RECORDS))
+        if not chunk:
+            return
+        with env.begin(write=True) as txn:
+            txn.cursor(db=db).putmulti(chunk, append=True)
 
 
 def _move_aside(root: Path) -> Path | None:

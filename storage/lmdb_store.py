@@ -240,7 +240,8 @@ def _scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
                 raise CorruptRecordError(RecordCheck.TRUNCATED, "")
             parsed = parse_header(buf, n)
             key = RecordKey(parsed.kind, parsed.block_hash)
-            decode_record(buf, expect_key=key, expect_fingerprint=fingerprint)
+            verify_record_parts(buf[:HEADER_BYTES], buf[HEADER_BYTES:n - CHECKSUM_BYTES], buf[n - CHECKSUM_BYTES:],
+                                parsed=parsed, expect_key=key, expect_fingerprint=fingerprint)
         except (CorruptRecordError, struct.error):
             pos = _next_magic(fd, pos + 1, size)
             continue
