@@ -45,6 +45,7 @@ from .base import fsync_dir, mkdir_private
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreLockedError
 from .lmdb_store import (
     _ATIME,
+    _REGISTRY,
     _LRU_NS,
     _M_FINGERPRINT,
     _M_FORMAT,
@@ -107,8 +108,20 @@ def rebuild_index(path: str | os.PathLike[str], layout_fingerprint: str | None, 
     carry). LayoutMismatchError, with nothing changed, if the segments hold records of
     another layout. ``problem``: what was wrong with the old index (kept in the result).
     Returns ``{"records", "bytes", "segments", "moved_to", "problem"}`` (``moved_to``:
-    where the damaged ``data.mdb`` went, None if there was none)."""
+    where the damaged ``data.mdb`` went, None if there was none). StoreLockedError if the
+    store is open, in another process or in this one (LMDB's lock cannot tell this
+    process's own handle apart: the in-process registry does)."""
     root = Path(os.path.abspath(path))
+    ident = _REGISTRY.claim(root)
+    try:
+        return rebuild_claimed(root, layout_fingerprint, io_threads=io_threads, problem=problem)
+    finally:
+        _REGISTRY.release(ident)
+
+
+def rebuild_claimed(root: Path, layout_fingerprint: str | None, *, io_threads: int, problem: str) -> dict[str, Any]:
+    """:func:`rebuild_index` by a caller that holds the store's in-process claim (an
+    LmdbStore being opened, with no environment open yet)."""
     with exclusive_store_lock(root):
         seg_dir = root / "segments"
         segs = _segment_ids(seg_dir)

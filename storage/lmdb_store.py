@@ -439,10 +439,10 @@ class LmdbStore(BlockStore):
             problem = str(e)
         if self.readonly or not self._repair_index:
             raise IndexDamagedError(str(self.path), problem)
-        from .lmdb_rebuild import rebuild_index
+        from .lmdb_rebuild import rebuild_claimed
 
-        self.index_rebuild = rebuild_index(self.path, self.layout_fingerprint, io_threads=self._io_threads,
-                                           problem=problem)
+        self.index_rebuild = rebuild_claimed(self.path, self.layout_fingerprint, io_threads=self._io_threads,
+                                             problem=problem)
         log.warning("%s: the index was damaged (%s); rebuilt it from the segment files: %d records, the "
                     "damaged index moved to %s", self.path, problem, self.index_rebuild["records"],
                     self.index_rebuild["moved_to"])

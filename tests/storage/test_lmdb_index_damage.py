@@ -420,3 +420,19 @@ def test_a_rebuilt_store_keeps_owner_only_files(store_and_keys: tuple[Path, set]
     for p in [where / "data.mdb", where / "lock.mdb", where / "index.reserve",
               *where.glob("damaged-index-*"), *where.glob("damaged-index-*/*")]:
         assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
+
+
+def test_rebuild_index_refuses_a_store_open_in_this_process(store_and_keys: tuple[Path, set]) -> None:
+    """LMDB's lock cannot tell this process's own handle apart: the in-process registry
+    does, so the index is never swapped under an open environment."""
+    from tiered_kv.storage.lmdb_rebuild import rebuild_index
+
+    where, keep = store_and_keys
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        with pytest.raises(StoreLockedError):
+            rebuild_index(where, FP)
+        assert set(store) == keep | {make_key(FLIPPED)}
+    got = rebuild_index(where, None)  # closed: fine, and the layout is read from the records
+    assert got["records"] == len(keep) and got["moved_to"]
+    with LmdbStore(where, layout_fingerprint=FP) as store:
+        assert set(store) == keep
