@@ -470,7 +470,7 @@ class LmdbStore(BlockStore):
                 os.close(fd)
         env = self._lmdb_open(map_size, lock=self._prepare_lock_file())
         try:
-            self.index_pages = self._walk_snapshot(env).pages
+            self._walk_snapshot(env)
             self._check_meta_entries(env)
         except BaseException:
             env.close()
@@ -505,8 +505,9 @@ class LmdbStore(BlockStore):
         try:
             return lmdb.open(str(self.path), lock=lock, **options)
         except lmdb.Error as e:
-            if not self.readonly or not isinstance(e, (lmdb.ReadonlyError, PermissionError)) and \
-                    getattr(e, "errno", None) not in (errno.EACCES, errno.EROFS, errno.EPERM):
+            denied = isinstance(e, (lmdb.ReadonlyError, PermissionError)) or \
+                getattr(e, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
+            if not (self.readonly and denied):
                 raise
         self.lock_free = True
         return lmdb.open(str(self.path), lock=False, **options)
@@ -1147,12 +1148,10 @@ class LmdbStore(BlockStore):
         def note(kind: str, key: bytes) -> None:
             found.setdefault(kind, _EntryProblem(kind, 0, key)).count += 1
 
-        for kb, value in txn.cursor(db=self._meta):
+        for kb, value in txn.cursor(db=self._meta):  # (keys this code does not know are left alone)
             kb = bytes(kb)
             want = self._meta_value_bytes(kb)
-            if want is None:
-                note("meta: an unknown key", kb)
-            elif want >= 0 and len(value) != want:
+            if want is not None and want >= 0 and len(value) != want:
                 note("meta: a value of the wrong length", kb)
         nxt = txn.get(_M_NEXT_SEGMENT, db=self._meta)
         on_disk = self._segments.segment_ids()
@@ -1182,7 +1181,7 @@ class LmdbStore(BlockStore):
     @staticmethod
     def _meta_value_bytes(kb: bytes) -> int | None:
         """The length a ``meta`` value of key ``kb`` must have (-1: any), None for a key
-        the store does not write."""
+        this code does not write (a newer version's: never a problem)."""
         if kb.startswith(_M_SEGMENT_END):
             return _U64.size if len(kb) == len(_M_SEGMENT_END) + _U32BE.size else None
         return {_M_FORMAT: _U16.size, _M_RECORD_FORMAT: _U16.size, _M_FINGERPRINT: -1, _M_TOTAL: _U64.size,
