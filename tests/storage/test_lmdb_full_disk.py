@@ -201,3 +201,26 @@ def test_reads_and_writes_under_ulimit_256_with_2000_segments(fast_dir: Path) ->
     unbounded = _run_child(where, bound=10**6)
     assert "Too many open files" in unbounded.get("error", "") or \
         unbounded["hits"] < SEGMENTS + 5 * 300 + 50
+
+
+def test_warm_start_on_a_full_disk_prints_one_summary_line(tmpfs_8m: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The issue's run printed 893 warnings, one per record: now the disk tier's warning
+    is dropped in favour of warm-start's own summary, one line with the count."""
+    import json
+
+    from tiered_kv.cli.main import ExitCode, main
+
+    where = tmpfs_8m / "store"
+    _fill(where)
+    (where / "index.reserve").unlink()  # nothing left for anyone
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [(i * 7 + j) % 256 for j in range(300)]}) + "\n"
+                               for i in range(6)))
+    caplog.set_level(logging.WARNING)
+    code = main(["warm-start", "--store", str(where), "--prompts", str(prompts)])
+    out, err = capsys.readouterr()
+    assert code == ExitCode.FAILURE
+    assert err.count("\n") == 1 and "records could not be written" in err, err
+    assert not [r for r in caplog.records if r.name == "tiered_kv.disk"]
