@@ -75,6 +75,39 @@ def test_gc_frees_a_full_disk(tmpfs_8m: Path, capsys: pytest.CaptureFixture[str]
         assert verify_all(store, sizes={k: RECORD for k in kept}) == len(kept) > 0
 
 
+def test_gc_on_a_full_disk_needs_the_reserve_when_the_index_has_no_free_page(
+        tmpfs_8m: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compact index (just rebuilt: no free page inside data.mdb), then something else
+    fills the disk: even a one-record delete needs a new page. Without the reserve gc
+    fails; with it, gc frees the disk."""
+    from tiered_kv.storage.lmdb_rebuild import rebuild_index
+
+    where = tmpfs_8m / "store"
+    with LmdbStore(where, layout_fingerprint=TINY_FP, segment_bytes=1 << 20) as store:
+        for i in range(0, 200, 50):
+            store.put_many([item_for(make_key(j), RECORD) for j in range(i, i + 50)])
+    rebuild_index(where, TINY_FP)
+    LmdbStore(where, layout_fingerprint=TINY_FP).close()  # a writable open takes the reserve
+    assert (where / "index.reserve").is_file()
+    try:
+        with open(tmpfs_8m / "other-file", "wb") as f:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+    except OSError:
+        pass
+    assert _free(tmpfs_8m) == 0
+    with LmdbStore(where, layout_fingerprint=TINY_FP) as store:
+        with monkeypatch.context() as m:  # the control: the reserve kept back
+            m.setattr(LmdbStore, "_release_reserve", lambda self: False)
+            with pytest.raises(StoreFullError):
+                store.gc(1 << 20)
+        got = store.gc(1 << 20)
+        assert got["full_disk"] and got["bytes"] <= 1 << 20 and _free(tmpfs_8m) > 2 << 20
+        kept = set(store)
+        assert verify_all(store, sizes={k: RECORD for k in kept}) == len(kept) > 0
+
+
 def _fill_more(where: Path, start: int) -> list:
     stored = []
     with LmdbStore(where, layout_fingerprint=TINY_FP) as store:
