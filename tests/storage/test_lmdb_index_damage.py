@@ -436,3 +436,15 @@ def test_rebuild_index_refuses_a_store_open_in_this_process(store_and_keys: tupl
     assert got["records"] == len(keep) and got["moved_to"]
     with LmdbStore(where, layout_fingerprint=FP) as store:
         assert set(store) == keep
+
+
+def test_a_maintenance_open_rebuilds_with_the_layout_the_records_carry(store_and_keys: tuple[Path, set]) -> None:
+    """``layout_fingerprint=None`` (what the CLI opens with when no layout option is
+    given): the rebuild takes the layout from the records themselves."""
+    where, keep = store_and_keys
+    damage(where, "deleted")
+    with pytest.raises(IndexDamagedError):
+        LmdbStore(where, layout_fingerprint=None, readonly=True)
+    with LmdbStore(where, layout_fingerprint=None) as store:
+        assert store.layout_fingerprint == FP and store.index_rebuild["records"] == len(keep)
+        assert verify_all(store) == len(keep)
