@@ -38,6 +38,7 @@ from .crypto import EncryptionConfig, KeyFileError, Keyring
 from .encrypted import EncryptedStore
 from .errors import (
     CorruptRecordError,
+    IndexDamagedError,
     LayoutMismatchError,
     RecordCheck,
     StoreError,
@@ -65,6 +66,7 @@ __all__ = [
     "EncryptedStore",
     "EncryptionConfig",
     "FORMAT_VERSION",
+    "IndexDamagedError",
     "KeyFileError",
     "LayoutMismatchError",
     "LmdbStore",

@@ -299,12 +299,22 @@ class StoreLocation:
     def exists(self) -> bool:
         """Whether a store of this backend is there (its marker file or object)."""
         if not self.backend.remote:
-            return (Path(self.path) / self.marker).is_file()
+            root = Path(self.path)
+            if self.backend is Backend.LMDB and _has_segment_files(root):
+                return True  # its index (data.mdb) may be gone: `verify --repair` rebuilds it
+            return (root / self.marker).is_file()
         from ..storage import s3
 
         with _object_store_errors(self):
             objects = s3.open_object_store(s3.parse_s3_url(self.given))
             return s3.exists(objects, self.marker)
+
+
+def _has_segment_files(root: Path) -> bool:
+    try:
+        return any(name.endswith(".seg") for name in os.listdir(root / "segments"))
+    except OSError:
+        return False
 
 
 def parse_store(text: str) -> StoreLocation:
@@ -370,6 +380,21 @@ def missing_store(loc: StoreLocation) -> CommandFailed:
         f"and fill one with `tiered-kv warm-start --store {loc.given} --prompts FILE`")
 
 
+def index_damaged_message(loc: StoreLocation, problem: str) -> str:
+    """One line: what is wrong with an LMDB store's index and the command that fixes it."""
+    return (f"{loc.path}: the index (data.mdb) is damaged: {problem}. The records are intact in the "
+            f"segment files; rebuild the index from them with `tiered-kv verify --repair --store {loc.given}`")
+
+
+def report_index_rebuild(loc: StoreLocation, store: Any) -> None:
+    """One line on stderr when opening ``store`` for writing rebuilt its damaged index."""
+    rebuilt = getattr(store, "index_rebuild", None)
+    if rebuilt:
+        print(f"{loc.path}: the index was damaged ({rebuilt['problem']}); rebuilt it from the segment "
+              f"files: {rebuilt['records']} records (the damaged index is kept at {rebuilt['moved_to']})",
+              file=sys.stderr)
+
+
 @contextmanager
 def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str = "") -> Iterator[None]:
     """Turn the errors of opening or using the store at ``loc`` into :class:`CommandFailed`
@@ -377,7 +402,7 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
     was, the fingerprint came from another store, which ``expected`` names)."""
     import lmdb
 
-    from ..storage import LayoutMismatchError, StoreError, StoreLockedError
+    from ..storage import IndexDamagedError, LayoutMismatchError, StoreError, StoreLockedError
     try:
         from ..storage.s3 import ObjectStoreError
     except ImportError:  # no obstore (the optional `s3` extra): nothing raises it
@@ -386,6 +411,8 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
     try:
         with _object_store_errors(loc):
             yield
+    except IndexDamagedError as exc:
+        raise CommandFailed(ExitCode.FAILURE, index_damaged_message(loc, exc.problem)) from None
     except ObjectStoreError as exc:
         raise CommandFailed(ExitCode.FAILURE, f"{loc.path}: object store error: {exc}") from None
     except LayoutMismatchError as exc:
@@ -595,6 +622,21 @@ def show(value: object) -> str:
 
 
 # ---------------------------------------------------------------- output
+@contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Drop the warnings of logger ``name`` meanwhile (a command that reports the same
+    failures in its own summary line)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
 

@@ -153,7 +153,8 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
     encryption = _keys.encryption_from_args(args, default_tenant=args.salt)
-    with _torch_threads(args.threads):
+    # The disk tier's own warning is dropped: the summary line below counts every failed write.
+    with _torch_threads(args.threads), _common.quiet_logger("tiered_kv.disk"):
         report = warm_start(layout, loc, prompts, device=str(device), salt=args.salt,
                             snapshot_interval=args.snapshot_interval, max_bytes=args.max_bytes,
                             verbose=not args.json, encryption=encryption)
