@@ -44,6 +44,7 @@ import mmap
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -56,7 +57,7 @@ import numpy as np
 from .base import fsync_dir, mkdir_private
 from .errors import StoreError
 
-__all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
+__all__ = ["ALIGN", "Location", "SegmentFiles", "allocate_blocks", "punch_hole"]
 
 T = TypeVar("T")
 
@@ -133,6 +134,16 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     """Free the disk blocks of ``[offset, offset+length)`` (the bytes read back as zeros);
     False where the filesystem cannot."""
     return _LIBC.punch(fd, offset, length)
+
+
+def allocate_blocks(fd: int, offset: int, length: int) -> int:
+    """Allocate the disk blocks of ``[offset, offset+length)`` without changing the file's
+    size (``fallocate(FALLOC_FL_KEEP_SIZE)``): a later write there, or a file grown over
+    them, needs no new block. Returns 0, or the errno (ENOSPC: no room; EOPNOTSUPP: the
+    filesystem cannot)."""
+    if _LIBC.lib.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -213,6 +224,108 @@ class _DirectUnsupported(Exception):
     pass
 
 
+#: Read descriptors of segment files kept open at most (idle ones; see _OpenSegments).
+DEFAULT_MAX_OPEN_SEGMENTS = 128
+
+
+class _OpenFd:
+    __slots__ = ("fd", "users", "alive")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.users, self.alive = fd, 0, True
+
+
+class _OpenSegments:
+    """Read descriptors of segment files, shared by the threads of one store: at most
+    ``limit`` kept open, the least recently used idle one closed first (a 2 TiB store of
+    256 MiB segments would otherwise hold about 16,000 descriptors, two per segment).
+
+    A descriptor is closed only once no caller uses it: a number closed under a reader
+    could be handed to another file meanwhile. So the bound is exceeded only while more
+    than ``limit`` descriptors are in use at once (a read holds one per extent in flight:
+    at most its I/O threads)."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder = folder
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[tuple[int, bool], _OpenFd] = OrderedDict()  # (segment, O_DIRECT) -> fd
+
+    @contextmanager
+    def use(self, seg: int, *, direct: bool) -> Iterator[int]:
+        """A read fd of segment ``seg`` for the ``with`` block (FileNotFoundError once gc
+        unlinked it; _DirectUnsupported where the filesystem refuses O_DIRECT)."""
+        entry = self._acquire(seg, direct)
+        try:
+            yield entry.fd
+        finally:
+            self._release(entry)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _acquire(self, seg: int, direct: bool) -> _OpenFd:
+        key = (seg, direct)
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:
+                entry.users += 1
+                self._lru.move_to_end(key)
+                return entry
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(self.folder / segment_name(seg), flags)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _DirectUnsupported() from e
+            raise
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:  # another thread opened it meanwhile
+                os.close(fd)
+            else:
+                entry = self._lru[key] = _OpenFd(fd)
+                self._trim()
+            entry.users += 1
+            self._lru.move_to_end(key)
+            return entry
+
+    def _release(self, entry: _OpenFd) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.users == 0:
+                if not entry.alive:
+                    os.close(entry.fd)
+                elif len(self._lru) > self.limit:
+                    self._trim()
+
+    def _trim(self) -> None:
+        """Close idle descriptors, least recently used first, down to the limit (under
+        the lock)."""
+        over = len(self._lru) - self.limit
+        for key in [k for k, e in self._lru.items() if e.users == 0][:max(over, 0)]:
+            os.close(self._lru.pop(key).fd)
+
+    def forget_removed(self) -> None:
+        """Close the descriptors of segments that were unlinked (by gc in any process),
+        so that their disk space is released (those in use: when the last user is done)."""
+        with self._lock:
+            for key, entry in list(self._lru.items()):
+                if os.fstat(entry.fd).st_nlink == 0:
+                    self._drop(key)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._lru):
+                self._drop(key)
+
+    def _drop(self, key: tuple[int, bool]) -> None:
+        entry = self._lru.pop(key)
+        entry.alive = False
+        if entry.users == 0:
+            os.close(entry.fd)
+
+
 class SegmentFiles:
     """The segment directory of one open store: this process's active segment and the
     read side (an fd cache, the I/O thread pool).
@@ -222,7 +335,8 @@ class SegmentFiles:
     """
 
     def __init__(self, path: Path, *, new_segment_id: Callable[[], int], segment_bytes: int,
-                 direct_io: bool | None, io_threads: int, readonly: bool) -> None:
+                 direct_io: bool | None, io_threads: int, readonly: bool,
+                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS) -> None:
         self.path = path
         self._new_id = new_segment_id
         self.segment_bytes = segment_bytes
@@ -231,13 +345,12 @@ class SegmentFiles:
         self.readonly = readonly
         if not readonly:
             mkdir_private(path)
-        self._lock = threading.Lock()          # fd cache
+        self._lock = threading.Lock()          # the I/O pool
         self._write_lock = threading.Lock()    # the segments this process writes (their state)
         self._write_cond = threading.Condition(self._write_lock)
         self._open_lock = threading.Lock()     # one writer at a time opens a new segment
         self._closing = False
-        self._fds: dict[int, int] = {}          # segment -> buffered O_RDONLY fd
-        self._direct_fds: dict[int, int] = {}   # segment -> O_DIRECT O_RDONLY fd
+        self._files = _OpenSegments(path, max_open_segments)  # read fds, LRU-bounded
         self._active: _Writing | None = None    # where the next batch is appended
         self._writing: dict[int, _Writing] = {}  # the active one + retired ones with syncs pending
         self._pool: ThreadPoolExecutor | None = None
@@ -263,35 +376,15 @@ class SegmentFiles:
             return []
         return sorted(i for i in map(parse_segment_name, names) if i is not None)
 
-    def _fd(self, seg: int, *, direct: bool) -> int:
-        """A cached read fd of segment ``seg`` (FileNotFoundError once it was reclaimed)."""
-        cache = self._direct_fds if direct else self._fds
-        fd = cache.get(seg)
-        if fd is not None:
-            return fd
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-        try:
-            fd = os.open(self.file(seg), flags)
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                raise _DirectUnsupported() from e
-            raise
-        with self._lock:
-            if seg in cache:
-                os.close(fd)
-                return cache[seg]
-            cache[seg] = fd
-        return fd
-
     def forget_removed(self) -> None:
         """Close cached fds of segments that were unlinked (by gc in any process), so that
         their disk space is released."""
-        with self._lock:
-            for cache in (self._fds, self._direct_fds):
-                for seg, fd in list(cache.items()):
-                    if os.fstat(fd).st_nlink == 0:
-                        os.close(fd)
-                        del cache[seg]
+        self._files.forget_removed()
+
+    @property
+    def open_files(self) -> int:
+        """Read descriptors of segment files open now."""
+        return len(self._files)
 
     # ------------------------------------------------------------------ writes
     def _open_segment(self) -> _Writing:
@@ -538,36 +631,36 @@ class SegmentFiles:
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
-        hot: list[tuple[list[ReadTask], int, bool]] = []
-        cold: list[tuple[list[ReadTask], int, bool]] = []
+        hot: list[tuple[list[ReadTask], bool]] = []
+        cold: list[tuple[list[ReadTask], bool]] = []
         for ext in _extents(tasks):
+            first, end = ext[0].loc.offset, ext[-1].loc.end
             try:
-                fd = self._fd(ext[0].loc.segment, direct=False)
+                with self._files.use(ext[0].loc.segment, direct=False) as fd:
+                    cached = self._cached(fd, first, end - first)
             except OSError:
                 continue  # reclaimed by gc (or unreadable): every record of it is a miss
-            first, end = ext[0].loc.offset, ext[-1].loc.end
-            cached = self._cached(fd, first, end - first)
-            (hot if cached else cold).append((ext, fd, cached))
+            (hot if cached else cold).append((ext, cached))
         futures = []
         if len(cold) > 1 and self.io_threads > 1:
             pool = self.pool()
-            futures = [pool.submit(self._read_extent, ext, fd, cached, then) for ext, fd, cached in cold]
+            futures = [pool.submit(self._read_extent, ext, cached, then) for ext, cached in cold]
         else:
             hot = cold + hot
         try:
-            for ext, fd, cached in hot:
-                self._read_extent(ext, fd, cached, then)
+            for ext, cached in hot:
+                self._read_extent(ext, cached, then)
         finally:
             for f in futures:
                 f.result()
 
-    def _read_extent(self, ext: list[ReadTask], fd: int, cached: bool,
-                     then: Callable[[ReadTask], None] | None) -> None:
+    def _read_extent(self, ext: list[ReadTask], cached: bool, then: Callable[[ReadTask], None] | None) -> None:
         try:
-            self._read_extent_of(ext, fd, cached, then)
+            with self._files.use(ext[0].loc.segment, direct=False) as fd:
+                self._read_extent_of(ext, fd, cached, then)
         except OSError:
-            # EIO, or the fd of a segment gc unlinked was closed under us (only records no
-            # longer indexed live there): what was not read is a miss
+            # EIO, the segment was unlinked by gc (only records no longer indexed lived
+            # there), or no descriptor to spare (EMFILE): what was not read is a miss
             pass
 
     def _read_extent_of(self, ext: list[ReadTask], fd: int, cached: bool,
@@ -591,9 +684,11 @@ class SegmentFiles:
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` lies within its segment file as it is now (False: the file is
         gone, or an index entry claims bytes past its end, e.g. an absurd length)."""
+        if loc.offset < 0 or loc.length < 0:
+            return False
         try:
-            return loc.offset >= 0 and loc.length >= 0 and \
-                loc.end <= os.fstat(self._fd(loc.segment, direct=False)).st_size
+            with self._files.use(loc.segment, direct=False) as fd:
+                return loc.end <= os.fstat(fd).st_size
         except OSError:
             return False
 
@@ -611,10 +706,10 @@ class SegmentFiles:
 
     def _read_direct(self, ext: list[ReadTask], first: int, end: int,
                      then: Callable[[ReadTask], None] | None) -> None:
-        fd = self._fd(ext[0].loc.segment, direct=True)
         lo, hi = _align_down(first), _align_up(end)
         buf = self._bounce(hi - lo)
-        got = _preadv_all(fd, [buf[:hi - lo]], lo)
+        with self._files.use(ext[0].loc.segment, direct=True) as fd:
+            got = _preadv_all(fd, [buf[:hi - lo]], lo)
         for t in ext:
             a = t.loc.offset - lo
             if a + t.loc.length > got:
@@ -720,11 +815,7 @@ class SegmentFiles:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        with self._lock:
-            for cache in (self._fds, self._direct_fds):
-                for fd in cache.values():
-                    os.close(fd)
-                cache.clear()
+        self._files.close()
 
 
 #: Buffers one ``preadv`` takes at most (the kernel's UIO_MAXIOV).
