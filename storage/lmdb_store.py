@@ -106,6 +106,7 @@ from .record import (
     FORMAT_VERSION,
     HEADER_BYTES,
     RecordKey,
+    PartsVerifier,
     RecordMeta,
     as_byte_array,
     as_out_segments,
@@ -114,7 +115,6 @@ from .record import (
     fingerprint_field,
     parse_header,
     record_size,
-    verify_record_parts,
     write_segments,
 )
 from .segments import ALIGN, Location, ReadTask, SegmentFiles
@@ -712,17 +712,12 @@ class LmdbStore(BlockStore):
                 odd.append((i, key, loc, out, digest))
                 continue
             tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)]))
-        def check(t: ReadTask) -> None:  # in the reading thread
+        verify = PartsVerifier(fp).verify
+
+        def check(t: ReadTask) -> None:  # in the reading thread, while the record is in the CPU cache
             key, checksum, digest = info[t.index]
-            if bytes(t.tail) != checksum:
-                return
-            try:
-                header = t.header.tobytes()  # (struct reads bytes several times faster than a numpy row)
-                parsed = parse_header(header, t.loc.length)
-                t.result = verify_record_parts(header, t.payload, t.tail, parsed=parsed, expect_key=key,
-                                               expect_fingerprint=fp, expect_token_digest=digest)
-            except CorruptRecordError:
-                pass
+            t.result = verify(t.header.tobytes(), t.digest, t.tail, key=key, record_bytes=t.loc.length,
+                              checksum=checksum, token_digest=digest)
 
         if tasks:
             self._segments.read(tasks, check)
@@ -733,11 +728,12 @@ class LmdbStore(BlockStore):
             else:
                 metas[t.index] = t.result
         for i, key, loc, out, digest in odd:  # stored size differs from the out buffer's
-            if not self._segments.holds(loc):  # never allocate what an entry claims unchecked
-                failed.append(i)
+            if loc.length < HEADER_BYTES + CHECKSUM_BYTES or not self._segments.holds(loc):
+                failed.append(i)  # never allocate what an entry claims unchecked
                 continue
             whole = np.empty(loc.length, np.uint8)
-            task = ReadTask(i, loc, whole[:0], [whole], whole[:0])
+            task = ReadTask(i, loc, whole[:HEADER_BYTES], [whole[HEADER_BYTES:-CHECKSUM_BYTES]],
+                            whole[-CHECKSUM_BYTES:])
             self._segments.read([task])
             try:
                 if not task.ok:

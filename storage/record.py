@@ -59,6 +59,7 @@ __all__ = [
     "RecordMeta",
     "as_byte_array",
     "OutSegments",
+    "PartsVerifier",
     "as_out_segments",
     "decode_record",
     "encode_record",
@@ -249,6 +250,10 @@ def as_out_segments(out: Any, *, name: str = "out") -> OutSegments:
             segs.append(seg)
             n += seg.size
         return OutSegments(segs, n)
+    if type(out) is np.ndarray and out.dtype is _U8 and out.ndim == 1:  # the fast path
+        flags = out.flags
+        if flags.c_contiguous and flags.writeable:
+            return OutSegments([out], out.size)
     seg = as_byte_array(out, writable=True, name=name)
     return OutSegments([seg], seg.size)
 
@@ -394,6 +399,56 @@ def verify_record_parts(header: Any, payload: Any, checksum: Any, *, parsed: Rec
                                  f"record has {parsed.token_digest.hex()[:16]}…")
     return RecordMeta(key=expect_key, parent_hash=parsed.parent_hash, token_digest=parsed.token_digest,
                       layout_fingerprint=expect_fingerprint, payload_bytes=parsed.payload_bytes)
+
+
+#: The header's leading fields a reader knows in advance: magic, version, kind, flags, the
+#: fingerprint and the block hash (72 bytes); then the parent hash (not known), the token
+#: digest and the payload length.
+_IDENTITY = struct.Struct("<4sHBB32s32s")
+_PARENT_AT, _DIGEST_AT, _LENGTH_AT = _IDENTITY.size, _IDENTITY.size + HASH_BYTES, HEADER_BYTES - 8
+_PAYLOAD_LENGTH = struct.Struct("<Q")
+
+
+class PartsVerifier:
+    """Verify records read in parts (header, payload pieces, checksum) with few Python
+    steps per record: the fields a reader knows in advance are compared as bytes, and the
+    checksum was computed while reading (:mod:`~tiered_kv.storage.fastread`).
+
+    Accepts exactly the records :func:`parse_header` + :func:`verify_record_parts` accept
+    (magic, version, kind, flags, length, checksum, fingerprint, key, token digest), and
+    also checks the stored checksum against ``checksum`` (e.g. the index's copy). Made
+    once per read call for one fingerprint; thread-safe (it keeps no per-record state).
+    """
+
+    __slots__ = ("fingerprint", "_fp_field")
+
+    def __init__(self, layout_fingerprint: str) -> None:
+        self._fp_field = fingerprint_field(layout_fingerprint)
+        self.fingerprint = layout_fingerprint
+
+    def verify(self, header: bytes, digest: bytes | None, tail: Any, *, key: RecordKey, record_bytes: int,
+               checksum: bytes | None = None, token_digest: bytes | None = None) -> RecordMeta | None:
+        """The record's meta if it verifies, else None (any check failed).
+
+        ``header``: its ``HEADER_BYTES`` bytes (bytes: sliced and compared cheaply);
+        ``digest``: the canonical xxh3-128 of header + payload as read (see
+        :func:`~tiered_kv.storage.fastread.read_and_hash`; None: not read whole);
+        ``tail``: its stored checksum; ``record_bytes``: its stored size; ``checksum``:
+        what the stored one must also equal (e.g. the index's copy; None: not checked)."""
+        payload_bytes = record_bytes - HEADER_BYTES - CHECKSUM_BYTES
+        if digest is None or payload_bytes < 0 or len(header) != HEADER_BYTES:
+            return None
+        if (header[:_PARENT_AT] != _IDENTITY.pack(MAGIC, FORMAT_VERSION, key.kind, 0, self._fp_field, key.block_hash)
+                or header[_LENGTH_AT:] != _PAYLOAD_LENGTH.pack(payload_bytes)):
+            return None
+        stored = bytes(tail)
+        if stored != digest or (checksum is not None and stored != checksum):
+            return None
+        parent, digest_field = header[_PARENT_AT:_DIGEST_AT], header[_DIGEST_AT:_LENGTH_AT]
+        if token_digest is not None and digest_field != token_digest:
+            return None
+        return RecordMeta(key=key, parent_hash=parent, token_digest=digest_field,
+                          layout_fingerprint=self.fingerprint, payload_bytes=payload_bytes)
 
 
 def decode_record(buf: Any, *, expect_key: RecordKey, expect_fingerprint: str,

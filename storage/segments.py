@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -49,6 +50,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import fastread
 from .base import fsync_dir, mkdir_private
 
 __all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
@@ -65,6 +67,8 @@ _MERGE_GAP = 64 << 10
 #: 1 MiB against 2 MiB: 1.21-1.24 against 1.07 GB/s cold for batches of 16 Flash blocks here,
 #: each thread verifies one extent while the others' reads are in flight).
 _MAX_EXTENT = 1 << 20
+#: Records the page cache holds are spread over threads in shards of at least this many bytes.
+_MIN_SHARD = 1 << 20
 SEGMENT_SUFFIX = ".seg"
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
@@ -168,8 +172,9 @@ class ReadTask:
 
     ``header``: ``[HEADER_BYTES] uint8``; ``payload``: the caller's out buffer as a list of
     1-D uint8 views filled in order (a scatter list; often one); ``tail``:
-    ``[CHECKSUM_BYTES] uint8``. ``ok``: filled in by the read (False: the bytes
-    could not be read, e.g. the segment is gone).
+    ``[CHECKSUM_BYTES] uint8``. Filled in by the read: ``ok`` (False: the bytes could not
+    be read, e.g. the segment is gone) and ``digest``, the canonical xxh3-128 of header +
+    payload as read (what ``tail`` must equal). ``result``: the reader's verdict.
     """
 
     index: int
@@ -178,6 +183,7 @@ class ReadTask:
     payload: list[np.ndarray]
     tail: np.ndarray
     ok: bool = False
+    digest: bytes | None = None
     result: Any = None
 
 
@@ -422,60 +428,85 @@ class SegmentFiles:
         """Read every task's record parts (sets ``task.ok``), then call ``then(task)`` on
         each one read (in the reading thread, while its bytes are in the CPU cache).
 
-        Extents the page cache holds are read in the calling thread (a memory copy: no
-        thread hand-offs); the others in parallel on the I/O threads meanwhile."""
+        Records the page cache holds are read one ``preadv`` each (header, the caller's
+        buffers, checksum: a memory copy) in shards of about equal bytes, one per
+        :attr:`hot_threads`, the calling thread taking the first: ``preadv`` and the
+        hashing in ``then`` release the GIL, so copies and checks run in parallel. Cold
+        extents are read on the I/O threads meanwhile."""
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
-        hot: list[tuple[list[ReadTask], int, bool]] = []
-        cold: list[tuple[list[ReadTask], int, bool]] = []
+        hot: list[tuple[ReadTask, int]] = []
+        cold: list[tuple[list[ReadTask], int]] = []
         for ext in _extents(tasks):
             try:
                 fd = self._fd(ext[0].loc.segment, direct=False)
             except OSError:
                 continue  # reclaimed by gc (or unreadable): every record of it is a miss
             first, end = ext[0].loc.offset, ext[-1].loc.end
-            cached = self._cached(fd, first, end - first)
-            (hot if cached else cold).append((ext, fd, cached))
-        futures = []
-        if len(cold) > 1 and self.io_threads > 1:
-            pool = self.pool()
-            futures = [pool.submit(self._read_extent, ext, fd, cached, then) for ext, fd, cached in cold]
-        else:
-            hot = cold + hot
+            if self._cached(fd, first, end - first):
+                hot.extend((t, fd) for t in ext)
+            else:
+                cold.append((ext, fd))
+        jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, fd, then)
+                                          for ext, fd in cold]
+        jobs += [functools.partial(_read_records, shard, then) for shard in self._shards(hot)]
+        if len(jobs) <= 1 or self.io_threads <= 1:
+            for job in jobs:
+                job()
+            return
+        pool = self.pool()
+        futures = [pool.submit(job) for job in jobs[1:]]
         try:
-            for ext, fd, cached in hot:
-                self._read_extent(ext, fd, cached, then)
+            jobs[0]()
         finally:
             for f in futures:
                 f.result()
 
-    def _read_extent(self, ext: list[ReadTask], fd: int, cached: bool,
-                     then: Callable[[ReadTask], None] | None) -> None:
+    @property
+    def hot_threads(self) -> int:
+        """Threads that copy and check records the page cache holds: the I/O threads,
+        at most one per CPU this process may run on (more only take turns)."""
+        return max(1, min(self.io_threads, _cpus()))
+
+    def _shards(self, hot: list[tuple[ReadTask, int]]) -> list[list[tuple[ReadTask, int]]]:
+        """``hot`` in file order, cut into at most :attr:`hot_threads` runs of about equal
+        bytes, each at least ``_MIN_SHARD`` (a smaller one costs more to hand to a thread
+        than it saves)."""
+        if not hot:
+            return []
+        total = sum(t.loc.length for t, _ in hot)
+        n = max(1, min(self.hot_threads, len(hot), total // _MIN_SHARD))
+        if n == 1:
+            return [hot]
+        shards: list[list[tuple[ReadTask, int]]] = [[] for _ in range(n)]
+        done = 0
+        for item in hot:
+            shards[min(n - 1, done * n // total)].append(item)
+            done += item[0].loc.length
+        return [s for s in shards if s]
+
+    def _read_cold(self, ext: list[ReadTask], fd: int, then: Callable[[ReadTask], None] | None) -> None:
+        """Read an extent the page cache does not hold: ``O_DIRECT`` into a bounce buffer
+        (then copied into the parts), or buffered after ``POSIX_FADV_WILLNEED`` when
+        direct I/O is off."""
+        first, end = ext[0].loc.offset, ext[-1].loc.end
         try:
-            self._read_extent_of(ext, fd, cached, then)
+            if self.direct_io is not False:  # None: try it (EINVAL turns it off)
+                try:
+                    self._read_direct(ext, first, end, then)
+                    return
+                except _DirectUnsupported:
+                    self.direct_io = False
+                except FileNotFoundError:
+                    return
+            if len(ext) > 1:
+                os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
         except OSError:
             # EIO, or the fd of a segment gc unlinked was closed under us (only records no
             # longer indexed live there): what was not read is a miss
-            pass
-
-    def _read_extent_of(self, ext: list[ReadTask], fd: int, cached: bool,
-                        then: Callable[[ReadTask], None] | None) -> None:
-        first, end = ext[0].loc.offset, ext[-1].loc.end
-        if not cached and self.direct_io is not False:  # None: try it (EINVAL turns it off)
-            try:
-                self._read_direct(ext, first, end, then)
-                return
-            except _DirectUnsupported:
-                self.direct_io = False
-            except FileNotFoundError:
-                return
-        if not cached and len(ext) > 1:
-            os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
-        for t in ext:
-            t.ok = _preadv_all(fd, [t.header, *t.payload, t.tail], t.loc.offset, t.loc.length) == t.loc.length
-            if t.ok and then is not None:
-                then(t)
+            return
+        _read_records([(t, fd) for t in ext], then)
 
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` lies within its segment file as it is now (False: the file is
@@ -515,6 +546,8 @@ class SegmentFiles:
                 np.copyto(seg, buf[a:a + seg.nbytes])
                 a += seg.nbytes
             t.tail[:] = buf[a:t.loc.offset - lo + t.loc.length]
+            start = t.loc.offset - lo  # header + payload, contiguous here: one call, GIL released
+            t.digest = fastread.digest_parts([buf[start:a]])
             t.ok = True
             if then is not None:
                 then(t)
@@ -658,6 +691,28 @@ def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None =
         if views and n:
             views[0] = views[0][n:]
     return min(got, want)
+
+
+def _read_records(shard: list[tuple[ReadTask, int]], then: Callable[[ReadTask], None] | None) -> None:
+    """Read each record of ``shard`` (task, buffered fd) into its parts and hash it, one
+    :func:`~tiered_kv.storage.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
+    then ``then(task)``. An error (EIO; a segment gc unlinked) is that record's miss."""
+    read = fastread.read_and_hash
+    for t, fd in shard:
+        try:
+            got, t.digest = read(fd, t.loc.offset, [t.header, *t.payload, t.tail])
+        except OSError:
+            continue
+        t.ok = got == t.loc.length
+        if t.ok and then is not None:
+            then(t)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _extents(tasks: list[ReadTask]) -> list[list[ReadTask]]:

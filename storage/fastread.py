@@ -1,0 +1,107 @@
+"""Read a stored record's parts and hash them in one step: the inner loop of verified reads.
+
+:func:`read_and_hash` ``(fd, offset, bufs) -> (bytes read, digest or None)`` fills the
+writable buffers ``bufs`` (a record's header, the caller's payload pieces, its stored
+checksum: in file order) from ``fd`` at ``offset`` and returns the canonical xxh3-128 of
+every buffer but the last, the value the record's checksum must equal (None when the file
+ended first). Two implementations, with the same results:
+
+- native (``storage/_fastread.c``, built by ``pip install`` where a C compiler exists): one
+  call does the ``preadv`` and the hashing with the GIL released, whatever the number of
+  pieces. It uses xxHash's own streaming functions as exported by the python-xxhash module
+  already loaded in the process, bound through ctypes and checked against python-xxhash
+  before first use;
+- Python: ``os.preadv`` (GIL released) then python-xxhash, piece by piece (the GIL is
+  released only for pieces over 64 KiB).
+
+:data:`NATIVE` says which one is in use; ``TIERED_KV_NATIVE=0`` in the environment forces
+the Python one (tests run both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+__all__ = ["NATIVE", "digest_parts", "native_read_and_hash", "python_read_and_hash", "read_and_hash"]
+
+_XXH3_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
+                 "XXH3_128bits_digest")
+
+
+def digest_parts(parts: Sequence[Any]) -> bytes:
+    """The canonical xxh3-128 of ``parts`` (buffers) hashed in order."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _self_test(fn: Callable[[int, int, Sequence[Any]], tuple[int, bytes | None]]) -> bool:
+    """Whether ``fn`` reads and hashes like os.preadv + python-xxhash, short reads included."""
+    import numpy as np
+
+    data = np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8)
+    fd = os.memfd_create("tiered-kv-fastread-check") if hasattr(os, "memfd_create") else -1
+    if fd < 0:
+        return False
+    try:
+        os.write(fd, data.tobytes())
+        cuts = [0, 144, 145, 70_000, 199_984, 200_000]
+        bufs = [np.zeros(b - a, np.uint8) for a, b in zip(cuts, cuts[1:])]
+        got, digest = fn(fd, 0, bufs)
+        whole = got == data.nbytes and digest == xxhash.xxh3_128(data[:-16]).digest()
+        whole = whole and all(np.array_equal(b, data[a:a + b.nbytes]) for a, b in zip(cuts, bufs))
+        got, digest = fn(fd, 100, [np.zeros(144, np.uint8), np.zeros(200_000, np.uint8), np.zeros(16, np.uint8)])
+        return whole and got == data.nbytes - 100 and digest is None
+    finally:
+        os.close(fd)
+
+
+def _bind_native() -> Callable[[int, int, Sequence[Any]], tuple[int, bytes | None]] | None:
+    """The native read_and_hash, bound to python-xxhash's exported xxh3 functions; None
+    where the module was not built, the symbols are not exported, or the check fails."""
+    try:
+        from . import _fastread  # type: ignore[attr-defined]
+        from xxhash import _xxhash
+    except ImportError:
+        return None
+    try:
+        lib = ctypes.CDLL(_xxhash.__file__)  # already loaded: the same handle, nothing new mapped
+        addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _XXH3_SYMBOLS]
+        _fastread.bind_xxh3(*addresses)
+    except (OSError, AttributeError, TypeError, ValueError):
+        return None
+    fn = _fastread.read_and_hash
+    try:
+        return fn if _self_test(fn) else None
+    except OSError:
+        return None
+
+
+#: The native implementation where it was built and passed its check, else None.
+native_read_and_hash = _bind_native()
+NATIVE = native_read_and_hash is not None and os.environ.get("TIERED_KV_NATIVE", "1") != "0"
+
+
+def python_read_and_hash(fd: int, offset: int, bufs: Sequence[Any]) -> tuple[int, bytes | None]:
+    """:data:`read_and_hash` in Python: ``os.preadv``, then python-xxhash."""
+    from .segments import _preadv_all  # (segments imports this module)
+
+    want = sum(b.nbytes for b in bufs)
+    got = _preadv_all(fd, list(bufs), offset, want)
+    if got < want:
+        return got, None
+    return got, digest_parts(bufs[:-1])
+
+
+#: ``read_and_hash(fd, offset, bufs) -> (bytes read, digest or None)``: fill ``bufs``
+#: (writable 1-D uint8 buffers, the last one 16 bytes) from ``fd`` at ``offset`` and return
+#: the canonical xxh3-128 of all but the last buffer, or None when the file ended first.
+#: OSError on a read error. The native implementation where :data:`NATIVE`, else Python.
+read_and_hash: Callable[[int, int, Sequence[Any]], tuple[int, bytes | None]] = (
+    native_read_and_hash if NATIVE and native_read_and_hash is not None else python_read_and_hash)
