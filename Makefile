@@ -22,8 +22,11 @@ venv: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Re-installs only when pyproject.toml changes (or the stamp is removed).
-$(STAMP): pyproject.toml | $(BIN)/python
+# Re-installs only when the build inputs change (or the stamp is removed). The install also
+# compiles the optional native read helper (storage/_fastread.c, see setup.py) in place.
+NATIVE_SRC := setup.py storage/_fastread.c
+
+$(STAMP): pyproject.toml $(NATIVE_SRC) | $(BIN)/python
 	$(BIN)/python -m pip install $(TORCH) $(BUILD_DEPS)
 	$(BIN)/python -m pip install -e '.[test,bench]'
 	touch $@
@@ -69,7 +72,7 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_VENV)/bin/python:
 	$(PYTHON) -m venv $(VLLM_VENV)
 
-$(VLLM_STAMP): $(VLLM_REQS) pyproject.toml | $(VLLM_VENV)/bin/python
+$(VLLM_STAMP): $(VLLM_REQS) pyproject.toml $(NATIVE_SRC) | $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -m pip install $(TORCH) $(BUILD_DEPS)
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -r $(VLLM_REQS)
 	$(VLLM_VENV)/bin/python -m pip install --no-deps --no-build-isolation -e .
@@ -90,7 +93,7 @@ SGLANG    := sglang==0.5.23
 
 venv-sglang: $(SGL_STAMP)
 
-$(SGL_STAMP): pyproject.toml $(SGL_REQS)
+$(SGL_STAMP): pyproject.toml $(NATIVE_SRC) $(SGL_REQS)
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_BIN)/python -m pip install -q $(TORCH) $(BUILD_DEPS)
 	$(SGL_BIN)/python -m pip install -q --no-deps $(SGLANG) -r $(SGL_REQS)
