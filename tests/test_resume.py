@@ -238,3 +238,36 @@ def test_disk_to_cuda_flash_preset(tmp_path: Path) -> None:
     layout = presets.deepseek_v4_flash()
     url, tokens, records, snap = _random_prompt_store(tmp_path, layout)
     _resume_and_compare(url, layout, tokens, records, snap, "cuda", None)
+
+
+@pytest.mark.parametrize("host_bytes,copy_engine,staging,want", [
+    (None, False, False, "PoolRows"),
+    (None, False, True, "StagingRing"),
+    (None, True, False, "StagingRing"),   # the CUDA path's split, on CPU
+    (1 << 20, False, False, "HostRecords"),
+    (1 << 20, True, False, "HostRecords"),
+])
+def test_resume_destination_by_configuration(store_url: str, tiny_layout, host_bytes, copy_engine: bool,
+                                             staging: bool, want: str) -> None:
+    """One destination object per configuration, kept between opens (the ring and the
+    pool views are made once); a new ring when its shape changes."""
+    from tiered_kv import resume_reader
+
+    with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=store_url,
+                                      host_bytes=host_bytes), copy_engine=copy_engine, staging=staging) as cache:
+        req = cache.open(TOKENS + [7])
+        dest = cache._resume_dest
+        assert type(dest).__name__ == want
+        cache.close(req)
+        assert resume_reader.choose_destination(cache, dest) is dest
+        if isinstance(dest, resume_reader.StagingRing):
+            cache.resume_batch_blocks = 3
+            ring = resume_reader.choose_destination(cache, dest)
+            assert ring is not dest and tuple(ring.ring.shape[:2]) == (2, 3)
+
+
+def test_resume_settings_are_checked(store_url: str, tiny_layout) -> None:
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=store_url) as cache:
+        cache.resume_read_depth = 0
+        with pytest.raises(ValueError, match="resume_read_depth: expected a positive int, got 0"):
+            cache.open(TOKENS + [7])
