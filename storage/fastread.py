@@ -9,8 +9,9 @@ ended first). Two implementations, with the same results:
 - native (``storage/_fastread.c``, built by ``pip install`` where a C compiler exists): one
   call does the ``preadv`` and the hashing with the GIL released, whatever the number of
   pieces. It uses xxHash's own streaming functions as exported by the python-xxhash module
-  already loaded in the process, bound through ctypes and checked against python-xxhash
-  before first use;
+  already loaded in the process (its x86 dispatcher's update, which picks AVX2 or AVX-512
+  at run time, where it exports one), bound through ctypes and checked against
+  python-xxhash before first use;
 - Python: ``os.preadv`` (GIL released) then python-xxhash, piece by piece (the GIL is
   released only for pieces over 64 KiB).
 
@@ -72,7 +73,10 @@ def _bind_native() -> Callable[[int, int, Sequence[Any]], tuple[int, bytes | Non
         return None
     try:
         lib = ctypes.CDLL(_xxhash.__file__)  # already loaded: the same handle, nothing new mapped
-        addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _XXH3_SYMBOLS]
+        names = list(_XXH3_SYMBOLS)
+        if hasattr(lib, "XXH3_128bits_update_dispatch"):  # x86: picks AVX2 / AVX-512 at run time
+            names[3] = "XXH3_128bits_update_dispatch"
+        addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
         _fastread.bind_xxh3(*addresses)
     except (OSError, AttributeError, TypeError, ValueError):
         return None

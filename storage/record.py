@@ -234,8 +234,12 @@ def as_out_segments(out: Any, *, name: str = "out") -> OutSegments:
     """An out buffer for a read as its list of writable 1-D uint8 views, in payload order.
 
     ``out``: one buffer (see :func:`as_byte_array`) -> one view; a list or tuple of buffers
-    (a scatter list) -> one view each (``name[j]`` in errors). Never copies.
+    (a scatter list) -> one view each (``name[j]`` in errors); an :class:`OutSegments`
+    (made by this function, so already checked) -> itself, e.g. a pool block's rows kept
+    for every read into that block. Never copies.
     """
+    if type(out) is OutSegments:
+        return out
     if isinstance(out, (list, tuple)):
         segs = []
         n = 0

@@ -199,7 +199,7 @@ class TieredKVCache(TierMoves):
             if max_cached_tokens < 0:
                 raise ValueError(f"max_cached_tokens: expected >= 0, got {max_cached_tokens}")
             limit = min(limit, max_cached_tokens)
-        slot = self.states.allocate()
+        slot = self.states.allocate(zero=False)  # a restored snapshot overwrites it whole; else reset below
         if slot is None:
             raise CacheFullError(f"open: no free state slot ({self.states.num_slots} in use); close a request first")
         if self.hisparse is not None:
@@ -212,6 +212,8 @@ class TieredKVCache(TierMoves):
         except BaseException:  # e.g. a store's I/O error: the slot goes back, the error up
             self.states.free(slot)
             raise
+        if num_blocks == 0:  # nothing restored: a fresh request starts from a zeroed State
+            self.states.reset(slot)
         P = num_blocks * bt
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)

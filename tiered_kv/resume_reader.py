@@ -48,6 +48,7 @@ from .device import empty_host
 from .prefix import block_token_digests
 
 if TYPE_CHECKING:
+    from .storage.record import OutSegments as OutSegmentsT
     from .tiering import TierMoves
 
 __all__ = ["DiskBatch", "DiskResume", "Destination", "HostRecords", "PoolRows", "StagingRing",
@@ -139,6 +140,8 @@ class PoolRows(Destination):
         super().__init__(moves)
         #: each Classical part as ``[layers, num_blocks, entries * bytes]`` uint8 numpy views
         self.rows: list[np.ndarray] = []
+        #: block -> its checked scatter list (made on first use, kept: no per-read views)
+        self._outs: dict[int, OutSegmentsT] = {}
         for part in moves.classical.parts:  # [L, num_blocks, E, B] uint8, contiguous
             L, nb, E, B = part.shape
             if not part.is_contiguous():  # reshape would copy: the reads would land nowhere
@@ -146,12 +149,23 @@ class PoolRows(Destination):
                                  f"{tuple(part.stride())}")
             if L and E * B:
                 self.rows.append(part.numpy().reshape(L, nb, E * B))
+        self.block_bytes = sum(rows.shape[0] * rows.shape[2] for rows in self.rows)
+        assert self.block_bytes == moves.layout.block_bytes, (self.block_bytes, moves.layout.block_bytes)
 
-    def pieces(self, b: int) -> list[np.ndarray]:
+    def pieces(self, b: int) -> OutSegmentsT:
         """Block ``b`` as the scatter list of its record: the ``[entries * bytes]`` uint8
         row of each layer of each part, in record order (``csa_kv``, ``indexer``,
-        ``hca_kv``; layer by layer). Views, never copies."""
-        return [row for part in self.rows for row in part[:, b]]
+        ``hca_kv``; layer by layer). Views, never copies; made once per block (62 views
+        for a Flash block) and handed to ``get_many`` already checked."""
+        out = self._outs.get(b)
+        if out is None:
+            from .storage.record import OutSegments  # (the storage package loads with the disk tier)
+
+            # Rows of contiguous uint8 pools: writable, 1-D, C-contiguous by construction,
+            # so the list is made checked, without a check per row (62 for a Flash block).
+            out = self._outs[b] = OutSegments([row for part in self.rows for row in part[:, b]],
+                                              self.block_bytes)
+        return out
 
     def start(self, n: int) -> DiskBatch | None:
         bids = self.moves._allocate_blocks(n)

@@ -12,6 +12,8 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,9 +90,18 @@ class TierMoves:
             n = self._longest_snapshot(hashes[:available])
             if n == 0:
                 break
-            got = self._acquire_blocks(tokens, hashes[:n])
-            if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n):
+            # A snapshot only the disk holds is read meanwhile, on a reader thread.
+            snap = self._prefetch_snapshot(hashes[n - 1], tokens, n)
+            try:
+                got = self._acquire_blocks(tokens, hashes[:n])
+            except BaseException:
+                if snap is not None:
+                    self._drop_snapshot_read(snap)
+                raise
+            if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n, snap):
                 return got, n
+            if snap is not None and len(got) < n:  # (when used, the restore took care of it)
+                self._drop_snapshot_read(snap)
             for b in reversed(got):
                 self._release_block(b)
             available = len(got) if len(got) < n else n - 1
@@ -295,12 +306,16 @@ class TierMoves:
             got.append(hid)
         return got
 
-    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int) -> bool:
+    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int,
+                          read: _SnapshotRead | None = None) -> bool:
         """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``.
 
-        Nearest first: the GPU snapshot pool, the host tier, the disk. A snapshot found
-        farther away is promoted into the GPU snapshot pool so the next open hits it there.
+        Nearest first: the GPU snapshot pool, the host tier, the disk (``read``: its read,
+        started by :meth:`_prefetch_snapshot`). A snapshot found farther away is promoted
+        into the GPU snapshot pool so the next open hits it there.
         """
+        if read is not None:
+            return self._finish_snapshot_read(slot, read)
         ids = self.snapshots.ids
         sid = ids.lookup(h)
         if sid is not None:
@@ -323,47 +338,69 @@ class TierMoves:
         if self.disk is None:
             return False
         bt = self.layout.block_tokens
-        return self._snapshot_from_disk(slot, h, token_digest(tokens[(n - 1) * bt:n * bt]))
+        digest = token_digest(tokens[(n - 1) * bt:n * bt])
+        return self._finish_snapshot_read(slot, self._start_snapshot_read(h, digest))
 
-    def _snapshot_from_disk(self, slot: int, h: bytes, digest: bytes) -> bool:
-        """Read snapshot ``h`` from disk into a GPU snapshot slot and restore ``slot`` from it.
+    def _prefetch_snapshot(self, h: bytes, tokens: list[int], n: int) -> _SnapshotRead | None:
+        """Start reading snapshot ``h`` (the end of block ``n``) from disk when no tier
+        above holds it, so that it is read while the prefix's blocks are; None otherwise."""
+        if self.disk is None or self._snapshot_above_disk(h):
+            return None
+        bt = self.layout.block_tokens
+        return self._start_snapshot_read(h, token_digest(tokens[(n - 1) * bt:n * bt]))
 
-        On CPU the record is read straight into the snapshot slot (no other copy); on CUDA
-        into a pinned staging buffer, then uploaded on the copy engine's stream (the
-        staging is read into again only after that upload is done). Without a free
-        snapshot slot the State is restored from the staging and nothing is promoted.
-        """
+    def _start_snapshot_read(self, h: bytes, digest: bytes) -> _SnapshotRead:
+        """Start reading snapshot ``h`` from disk on a reader thread: on CPU straight into
+        a newly allocated GPU snapshot slot (no other copy); on CUDA, or without a free
+        slot, into the pinned staging buffer (read into again only after the upload out of
+        it is done)."""
         assert self.disk is not None
-        ids = self.snapshots.ids
-        sid = ids.allocate()
+        sid = self.snapshots.ids.allocate()
         cuda = self.device.type == "cuda"
         if cuda or sid is None:
             if self._snap_staging is None:
                 self._snap_staging = empty_host(self.layout.snapshot_bytes, pinned=cuda)
-            buf = self._snap_staging
-            ready = self._snap_staging_ready
+            buf, ready = self._snap_staging, self._snap_staging_ready
         else:
             buf, ready = self.snapshots.data[sid], None
-        if ready is not None:
-            ready()
-        if not self.disk.read_many([record_key("snapshot", h)], [buf], [digest])[0]:
-            if sid is not None:
-                ids.free(sid)  # never cached: back to the free list
+        future = self.disk.read_async([record_key("snapshot", h)], [buf], [digest], ready=ready)
+        return _SnapshotRead(h, sid, buf, future)
+
+    def _finish_snapshot_read(self, slot: int, read: _SnapshotRead) -> bool:
+        """Wait for ``read`` and restore ``slot`` from it; False when the record was
+        absent or failed verification (a counted miss). Without a GPU snapshot slot the
+        State is restored from the staging buffer and nothing is promoted; from the
+        staging on CUDA it is uploaded on the copy engine's stream first."""
+        ids = self.snapshots.ids
+        if not read.future.result()[0]:
+            if read.sid is not None:
+                ids.free(read.sid)  # never cached: back to the free list
             self._counters["disk_read_failures"] += 1
             return False
         self._counters["snapshots_from_disk"] += 1
         self._counters["snapshot_hits"] += 1
-        if sid is None:
-            self.states.restore(slot, buf)
+        if read.sid is None:
+            self.states.restore(slot, read.buf)
             return True
-        if buf is not self.snapshots.data[sid]:
-            handle = self.copies.copy(self.snapshots.data[sid], buf)
+        data = self.snapshots.data[read.sid]
+        if read.buf is not data:
+            handle = self.copies.copy(data, read.buf)
             handle.make_stream_wait()
             self._snap_staging_ready = handle.wait_event
-        self.states.restore(slot, self.snapshots.data[sid])
-        ids.cache(sid, h)
-        ids.free(sid)
+        self.states.restore(slot, data)
+        ids.cache(read.sid, read.h)
+        ids.free(read.sid)
         return True
+
+    def _drop_snapshot_read(self, read: _SnapshotRead) -> None:
+        """A prefetched snapshot that is not used: wait for its read (its error, if any,
+        is not this call's to report) and give its GPU snapshot slot back, uncached."""
+        try:
+            read.future.result()
+        except BaseException:  # noqa: S110 - a shorter prefix (or the caller's error) decides
+            pass
+        if read.sid is not None:
+            self.snapshots.ids.free(read.sid)
 
     # ----------------------------------------------------- tier movements
     def _release_block(self, b: int) -> None:
@@ -395,6 +432,17 @@ class TierMoves:
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
         if self.host is not None:
             self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
+
+
+@dataclass(slots=True)
+class _SnapshotRead:
+    """A snapshot record being read from disk on a reader thread: snapshot ``h`` into
+    ``buf``, GPU snapshot slot ``sid``'s data (None: the staging buffer)."""
+
+    h: bytes
+    sid: int | None
+    buf: torch.Tensor
+    future: Future[list[bool]]
 
 
 def record_key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey
