@@ -405,11 +405,10 @@ def verify_record_parts(header: Any, payload: Any, checksum: Any, *, parsed: Rec
                       layout_fingerprint=expect_fingerprint, payload_bytes=parsed.payload_bytes)
 
 
-#: The header's leading fields a reader knows in advance: magic, version, kind, flags, the
-#: fingerprint and the block hash (72 bytes); then the parent hash (not known), the token
-#: digest and the payload length.
-_IDENTITY = struct.Struct("<4sHBB32s32s")
-_PARENT_AT, _DIGEST_AT, _LENGTH_AT = _IDENTITY.size, _IDENTITY.size + HASH_BYTES, HEADER_BYTES - 8
+#: Offsets of the header's fields after the fingerprint: block hash, parent hash, token
+#: digest, payload length (see the module docstring).
+_HASH_AT, _PARENT_AT, _DIGEST_AT, _LENGTH_AT = 40, 72, 104, 136
+_LEAD = struct.Struct("<4sHBB")  # magic, version, kind, flags
 _PAYLOAD_LENGTH = struct.Struct("<Q")
 
 
@@ -424,11 +423,13 @@ class PartsVerifier:
     once per read call for one fingerprint; thread-safe (it keeps no per-record state).
     """
 
-    __slots__ = ("fingerprint", "_fp_field")
+    __slots__ = ("fingerprint", "_fp_field", "_lead")
 
     def __init__(self, layout_fingerprint: str) -> None:
         self._fp_field = fingerprint_field(layout_fingerprint)
         self.fingerprint = layout_fingerprint
+        #: kind -> the header's first 8 bytes a record of that kind must have
+        self._lead = {kind: _LEAD.pack(MAGIC, FORMAT_VERSION, kind, 0) for kind in RecordKind}
 
     def verify(self, header: bytes, digest: bytes | None, tail: Any, *, key: RecordKey, record_bytes: int,
                checksum: bytes | None = None, token_digest: bytes | None = None) -> RecordMeta | None:
@@ -442,17 +443,17 @@ class PartsVerifier:
         payload_bytes = record_bytes - HEADER_BYTES - CHECKSUM_BYTES
         if digest is None or payload_bytes < 0 or len(header) != HEADER_BYTES:
             return None
-        if (header[:_PARENT_AT] != _IDENTITY.pack(MAGIC, FORMAT_VERSION, key.kind, 0, self._fp_field, key.block_hash)
+        if (header[:8] != self._lead[key.kind] or header[8:_HASH_AT] != self._fp_field
+                or header[_HASH_AT:_PARENT_AT] != key.block_hash
                 or header[_LENGTH_AT:] != _PAYLOAD_LENGTH.pack(payload_bytes)):
             return None
-        stored = bytes(tail)
+        stored = tail.tobytes() if type(tail) is np.ndarray else bytes(tail)
         if stored != digest or (checksum is not None and stored != checksum):
             return None
-        parent, digest_field = header[_PARENT_AT:_DIGEST_AT], header[_DIGEST_AT:_LENGTH_AT]
+        digest_field = header[_DIGEST_AT:_LENGTH_AT]
         if token_digest is not None and digest_field != token_digest:
             return None
-        return RecordMeta(key=key, parent_hash=parent, token_digest=digest_field,
-                          layout_fingerprint=self.fingerprint, payload_bytes=payload_bytes)
+        return RecordMeta(key, header[_PARENT_AT:_DIGEST_AT], digest_field, self.fingerprint, payload_bytes)
 
 
 def decode_record(buf: Any, *, expect_key: RecordKey, expect_fingerprint: str,

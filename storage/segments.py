@@ -436,18 +436,7 @@ class SegmentFiles:
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
-        hot: list[tuple[ReadTask, int]] = []
-        cold: list[tuple[list[ReadTask], int]] = []
-        for ext in _extents(tasks):
-            try:
-                fd = self._fd(ext[0].loc.segment, direct=False)
-            except OSError:
-                continue  # reclaimed by gc (or unreadable): every record of it is a miss
-            first, end = ext[0].loc.offset, ext[-1].loc.end
-            if self._cached(fd, first, end - first):
-                hot.extend((t, fd) for t in ext)
-            else:
-                cold.append((ext, fd))
+        hot, cold = self._hot_and_cold(_extents(tasks))
         jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, fd, then)
                                           for ext, fd in cold]
         jobs += [functools.partial(_read_records, shard, then) for shard in self._shards(hot)]
@@ -462,6 +451,35 @@ class SegmentFiles:
         finally:
             for f in futures:
                 f.result()
+
+    def _hot_and_cold(self, extents: list[list[ReadTask]]
+                      ) -> tuple[list[tuple[ReadTask, int]], list[tuple[list[ReadTask], int]]]:
+        """The records of ``extents`` (file order) the page cache holds, each with its
+        segment's buffered fd, and the extents it does not. One ``cachestat`` per segment
+        when all of the span read there is cached (the common hot case), else one per
+        extent. Extents of a segment that is gone are left out (misses)."""
+        hot: list[tuple[ReadTask, int]] = []
+        cold: list[tuple[list[ReadTask], int]] = []
+        i = 0
+        while i < len(extents):
+            seg = extents[i][0].loc.segment
+            j = i + 1
+            while j < len(extents) and extents[j][0].loc.segment == seg:
+                j += 1
+            group, i = extents[i:j], j
+            try:
+                fd = self._fd(seg, direct=False)
+            except OSError:
+                continue  # reclaimed by gc (or unreadable): every record of it is a miss
+            first, end = group[0][0].loc.offset, group[-1][-1].loc.end
+            whole = _LIBC.cached_pages(fd, first, end - first)
+            all_hot = whole is None or whole[0] >= whole[1]  # (unknown: read buffered)
+            for ext in group:
+                if all_hot or self._cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
+                    hot.extend((t, fd) for t in ext)
+                else:
+                    cold.append((ext, fd))
+        return hot, cold
 
     @property
     def hot_threads(self) -> int:

@@ -148,7 +148,9 @@ def test_hot_get_many_spreads_over_threads(monkeypatch: pytest.MonkeyPatch, tmp_
     assert all(metas)
     for k, out in zip(keys, outs):
         np.testing.assert_array_equal(out, payload_for(k, 500_000))
-    assert len(seen) == 4  # 6 MB: four shards, one per thread
+    # 6 MB: four shards, the first on the calling thread, the others on the I/O pool (how
+    # many pool threads take them depends on timing: at least one other thread)
+    assert threading.get_ident() in seen and len(seen) >= 2
 
 
 @pytest.mark.parametrize("direct_io", [False, True])
