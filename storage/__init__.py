@@ -14,6 +14,13 @@ read on a local miss and written in the background::
     open_store(["lmdb:///var/cache/kv", "zarr+s3://kv-cache/v4?endpoint=https://s3.example"],
                layout_fingerprint=layout.fingerprint, timeout_s=2.0,
                level_options=[{"max_bytes": 512 << 30}, {}])
+
+Any level can seal its records for one tenant (AES-256-GCM, :class:`EncryptedStore`): the
+``encryption`` option, e.g. only on the shared level::
+
+    open_store(["lmdb:///var/cache/kv", "zarr+s3://kv-cache/v4?endpoint=https://s3.example"],
+               layout_fingerprint=layout.fingerprint,
+               level_options=[{}, {"encryption": {"key_files": ["/etc/tiered-kv/key"], "tenant": "acme"}}])
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import Any
 
 from .base import BlockStore, PutItem
 from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
+from .crypto import EncryptionConfig, KeyFileError, Keyring
+from .encrypted import EncryptedStore
 from .errors import (
     CorruptRecordError,
     LayoutMismatchError,
@@ -50,7 +59,10 @@ __all__ = [
     "BlockStore",
     "CorruptRecordError",
     "DeferredLevel",
+    "EncryptedStore",
+    "EncryptionConfig",
     "FORMAT_VERSION",
+    "KeyFileError",
     "LayoutMismatchError",
     "LmdbStore",
     "OBJECT_STORE_SCHEMES",
@@ -89,7 +101,10 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str,
     a plain path -> :class:`LmdbStore`, ``zarr+s3://bucket/prefix?endpoint=...`` ->
     :class:`ZarrStore` in the bucket (credentials from ``AWS_ACCESS_KEY_ID`` /
     ``AWS_SECRET_ACCESS_KEY`` or the ``access_key_id`` / ``secret_access_key`` options).
-    ``options`` go to the backend (e.g. ``max_bytes``, ``timeout_s``).
+    ``options`` go to the backend (e.g. ``max_bytes``, ``timeout_s``), except
+    ``encryption``: an :class:`EncryptionConfig` or its dict (``{"key_files": [current,
+    older...], "tenant": "..."}``) seals every record under the tenant's key
+    (:class:`EncryptedStore` around the backend; see docs/shared-store.md).
 
     A list (nearest first) opens a :class:`StoreChain` (see :func:`open_chain`).
     """
@@ -97,6 +112,15 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str,
         return open_chain(url, layout_fingerprint=layout_fingerprint, **options)
     if isinstance(url, BlockStore):
         raise TypeError("url: expected a URL or path (an open BlockStore is used as it is)")
+    encryption = options.pop("encryption", None)
+    if encryption is not None:
+        keyring = Keyring(EncryptionConfig.parse(encryption))  # checked before anything is created
+        inner = open_store(url, layout_fingerprint=layout_fingerprint, **options)
+        try:
+            return EncryptedStore(inner, keyring)
+        except BaseException:
+            inner.close()
+            raise
     s = os.fspath(url)
     if not isinstance(s, str):
         raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
@@ -124,7 +148,9 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str,
     stores (used as they are and not closed by the chain).
 
     ``level_options[i]``: options of level ``i``'s :func:`open_store`; an object-store level
-    gets ``timeout_s`` = the chain's unless given. ``chain_options``: :class:`StoreChain`'s
+    gets ``timeout_s`` = the chain's unless given. ``encryption`` among ``chain_options``
+    applies to every level opened from a URL whose options do not set their own
+    (``"encryption": None`` there keeps that level plain). ``chain_options``: :class:`StoreChain`'s
     (``timeout_s``, ``max_pending_uploads``, ``backoff_max_s``...). Level 0 must open;
     a farther level that cannot be reached now (a ``ConnectionError``, e.g.
     :class:`~tiered_kv.storage.s3.ObjectStoreUnavailable`) is opened later in the background,
@@ -138,6 +164,7 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str,
         raise ValueError(f"level_options: expected one dict (or None) per level ({len(levels)}), "
                          f"got {len(opts_list)}")
     timeout_s = chain_options.get("timeout_s", DEFAULT_TIMEOUT_S)
+    encryption = chain_options.pop("encryption", None)
     opened: list[BlockStore | DeferredLevel] = []
     owned: list[bool] = []
     try:
@@ -154,6 +181,8 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str,
                 raise TypeError(f"levels[{i}]: expected a URL, path or open store, got a nested list")
             url = os.fspath(spec)
             kwargs = dict(opts or {})
+            if encryption is not None and "encryption" not in kwargs:
+                kwargs["encryption"] = encryption
             if url.partition("://")[0] in OBJECT_STORE_SCHEMES:
                 kwargs.setdefault("timeout_s", timeout_s)
             opener = functools.partial(open_store, url, layout_fingerprint=layout_fingerprint, **kwargs)

@@ -602,7 +602,8 @@ class StoreChain(BlockStore):
     def stats(self) -> dict[str, Any]:
         """Level 0's figures (records, bytes, max_bytes, evictions, puts, access times), the
         chain's read counters (hits / misses of the chain as a whole, far_hits, promotions,
-        promotion_failures, pending_promotions), the upload counters summed over far levels (uploads,
+        promotion_failures, pending_promotions), ``corrupt`` and ``auth_failures`` summed over the
+        levels (an encrypted level's records that failed authentication), the upload counters summed over far levels (uploads,
         uploads_existing, upload_failures, upload_retries, pending_uploads, dropped_uploads,
         failed_uploads, uploads_skipped; journaled_uploads: entries in the journal,
         uploads_resumed: read back from it, deferred_uploads: journaled past the memory
@@ -610,7 +611,7 @@ class StoreChain(BlockStore):
         or None, the health counters (level_unavailable: calls that
         skipped a down level; timeouts; level_errors; auth_errors; levels_down), every
         numeric figure of level ``i`` as ``level{i}_<name>``, and ``levels``: one dict per
-        level (where, up, last_error, retry_in_s, ...)."""
+        level (where, up, last_error, retry_in_s, encrypted, key_ids when encrypted, ...)."""
         check_open(self._closed, self.where)
         near = self._near.stats()
         out: dict[str, Any] = {
@@ -621,7 +622,7 @@ class StoreChain(BlockStore):
         per_level: list[dict[str, Any]] = []
         journaled = {} if self._journal is None else {
             level.index: self._journal.count(level.journal_name) for level in self._far}
-        corrupt = 0
+        corrupt = auth_failures = 0
         now = time.monotonic()
         for level in self._levels:
             store_stats: dict[str, Any] = near if level.index == 0 else {}
@@ -632,6 +633,7 @@ class StoreChain(BlockStore):
                 except _LEVEL_ERRORS as e:
                     stats_error = f"{type(e).__name__}: {e}"
             corrupt += int(store_stats.get("corrupt") or 0)
+            auth_failures += int(store_stats.get("auth_failures") or 0)
             with self._cond:
                 if level.index == 0:  # written and read synchronously: no health to report
                     info: dict[str, Any] = {"where": level.where, "promotions_in": level.counters["promotions_in"]}
@@ -643,6 +645,9 @@ class StoreChain(BlockStore):
                             "journaled_uploads": journaled.get(level.index, 0), **level.counters}
                 if stats_error is not None:
                     info["stats_error"] = stats_error
+                info["encrypted"] = bool(store_stats.get("encrypted"))  # (a level not open yet: False)
+                if info["encrypted"]:
+                    info["key_ids"] = store_stats.get("key_ids")
             per_level.append(info)
             for k, v in {**store_stats, **info}.items():
                 if isinstance(v, (int, float)):  # bools as 0 / 1
@@ -652,6 +657,7 @@ class StoreChain(BlockStore):
             out["pending_promotions"] = self._pending_promotions
         far = per_level[1:]
         out["corrupt"] = corrupt
+        out["auth_failures"] = auth_failures
         out["journal"] = None if self.journal_path is None else str(self.journal_path)
         for name in ("uploads", "uploads_existing", "upload_failures", "upload_retries", "pending_uploads",
                      "dropped_uploads", "failed_uploads", "uploads_skipped", "timeouts", "auth_errors",

@@ -75,7 +75,10 @@ class TieredKVCache(TierMoves):
         store: enable the disk tier: a :class:`tiered_kv.storage.BlockStore` or a URL
             (``"lmdb:///path"``, ``"zarr:///path"``). Full blocks and snapshots are
             written behind the request; :meth:`flush` waits for them.
-        store_options: keyword options for :func:`tiered_kv.storage.open_store`.
+        store_options: keyword options for :func:`tiered_kv.storage.open_store`. An
+            ``encryption`` config there (or in a level's ``level_options``) without a
+            ``tenant`` seals under the tenant ``salt``: ``store_options={"encryption":
+            {"key_files": ["/etc/tiered-kv/key"]}}``.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
@@ -117,6 +120,11 @@ class TieredKVCache(TierMoves):
         self._host_of_block: dict[int, int] = {}
         #: HiSparse: mirror copies (device -> host) not yet known to be complete
         self._mirrors_pending: collections.deque[CopyHandle] = collections.deque()
+        if store_options is not None and not isinstance(store_options, dict):
+            raise TypeError(f"store_options: expected a dict, got {type(store_options).__name__}")
+        from .storage.crypto import default_tenant  # an encrypted level's tenant defaults to the salt
+
+        store_options = default_tenant(store_options, salt)
         self.disk = DiskTier(store, layout, store_options=store_options) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()

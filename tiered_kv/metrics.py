@@ -21,6 +21,8 @@ tiered_kv_hits_total               counter  blocks / snapshots served from the t
 tiered_kv_misses_total             counter  lookups the tier could not serve
 tiered_kv_evictions_total          counter  entries evicted for space
 tiered_kv_corrupt_total            counter  disk records that failed verification (dropped)
+tiered_kv_auth_failures_total      counter  records of an encrypted store level that failed
+                                            authentication (tag, key, tenant, moved, plain): misses
 tiered_kv_write_errors_total       counter  disk writes that failed (full disk, I/O error)
 tiered_kv_bytes_moved_total        counter  bytes moved, label ``direction`` (d2h, h2d, disk_write,
                                             disk_read, hisparse_swap_in)
@@ -126,6 +128,8 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
     misses = Metric("tiered_kv_misses_total", "counter", "Lookups a tier could not serve.")
     evict = Metric("tiered_kv_evictions_total", "counter", "Entries evicted from a tier for space.")
     corrupt = Metric("tiered_kv_corrupt_total", "counter", "Disk records that failed verification and were dropped.")
+    auth = Metric("tiered_kv_auth_failures_total", "counter",
+                  "Records of an encrypted store level that failed authentication (served as misses).")
     werr = Metric("tiered_kv_write_errors_total", "counter", "Disk writes that failed (full disk, I/O error).")
     moved = Metric("tiered_kv_bytes_moved_total", "counter", "Bytes moved between tiers.")
     lat = Metric("tiered_kv_copy_latency_seconds", "gauge", "Copy-engine latency per copy.")
@@ -165,6 +169,8 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
         misses.add(s["disk_reads"] - s["disk_read_hits"], tier="disk")
         evict.add(s.get("store_evictions", 0), tier="disk")
         corrupt.add(s.get("store_corrupt", 0), tier="disk")
+        if s.get("store_encrypted") or "store_auth_failures" in s:
+            auth.add(s.get("store_auth_failures", 0), tier="disk")
         werr.add(s["disk_write_errors"], tier="disk")
         moved.add(s["disk_write_bytes"], direction="disk_write")
         moved.add(s["disk_read_bytes"], direction="disk_read")
@@ -173,5 +179,5 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
     toks.add(s["prompt_tokens"], kind="prompt")
     toks.add(s["cached_tokens"], kind="cached")
     live.add(s["live_requests"])
-    families = [held, cap, hits, misses, evict, corrupt, werr, moved, lat, reqs, toks, live]
+    families = [held, cap, hits, misses, evict, corrupt, auth, werr, moved, lat, reqs, toks, live]
     return MetricsSnapshot([m for m in families if m.samples])

@@ -524,3 +524,30 @@ def test_two_processes_share_one_store_across_a_restart(store_url):
         assert env.page_bytes(pool, dst) == _expected_pages(1, 7)
     finally:
         b.close()
+
+
+def test_an_encrypted_backend_seals_pages_and_a_wrong_key_only_fails_pages(tmp_path, backends):
+    """``encryption`` in extra_config: pages sealed for the backend's tenant; the store's
+    files hold no page bytes; a restart with the key reads them exactly; another key gets
+    failed pages (SGLang recomputes), never bytes or an exception."""
+    from tiered_kv.storage.crypto import write_key_file
+
+    key, other = tmp_path / "fleet.key", tmp_path / "other.key"
+    write_key_file(key)
+    write_key_file(other)
+    url = f"zarr://{tmp_path / 'kv'}"
+    pool = env.mla_host_pool()
+    b = _backend(backends, url, pool, tenant="t", encryption={"key_files": [str(key)]})
+    written, read, keys, _ = _store_and_reload(b, pool, 3)
+    assert read == written and b.store.stats()["encrypted"]
+    b.close()
+    blob = b"".join(p.read_bytes() for p in (tmp_path / "kv").rglob("*") if p.is_file())
+    for page in written:
+        assert not any(page[i:i + 64] in blob for i in range(0, len(page) - 64, 499))
+    again = _backend(backends, url, pool, tenant="t", encryption={"key_files": [str(key)]})
+    dst = pool.alloc(3 * PAGE)
+    assert again.batch_get_v1(keys, dst) == [True] * 3 and env.page_bytes(pool, dst) == written
+    again.close()
+    wrong = _backend(backends, url, pool, tenant="t", encryption={"key_files": [str(other)]})
+    assert wrong.batch_get_v1(keys, pool.alloc(3 * PAGE)) == [False] * 3
+    assert wrong.store.stats()["auth_failures"] == 3

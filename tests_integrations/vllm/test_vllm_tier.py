@@ -313,3 +313,36 @@ def test_a_requests_lookups_and_loads_are_batched(tmp_path: Path, engines: list[
     assert engine.load(keys) == {k: chunk_bytes(k) for k in keys}
     assert batches == [6]                       # one lookup round trip for the request's 6 chunks
     assert loads == [6]                         # and one load job (vLLM batches a step's promotions)
+
+
+def test_an_encrypted_tier_seals_chunks_and_a_wrong_key_only_misses(tmp_path: Path, engines: list[Engine]) -> None:
+    """``encryption`` in the tier config (through vLLM's own config path): chunks sealed for
+    the tier's tenant; the files hold no chunk bytes; a restart with the key reads them
+    exactly; another key gets failed keys (vLLM recomputes), never bytes or an exception."""
+    from tiered_kv.storage.crypto import write_key_file
+
+    key, other = tmp_path / "fleet.key", tmp_path / "other.key"
+    write_key_file(key)
+    write_key_file(other)
+    store = f"zarr://{tmp_path / 'store'}"
+    keys = chunk_keys("sealed", 4)
+    a = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(key)]})
+    engines.append(a)
+    assert a.store(keys) == keys
+    a.wait_jobs()
+    st = a.tier.store.stats()
+    assert st["encrypted"] and st["puts"] == 4
+    a.close()
+    blob = b"".join(p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file())
+    for k in keys:
+        data = chunk_bytes(k)
+        assert not any(data[i:i + 64] in blob for i in range(0, len(data) - 64, 997))
+    b = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(key)]})
+    engines.append(b)
+    assert b.load(keys) == {k: chunk_bytes(k) for k in keys}
+    b.close()
+    c = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(other)]})
+    engines.append(c)
+    assert c.load(keys) == {k: None for k in keys}
+    assert c.tier.store.stats()["auth_failures"] == 4
+    assert c.counter(tiered("LOAD_MISSES")) == 4

@@ -304,17 +304,21 @@ def store_errors(loc: StoreLocation, layout: KVLayout) -> Iterator[None]:
 
 
 @contextmanager
-def open_cli_store(loc: StoreLocation, layout: KVLayout, *, readonly: bool = False) -> Iterator[BlockStore]:
+def open_cli_store(loc: StoreLocation, layout: KVLayout, *, readonly: bool = False,
+                   encryption: Any = None) -> Iterator[BlockStore]:
     """Open the existing store at ``loc`` for ``layout`` (exit 3 when there is none).
 
     ``readonly`` opens an LMDB store without writing (no access times recorded); other
-    backends ignore it.
+    backends ignore it. ``encryption``: an EncryptionConfig (see :mod:`._keys`) seals
+    and opens its records.
     """
     from ..storage import open_store
 
     if not loc.exists():
         raise missing_store(loc)
     options: dict[str, Any] = {"readonly": True} if readonly and loc.backend is Backend.LMDB else {}
+    if encryption is not None:
+        options["encryption"] = encryption
     with store_errors(loc, layout):
         store = open_store(loc.url, layout_fingerprint=layout.fingerprint, **options)
         try:

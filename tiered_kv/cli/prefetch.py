@@ -26,9 +26,14 @@ are copied in batches of ``--batch`` (one ``get_many`` from the source, one ``pu
 into the destination, which is durable when it returns). The destination is created if
 missing. A progress bar is drawn on stderr when it is a terminal.
 
+Encrypted stores: with ``--key-file`` (see :mod:`._keys`) the source's records are
+authenticated and opened for ``--tenant`` (default: ``--salt``); one that fails is a miss
+(``auth_failures``), never copied; ``--encrypt-local`` seals the destination's records
+under the same keys too (else they land plain on the node, which holds the key anyway).
+
 JSON: ``{"from", "to", "model", "layout_fingerprint", "salt", "selection", "wanted",
 "present", "absent", "copied", "copied_bytes", "corrupt", "write_errors",
-"last_write_error", "wall_s"}``: ``wanted`` records selected; ``present`` of them already
+"last_write_error", "auth_failures", "wall_s"}``: ``wanted`` records selected; ``present`` of them already
 in the destination; ``absent`` gone from the source since selected (or, with ``--prompts``,
 snapshots the source never had are not counted anywhere); ``copied`` (``copied_bytes`` of
 payload) now in the destination.
@@ -48,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..planner import format_bytes
-from . import _common
+from . import _common, _keys
 from ._common import CommandFailed, Progress, Prompt
 from .main import ExitCode, UsageError
 
@@ -87,6 +92,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tenant salt of the prefix hash, as the serving cache uses (default: none)")
     p.add_argument("--batch", type=_common.positive_int, default=16, metavar="N",
                    help="records per source read and destination write (default %(default)s)")
+    _keys.add_key_args(p, what="the source", tenant_default="the --salt")
+    p.add_argument("--encrypt-local", action="store_true",
+                   help="seal the destination's records under the same keys too")
     p.add_argument("--max-bytes", type=_common.size_arg, default=None, metavar="SIZE",
                    help="bound of the destination's records when it is created here (default: the backend's)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -112,13 +120,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_bytes == 0:
         raise UsageError("--max-bytes: expected a positive size, e.g. 8G, got 0")
     prompts = _common.load_prompts(args.prompts) if args.prompts is not None else None
+    encryption = _keys.encryption_from_args(args, default_tenant=args.salt)
+    if args.encrypt_local and encryption is None:
+        raise UsageError(f"--encrypt-local: expected --key-file (or ${_keys.ENV_KEY_FILE}) too")
     report = prefetch(layout, source, dest, prompts=prompts, recent=args.recent, salt=args.salt,
-                      batch=args.batch, max_bytes=args.max_bytes, verbose=not args.json)
+                      batch=args.batch, max_bytes=args.max_bytes, verbose=not args.json,
+                      encryption=encryption, encrypt_local=args.encrypt_local)
     if args.json:
         _common.print_json(report)
     problems = []
     if report["corrupt"]:
-        problems.append(f"{report['corrupt']} corrupt records in {source.path} were skipped")
+        problems.append(f"{report['corrupt']} corrupt{' or unauthentic' if report['auth_failures'] else ''} "
+                        f"records in {source.path} were skipped")
     if report["write_errors"]:
         problems.append(f"{report['write_errors']} records could not be written to {dest.path} "
                         f"(last error: {report['last_write_error']})")
@@ -142,18 +155,23 @@ class _Counts:
 
 def prefetch(layout: KVLayout, source: _common.StoreLocation, dest: _common.StoreLocation, *,
              prompts: list[Prompt] | None = None, recent: int | None = None, salt: str = "", batch: int = 16,
-             max_bytes: int | None = None, verbose: bool = True) -> dict[str, Any]:
+             max_bytes: int | None = None, verbose: bool = True, encryption: Any = None,
+             encrypt_local: bool = False) -> dict[str, Any]:
     """Copy the selected records of ``source`` into ``dest`` (see the module docstring);
-    return the report (the ``--json`` object). Exactly one of ``prompts`` and ``recent``."""
+    return the report (the ``--json`` object). Exactly one of ``prompts`` and ``recent``.
+    ``encryption``: the source's EncryptionConfig (and the destination's with
+    ``encrypt_local``)."""
     from ..storage import open_store
 
     if (prompts is None) == (recent is None):
         raise ValueError("prompts, recent: expected exactly one of them")
     t0 = time.perf_counter()
     counts = _Counts()
-    with _common.open_cli_store(source, layout, readonly=True) as src:
+    with _common.open_cli_store(source, layout, readonly=True, encryption=encryption) as src:
         with _common.store_errors(dest, layout):
-            options = {} if max_bytes is None else {"max_bytes": max_bytes}
+            options: dict[str, Any] = {} if max_bytes is None else {"max_bytes": max_bytes}
+            if encrypt_local:
+                options["encryption"] = encryption
             dst = open_store(dest.url, layout_fingerprint=layout.fingerprint, **options)
             try:
                 with _common.store_errors(source, layout):
@@ -169,6 +187,7 @@ def prefetch(layout: KVLayout, source: _common.StoreLocation, dest: _common.Stor
                     print(f"prefetch: {source.url} -> {dest.url}: {counts.wanted} records selected, "
                           f"{counts.present} already there, {len(todo)} to copy")
                 _copy(src, dst, layout, todo, counts, batch, source, verbose)
+                auth_failures = int(src.stats().get("auth_failures") or 0)
             finally:
                 dst.close()
     wall = time.perf_counter() - t0
@@ -179,7 +198,7 @@ def prefetch(layout: KVLayout, source: _common.StoreLocation, dest: _common.Stor
             "salt": salt, "selection": "prompts" if prompts is not None else f"recent {recent}",
             "wanted": counts.wanted, "present": counts.present, "absent": counts.absent, "copied": counts.copied,
             "copied_bytes": counts.copied_bytes, "corrupt": counts.corrupt, "write_errors": counts.write_errors,
-            "last_write_error": counts.last_write_error, "wall_s": wall}
+            "last_write_error": counts.last_write_error, "auth_failures": auth_failures, "wall_s": wall}
 
 
 def select_prompt_records(store: BlockStore, layout: KVLayout, prompts: list[Prompt], *,
@@ -272,4 +291,5 @@ def _copy(src: BlockStore, dst: BlockStore, layout: KVLayout, keys: list[RecordK
 def _corrupt(store: BlockStore) -> int:
     """The store's count of corrupt records read (asked before and after the copy: a local
     Zarr store lists its directory for ``stats()``)."""
-    return int(store.stats().get("corrupt") or 0)
+    s = store.stats()
+    return int(s.get("corrupt") or 0) + int(s.get("auth_failures") or 0)  # (encrypted: unauthentic too)

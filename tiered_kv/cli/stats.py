@@ -12,6 +12,12 @@ its access times and at close), and the table shows those; other backends count 
 for the open store object, so a fresh ``tiered-kv stats`` shows zeros there (a serving
 process reports its own through ``cache.metrics()``). An LMDB store is opened read-only.
 
+Encryption: the ``encrypted`` row says whether the store's records are sealed. With
+``--key-file`` (see :mod:`._keys`) it shows the current key id and every key accepted,
+the reads that failed authentication, and how many of a sample of records open under
+each key (a rotation's progress); without one, how many of a sample are sealed envelopes
+and how many plain records.
+
 Exit codes: 0 ok, 2 bad arguments, 3 no store at ``--store``, 4 the store holds another
 layout (the message names both fingerprints), 5 the store is locked.
 """
@@ -22,7 +28,7 @@ import argparse
 from typing import Any
 
 from ..planner import format_bytes
-from . import _common
+from . import _common, _keys
 from .main import ExitCode
 
 __all__ = ["add_parser", "run", "store_summary"]
@@ -38,6 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _common.add_store_arg(p)
     _common.add_layout_args(p)
+    _keys.add_key_args(p)
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     return p
 
@@ -49,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     layout = _common.layout_from_args(args)
     loc = _common.parse_store(args.store)
-    with _common.open_cli_store(loc, layout, readonly=True) as store:
+    encryption = _keys.encryption_from_args(args)
+    with _common.open_cli_store(loc, layout, readonly=True, encryption=encryption) as store:
         summary = store_summary(store)
+        summary["encryption"] = _keys.describe_encryption(store, layout)
     summary = {"store": loc.url, "model": layout.name, **summary}
     if args.json:
         _common.print_json(summary)
@@ -83,9 +92,12 @@ def format_table(s: dict[str, Any]) -> str:
          format_bytes(max_bytes) if max_bytes is not None else "unbounded"),
         ("oldest_access", s["oldest_access"] or "-", "least recently used record (evicted first)"),
         ("newest_access", s["newest_access"] or "-", ""),
+        *_encryption_rows(s.get("encryption") or {}),
     ]
     lifetime = "lifetime_hits" in s  # LMDB persists counters across processes
     note = "since the store was created, all processes" if lifetime else "since this process opened the store"
+    if "auth_failures" in s:
+        rows.append(("auth_failures", str(s["auth_failures"]), "reads that failed authentication (misses)"))
     for name in ("hits", "misses", "corrupt", "evictions"):
         key = f"lifetime_{name}" if lifetime else name
         if key in s:
@@ -98,3 +110,15 @@ def format_table(s: dict[str, Any]) -> str:
         cell = value.rjust(num_w) if value.isdigit() else value.ljust(num_w)
         lines.append(f"{name.ljust(name_w)}  {cell}  {extra}".rstrip())
     return "\n".join(lines)
+
+
+def _encryption_rows(e: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The ``encrypted`` row: yes with the key ids (keys given), or what a sample shows."""
+    if "key_id" in e:
+        by_key = ", ".join(f"{n} under {k}" for k, n in e["sampled_by_key"].items()) or "empty"
+        return [("encrypted", "yes", f"aes-256-gcm; key {e['key_id']} (accepted: {', '.join(e['key_ids'])})"),
+                ("", "", f"of {e['sampled']} records sampled: {by_key}")]
+    state = {True: "yes", False: "no", None: "unknown"}[e.get("encrypted")]
+    note = (f"of {e.get('sampled', 0)} records sampled: {e.get('sampled_sealed', 0)} sealed, "
+            f"{e.get('sampled_plain', 0)} plain" + ("; pass --key-file to check them" if e.get("encrypted") else ""))
+    return [("encrypted", state, note)]

@@ -12,6 +12,10 @@ stores, queues every local record the shared one lacks
 (:meth:`tiered_kv.storage.StoreChain.resync`) and waits up to ``--timeout`` seconds for
 the uploads. Records already in the shared store are left alone (write-once).
 
+Encrypted levels: with ``--key-file`` (see :mod:`._keys`) the shared store's records are
+sealed for ``--tenant`` (uploads are sealed as they go); ``--encrypt-local`` says the
+local store is sealed too (its records are opened on the way).
+
 JSON: ``{"store", "shared", "local_records", "queued", "present", "uploaded", "pending",
 "failed", "levels_skipped", "done"}``.
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import _common
+from . import _common, _keys
 from .main import ExitCode
 
 __all__ = ["add_parser", "run"]
@@ -46,6 +50,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for the uploads (default 600)")
     _common.add_layout_args(p)
+    _keys.add_key_args(p, what="the shared store")
+    p.add_argument("--encrypt-local", action="store_true",
+                   help="the local store is sealed under the same keys too")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -63,7 +70,8 @@ def _run(args: argparse.Namespace) -> int:
     if not loc.exists():
         raise _common.missing_store(loc)
     with _common.store_errors(loc, layout):
-        chain = open_store([loc.url, shared.url], layout_fingerprint=layout.fingerprint)
+        chain = open_store([loc.url, shared.url], layout_fingerprint=layout.fingerprint,
+                           level_options=_level_options(args))
         try:
             result = chain.resync({RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes})
             done = chain.wait_uploads(args.timeout)
@@ -80,3 +88,14 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{loc.url} -> {shared.url}: {out['local_records']} local records, {out['present']} already "
               f"shared, {out['queued']} queued, {out['uploaded']} uploaded, {out['pending']} pending")
     return ExitCode.OK if out["done"] and not out["failed"] else ExitCode.FAILURE
+
+
+def _level_options(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``level_options`` of the (local, shared) chain: the shared level sealed when a key
+    is given, the local one too with ``--encrypt-local``."""
+    encryption = _keys.encryption_from_args(args)
+    if encryption is None:
+        if args.encrypt_local:
+            raise _common.UsageError(f"--encrypt-local: expected --key-file (or ${_keys.ENV_KEY_FILE}) too")
+        return [{}, {}]
+    return [{"encryption": encryption} if args.encrypt_local else {}, {"encryption": encryption}]

@@ -11,12 +11,19 @@ a bad record is reported and stays (a cache never serves it: every read verifies
 failed read is a miss). With ``--repair`` the bad records are removed, so the next
 ``warm-start`` writes them again.
 
+With ``--key-file`` (see :mod:`._keys`) every record's AES-GCM tag is checked too: it
+must open under one of the keys given for ``--tenant``. ``--repair`` then also removes
+the records whose tag fails under a key given (nobody holding that key can read them);
+records under keys not given are reported (``foreign``), never removed.
+
 JSON: ``{"store", "model", "repair", "checked", "corrupt", "removed", "corrupt_keys"}``
 (keys as ``"block:<hash hex>"`` / ``"snapshot:<hash hex>"``), plus what the backend adds
-(LMDB: ``accounted_bytes``, ``actual_bytes``).
+(LMDB: ``accounted_bytes``, ``actual_bytes``), and with keys ``authenticated``,
+``auth_failures``, ``auth_failed_keys``, ``foreign``, ``auth_removed``, ``key_records``
+(records per key id).
 
 Exit codes: 0 every record is good, or ``--repair`` removed the bad ones; 1 corrupt
-records found and left in place (no ``--repair``); 2 bad arguments; 3 no store at
+records (or, with keys, records failing authentication) found and left in place; 2 bad arguments; 3 no store at
 ``--store``; 4 the store holds another layout; 5 the store is locked.
 """
 
@@ -25,7 +32,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import _common
+from . import _common, _keys
 from .main import ExitCode
 
 __all__ = ["add_parser", "run"]
@@ -42,6 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _common.add_store_arg(p)
     _common.add_layout_args(p)
+    _keys.add_key_args(p)
     p.add_argument("--repair", action="store_true", help="remove the records that fail a check")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -54,24 +62,42 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     layout = _common.layout_from_args(args)
     loc = _common.parse_store(args.store)
-    with _common.open_cli_store(loc, layout) as store:
-        result = dict(store.verify(repair=args.repair))
+    encryption = _keys.encryption_from_args(args)
+    with _common.open_cli_store(loc, layout, encryption=encryption) as store:
+        if encryption is not None:
+            from ..storage import RecordKind
+
+            result = dict(store.verify(repair=args.repair, payload_bytes={  # type: ignore[call-arg]
+                RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes}))
+        else:
+            result = dict(store.verify(repair=args.repair))
     bad = [_key_name(k) for k in result.get("corrupt_keys", [])]
     out = {"store": loc.url, "model": layout.name, "repair": args.repair, **result, "corrupt_keys": bad}
+    if encryption is not None:
+        out["auth_failed_keys"] = [_key_name(k) for k in result["auth_failed_keys"]]
     found = out["corrupt"]
+    unauthentic = out.get("auth_failures", 0) - out.get("auth_removed", 0)
     if args.json:
         _common.print_json(out)
     else:
         print(f"{loc.url}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
         for name in bad:
             print(f"  corrupt  {name}")
+        if encryption is not None:
+            keys = ", ".join(f"{n} under {k}" for k, n in out["key_records"].items()) or "none"
+            print(f"  authenticated {out['authenticated']} ({keys}); {out['auth_failures']} failed authentication "
+                  f"({out['foreign']} under no key given or not sealed, {out['auth_removed']} removed)")
+            for name in out["auth_failed_keys"]:
+                print(f"  unauthentic  {name}")
+            if out["foreign"] and not out["authenticated"]:
+                print("  no record opened under the keys given: check --tenant (default '') and --key-file")
         if found and not args.repair:
             print(f"{found} corrupt record{'s' if found != 1 else ''} left in place (a cache reads "
                   f"{'them' if found != 1 else 'it'} as a miss); run again with --repair to remove "
                   f"{'them' if found != 1 else 'it'}")
     # With --repair every bad record is gone: removed, or replaced meanwhile by another
     # process with a good one (the backend checks each again before deleting it).
-    return ExitCode.FAILURE if found and not args.repair else ExitCode.OK
+    return ExitCode.FAILURE if (found and not args.repair) or unauthentic else ExitCode.OK
 
 
 def _key_name(key: object) -> str:

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..planner import format_bytes
-from . import _common
+from . import _common, _keys
 from ._common import CommandFailed, Progress, Prompt
 from .main import ExitCode, UsageError
 
@@ -93,6 +93,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="torch intra-op threads for the reference model (default %(default)s: its "
                         "matrices are tiny, and more threads mostly add synchronisation)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _keys.add_key_args(p, tenant_default="the --salt, as a cache's")
     live = p.add_argument_group("live endpoint", "warm an OpenAI-compatible server (vLLM, SGLang, "
                                                  "tiered-kv serve-reference) instead of the reference model")
     live.add_argument("--endpoint", metavar="URL", default=None,
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 #: options of the local warm-start that a live endpoint's own configuration decides
-_LOCAL_ONLY = ("salt", "snapshot_interval", "max_bytes", "device", "threads")
+_LOCAL_ONLY = ("salt", "snapshot_interval", "max_bytes", "device", "threads", "key_file", "tenant")
 #: options of --endpoint only
 _ENDPOINT_ONLY = ("served_model", "passes", "timeout")
 
@@ -161,10 +162,11 @@ def _run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
+    encryption = _keys.encryption_from_args(args, default_tenant=args.salt)
     with _torch_threads(args.threads):
         report = warm_start(layout, loc, prompts, device=str(device), salt=args.salt,
                             snapshot_interval=args.snapshot_interval, max_bytes=args.max_bytes,
-                            verbose=not args.json)
+                            verbose=not args.json, encryption=encryption)
     if args.json:
         _common.print_json(report)
     totals = report["totals"]
@@ -195,9 +197,10 @@ def _run_endpoint(args: argparse.Namespace) -> int:
 
 def warm_start(layout: KVLayout, loc: _common.StoreLocation, prompts: list[Prompt], *, device: str = "cpu",
                salt: str = "", snapshot_interval: int = 1, max_bytes: int | None = None,
-               verbose: bool = True) -> dict[str, Any]:
+               verbose: bool = True, encryption: Any = None) -> dict[str, Any]:
     """Prefill ``prompts`` through a cache backed by the store at ``loc``; return the report
-    (the ``--json`` object). ``verbose`` prints a line per prompt as it completes."""
+    (the ``--json`` object). ``verbose`` prints a line per prompt as it completes.
+    ``encryption``: an EncryptionConfig sealing the store's records."""
     from ..cache import TieredKVCache
     from ..reference import ReferenceModel
 
@@ -206,7 +209,9 @@ def warm_start(layout: KVLayout, loc: _common.StoreLocation, prompts: list[Promp
     need = [layout.num_blocks_for(len(p.tokens)) for p in prompts]
     num_blocks = min(sum(need) + 1, max(MAX_POOL_BLOCKS, max(need) + 1))
     num_snapshots = max(3, min(sum(need) + 2, MAX_POOL_SNAPSHOTS))
-    store_options = {} if max_bytes is None else {"max_bytes": max_bytes}
+    store_options: dict[str, Any] = {} if max_bytes is None else {"max_bytes": max_bytes}
+    if encryption is not None:
+        store_options["encryption"] = encryption
     with _common.store_errors(loc, layout):
         cache = TieredKVCache(layout, device=device, num_blocks=num_blocks, num_state_slots=1,
                               num_snapshots=num_snapshots, snapshot_interval=snapshot_interval,

@@ -74,7 +74,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ..storage import BlockStore, PutItem, RecordKey, StoreError, StoreFullError, open_store
+from ..storage import BlockStore, EncryptionConfig, PutItem, RecordKey, StoreError, StoreFullError, open_store
+from ..storage.crypto import default_tenant
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "TieredKVHiCacheStorage"]
 
@@ -202,6 +203,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     - ``store_options``: keyword options of :func:`tiered_kv.storage.open_store`
       (``max_bytes``, ``timeout_s``, ``level_options``...).
     - ``tenant``: salt of this deployment's keys (default ``""``).
+    - ``encryption``: seal every page record for this tenant (AES-256-GCM, see
+      docs/shared-store.md): ``{"key_files": ["/etc/tiered-kv/key"], "tenant": ...}``; the
+      tenant defaults to ``tenant``. For a chain it seals every level; one level only:
+      put it in that level's ``store_options["level_options"]`` entry instead.
     - ``model_id``: the model part of the namespace (default: SGLang's ``model_name``).
     - ``interface_v1``: SGLang's switch to the zero-copy calls; it also selects which
       record format ``exists`` / ``batch_exists`` look for.
@@ -224,6 +229,11 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise ValueError("extra_config['model_id'] or SGLang's model name: expected a non-empty model id "
                              "(pages are namespaced by model)")
         tenant = _config_str(extra, "tenant", "") or ""
+        store_options = dict(store_options)
+        if extra.get("encryption") is not None:
+            store_options["encryption"] = EncryptionConfig.parse(extra["encryption"],
+                                                                 name="extra_config['encryption']")
+        store_options = default_tenant(store_options, tenant) or {}
         self.storage_config = storage_config
         self.model_id = model_id
         self.tenant = tenant

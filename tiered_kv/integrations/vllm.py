@@ -96,7 +96,8 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from ..storage import BlockStore, PutItem, RecordKey, StoreFullError, open_store
+from ..storage import BlockStore, EncryptionConfig, PutItem, RecordKey, StoreFullError, open_store
+from ..storage.crypto import default_tenant
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -249,6 +250,11 @@ class TieredKVTier(SecondaryTierManager):
     - ``max_bytes``: LRU bound of the store (of its first level for a chain).
     - ``store_options``: more :func:`open_store` options (``timeout_s``,
       ``level_options``, credentials...).
+    - ``encryption``: seal every record for this deployment's tenant (AES-256-GCM, see
+      docs/shared-store.md): ``{"key_files": ["/etc/tiered-kv/key"], "tenant": ...}`` or an
+      :class:`~tiered_kv.storage.EncryptionConfig`; the tenant defaults to ``tenant``. For a
+      chain it seals every level; to seal one level only, put it in that level's
+      ``store_options["level_options"]`` entry instead (its tenant defaults the same way).
     - ``io_threads`` (default 4): worker threads running store and load jobs.
     - ``enable_kv_events``, ``locality``: as vLLM's ``fs`` tier.
     """
@@ -259,6 +265,7 @@ class TieredKVTier(SecondaryTierManager):
                  store: str | Sequence[str], tenant: str = "", model_id: str | None = None,
                  max_bytes: int | None = None, store_options: dict[str, Any] | None = None,
                  io_threads: int = 4, enable_kv_events: bool = False, locality: str | None = None,
+                 encryption: EncryptionConfig | dict[str, Any] | None = None,
                  backpressure_detector: BackpressureDetector | None = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
@@ -275,6 +282,9 @@ class TieredKVTier(SecondaryTierManager):
         self.keys = VllmKeyMapper.from_offloading_spec(offloading_spec, chunk_bytes=self.block_size_bytes,
                                                        tenant=tenant, model_id=model_id)
         options = dict(store_options or {})
+        if encryption is not None:
+            options["encryption"] = EncryptionConfig.parse(encryption, name="encryption")
+        options = default_tenant(options, tenant) or {}  # an encrypted level seals for this tenant
         if max_bytes is not None:
             if isinstance(store, str):
                 options["max_bytes"] = max_bytes

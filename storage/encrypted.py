@@ -1,0 +1,562 @@
+"""A block store whose records a bucket can hold but neither read nor forge.
+
+:class:`EncryptedStore` wraps any :class:`~.base.BlockStore` (LMDB, Zarr on a directory,
+Zarr on S3, one level of a chain): each payload is sealed with AES-256-GCM under the
+tenant's key before it reaches the backend, which stores the envelope (see
+:mod:`.crypto`) as the payload of an ordinary record, checksum and all. So the backend's
+own guarantees (write-once, verified reads, eviction, crash recovery, kill -9) hold
+unchanged, and the wrapper adds authentication::
+
+    open_store("zarr+s3://kv/v4?endpoint=...", layout_fingerprint=fp,
+               encryption={"key_files": ["/etc/tiered-kv/key-2026", "/etc/tiered-kv/key-2025"],
+                           "tenant": "acme"})
+
+Reads. The envelopes of one call are read by the backend, in chunks of at most 8
+MiB, into reusable per-thread arenas, and opened on several threads (AES-GCM in
+``cryptography`` >= 50 runs without the GIL), pipelined: while the pool opens one
+chunk, the calling thread reads the next. Each envelope is decrypted straight from the
+arena into the caller's buffer (one pass: no copy of the ciphertext into place first). A
+scatter-list out is decrypted into a per-thread scratch buffer and copied into its
+pieces.
+
+Nothing unauthenticated is ever served. Each of these is a miss, counted as
+``auth_failures`` in :meth:`EncryptedStore.stats`, never bytes and never an exception:
+a tag that does not verify (forged or damaged bytes, a ciphertext moved under another
+key, another tenant's or layout's record), an envelope under a key this store does not
+hold (unknown key tag, e.g. the wrong key file), and anything that is not an envelope
+(a plain record on an encrypted level, or a record of another size). A record whose tag
+fails under a key *this store holds* can be read by nobody (every holder of that key
+would fail the same way), so it is removed (``auth_removed``) and a later put rewrites
+it; records under keys it does not hold are left alone (another key file or tenant may
+read them). A token-digest mismatch on an authentic record is ``corrupt``, as on a plain
+store, and removed too.
+
+Writes seal each payload under the current key (random 96-bit nonce; the bound per key
+is in :mod:`.crypto`) into a reusable per-thread arena, on several threads for a batch,
+then hand the envelopes to the backend in one ``put_many``.
+
+Differences from a plain store a caller can see: a read whose out buffer has the wrong
+size for the stored record is a miss (the stored size of a foreign record says nothing),
+not a ValueError; :meth:`EncryptedStore.verify` also authenticates every record when it
+knows the payload size of each kind (``payload_bytes``, else the sizes this handle has
+seen).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .base import BlockStore, PutItem, check_open
+from .crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, EncryptionConfig, Keyring, Opened
+from .errors import StoreError
+from .record import RecordKey, RecordKind, RecordMeta, as_byte_array, as_out_segments, write_segments
+
+__all__ = ["EncryptedStore", "RekeyReport"]
+
+#: Envelopes read per backend call (and the bound of a kept per-thread arena): reads are
+#: pipelined chunk by chunk, so a chunk is small enough to overlap with the next one.
+_CHUNK_BYTES = 8 << 20
+#: Below this many bytes in a call, (de)crypt on the calling thread only.
+_PARALLEL_MIN_BYTES = 1 << 20
+T = TypeVar("T")
+J = TypeVar("J")
+
+
+class _Outcome(enum.Enum):
+    OK = "ok"
+    ABSENT = "absent"        # no record (or a corrupt one the backend dropped)
+    FOREIGN = "foreign"      # not an envelope under a key of ours: kept
+    FORGED = "forged"        # the tag fails under a key of ours: removed
+    DIGEST = "digest"        # authentic, but another token digest than asked: corrupt, removed
+    SKIPPED = "skipped"      # (rekey) already under the current key: not decrypted
+
+
+@dataclass(slots=True)
+class _Read:
+    outcome: _Outcome
+    meta: RecordMeta | None = None
+    key_id: bytes | None = None
+
+
+#: A backend read of a record of another size than the envelope asked for.
+_WRONG_SIZE: Any = object()
+_ABSENT = _Read(_Outcome.ABSENT)
+
+
+@dataclass
+class RekeyReport:
+    """What :meth:`EncryptedStore.rekey` did (also the ``tiered-kv rekey --json`` object)."""
+
+    checked: int = 0       # records read
+    rekeyed: int = 0       # rewritten under the current key
+    current: int = 0       # already under the current key
+    foreign: int = 0       # under no key given (another tenant, another key file) or not envelopes
+    failed: int = 0        # failed their tag under a key given (removed)
+    absent: int = 0        # gone between listing and reading
+    unchecked: int = 0     # of a kind whose payload size is unknown
+    lost: int = 0          # removed but not rewritten (the rewrite failed; re-raised)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class _Counters:
+    NAMES = ("hits", "misses", "auth_failures", "auth_removed", "corrupt")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self.values[k] += v
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+class EncryptedStore(BlockStore):
+    """``inner`` with every payload sealed under ``encryption`` (see the module docstring).
+
+    Args:
+        inner: the backend (an open store of any kind).
+        encryption: an :class:`~.crypto.EncryptionConfig` or its dict (the tenant is
+            required here), or a :class:`~.crypto.Keyring` built from one.
+        owned: close ``inner`` on :meth:`close` (default True).
+    """
+
+    supports_mmap_reads = False
+    supports_scatter_reads = True  # scatter-list outs are filled here, not by the backend
+
+    def __init__(self, inner: BlockStore, encryption: EncryptionConfig | Mapping[str, Any] | Keyring, *,
+                 owned: bool = True) -> None:
+        if not isinstance(inner, BlockStore):
+            raise TypeError(f"inner: expected an open BlockStore, got {type(inner).__name__}")
+        if isinstance(inner, EncryptedStore):
+            raise ValueError("inner: already an EncryptedStore (records would be sealed twice)")
+        self.keyring = encryption if isinstance(encryption, Keyring) else Keyring(EncryptionConfig.parse(encryption))
+        self.config = self.keyring.config
+        self._inner = inner
+        self._owned = owned
+        self.layout_fingerprint = inner.layout_fingerprint
+        self.max_bytes = inner.max_bytes
+        self.supports_multiprocess = inner.supports_multiprocess
+        self.supports_shared_writers = inner.supports_shared_writers
+        self.threads = self.config.threads or max(1, min(8, os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._local = threading.local()
+        self._counters = _Counters()
+        self._sizes: dict[RecordKind, int] = {}  # payload size of each kind, as seen
+        self._closed = inner.closed
+
+    # ------------------------------------------------------------------ what it wraps
+    @property
+    def inner(self) -> BlockStore:
+        """The backend holding the envelopes."""
+        return self._inner
+
+    @property
+    def path(self) -> Any:
+        """The backend's directory (None for an object store): the chain's journal lives there."""
+        return getattr(self._inner, "path", None)
+
+    @property
+    def readonly(self) -> bool:
+        return bool(getattr(self._inner, "readonly", False))
+
+    @property
+    def where(self) -> str:
+        return str(getattr(self._inner, "where", None) or getattr(self._inner, "path", None) or repr(self._inner))
+
+    def recent(self, n: int) -> list[RecordKey]:
+        """The backend's :meth:`~.zarr_store.ZarrStore.recent` (Zarr backends only)."""
+        recent = getattr(self._inner, "recent", None)
+        if recent is None:
+            raise TypeError(f"recent: the backend {type(self._inner).__name__} keeps no write or access order")
+        return recent(n)
+
+    # ------------------------------------------------------------------ threads and buffers
+    def _parallel(self, fn: Callable[[J], T], jobs: Sequence[J], nbytes: int) -> list[T]:
+        """``[fn(job) for job in jobs]``, spread over the pool and the calling thread when
+        the work is large enough to gain from it."""
+        if self.threads == 1 or len(jobs) < 2 or nbytes < _PARALLEL_MIN_BYTES:
+            return [fn(j) for j in jobs]
+        pool = self._get_pool()
+        groups = min(self.threads, len(jobs))
+        out: list[Any] = [None] * len(jobs)
+
+        def run(g: int) -> None:
+            for i in range(g, len(jobs), groups):
+                out[i] = fn(jobs[i])
+
+        futures = [pool.submit(run, g) for g in range(1, groups)]
+        try:
+            run(0)
+        finally:
+            for f in futures:
+                f.result()
+        return out
+
+    def _submit(self, fn: Callable[[J], T], jobs: Sequence[J]) -> list[Future[list[T]]]:
+        """``fn`` over ``jobs`` on the pool only (the calling thread goes on reading):
+        futures of interleaved groups, one per pool thread."""
+        if not jobs:
+            return []
+        if self.threads == 1:
+            f: Future[list[T]] = Future()
+            f.set_result([fn(j) for j in jobs])
+            return [f]
+        pool = self._get_pool()
+        groups = min(self.threads - 1, len(jobs))
+        return [pool.submit(lambda g=g: [fn(jobs[i]) for i in range(g, len(jobs), groups)]) for g in range(groups)]
+
+    @staticmethod
+    def _gather(futures: list[Future[list[T]]]) -> list[T]:
+        out: list[T] = []
+        for f in futures:
+            out += f.result()
+        return out
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tiered_kv.crypto")
+            return self._pool
+
+    def _arena(self, name: str, nbytes: int) -> np.ndarray:
+        """A per-thread reusable buffer of at least ``nbytes`` (grown as needed, kept
+        while at most the chunk bound; a larger one is allocated for this call only)."""
+        buf = getattr(self._local, name, None)
+        if buf is not None and buf.nbytes >= nbytes:
+            return buf
+        buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        if nbytes <= _CHUNK_BYTES:
+            setattr(self._local, name, buf)
+        return buf
+
+    @staticmethod
+    def _chunks(sizes: list[int]) -> Iterator[list[int]]:
+        """Indices of ``sizes`` in runs whose total stays within the chunk bound."""
+        run: list[int] = []
+        total = 0
+        for i, n in enumerate(sizes):
+            if run and total + n > _CHUNK_BYTES:
+                yield run
+                run, total = [], 0
+            run.append(i)
+            total += n
+        if run:
+            yield run
+
+    # ------------------------------------------------------------------ writes
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        check_open(self._closed, self.where)
+        items = self._check_put_items(items)
+        if not items:
+            return []
+        bodies = [as_byte_array(item.payload, name="payload") for item in items]
+        sizes = [b.nbytes + ENVELOPE_OVERHEAD for b in bodies]
+        offs = [0, *itertools.accumulate(sizes)]
+        arena = self._arena("put_arena", offs[-1])
+        fp = self.layout_fingerprint
+
+        def seal(i: int) -> PutItem:
+            item = items[i]
+            env = arena[offs[i]:offs[i + 1]]
+            parent, digest = self.keyring.seal_into(env, bodies[i], key=item.key, parent_hash=item.parent_hash,
+                                                    token_digest=item.token_digest, layout_fingerprint=fp)
+            return PutItem(item.key, parent, digest, env)
+
+        sealed = self._parallel(seal, range(len(items)), offs[-1])
+        for item, body in zip(items, bodies):
+            self._sizes.setdefault(item.key.kind, body.nbytes)
+        return self._inner.put_many(sealed)
+
+    # ------------------------------------------------------------------ reads
+    def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
+                 token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
+        check_open(self._closed, self.where)
+        keys, segs, digests = self._check_get_args(keys, outs, token_digests, scatter=True)
+        reads = self._read(keys, segs, digests)
+        metas = [r.meta for r in reads]
+        self._count(reads)
+        return metas
+
+    def _count(self, reads: list[_Read]) -> None:
+        hits = sum(r.outcome is _Outcome.OK for r in reads)
+        auth = sum(r.outcome in (_Outcome.FOREIGN, _Outcome.FORGED) for r in reads)
+        corrupt = sum(r.outcome is _Outcome.DIGEST for r in reads)
+        self._counters.add(hits=hits, misses=len(reads) - hits, auth_failures=auth, corrupt=corrupt)
+
+    def _read(self, keys: list[RecordKey], segs: list[Any], digests: list[bytes | None], *,
+              skip_current: bool = False, remove: bool = True) -> list[_Read]:
+        """Read, authenticate and decrypt each record into ``segs[i]`` (OutSegments).
+        ``remove``: remove the records no holder of their key can read (FORGED, DIGEST).
+        ``skip_current``: leave records under the current key undecrypted (``SKIPPED``).
+
+        Pipelined over chunks of at most ``_CHUNK_BYTES`` of envelopes, two arenas per
+        thread: while the pool opens chunk k, this thread reads chunk k+1 into the other
+        arena; the last chunk is opened by the pool and this thread together."""
+        reads = [_ABSENT] * len(keys)
+        env_sizes = [s.nbytes + ENVELOPE_OVERHEAD for s in segs]
+
+        def open_one(job: tuple[int, np.ndarray, RecordMeta]) -> tuple[int, _Read]:
+            i, env, m = job
+            return i, self._open(keys[i], env, m, segs[i], digests[i], skip_current)
+
+        chunks = list(self._chunks(env_sizes))
+        inflight: list[Future[list[tuple[int, _Read]]]] = []
+        for n, chunk in enumerate(chunks):
+            offs = [0, *itertools.accumulate(env_sizes[i] for i in chunk)]
+            arena = self._arena(f"get_arena{n % 2}", offs[-1])
+            envs = [arena[offs[j]:offs[j + 1]] for j in range(len(chunk))]
+            jobs = []
+            for i, env, m in zip(chunk, envs, self._inner_get([keys[i] for i in chunk], envs)):
+                if m is _WRONG_SIZE:
+                    reads[i] = _Read(_Outcome.FOREIGN)
+                elif m is not None:
+                    jobs.append((i, env, m))
+            done = self._gather(inflight)  # chunk n-1 opened: its arena is free for chunk n+1
+            if n == len(chunks) - 1:
+                done += self._parallel(open_one, jobs, sum(env_sizes[i] for i, _, _ in jobs))
+            else:
+                inflight = self._submit(open_one, jobs)
+            for i, r in done:
+                reads[i] = r
+                if r.outcome is _Outcome.OK:
+                    self._sizes.setdefault(keys[i].kind, segs[i].nbytes)
+        if remove and not self.readonly:
+            removed = 0
+            for key, r in zip(keys, reads):
+                if r.outcome in (_Outcome.FORGED, _Outcome.DIGEST):
+                    try:
+                        gone = self._inner.delete(key)
+                    except (StoreError, OSError):
+                        gone = False  # still a miss on every read; the next reader tries again
+                    removed += gone and r.outcome is _Outcome.FORGED
+            self._counters.add(auth_removed=removed)
+        return reads
+
+    def _inner_get(self, keys: list[RecordKey], envs: list[np.ndarray]) -> list[Any]:
+        """The backend's verified reads of the envelopes; ``_WRONG_SIZE`` for a record of
+        another size (the backend raises ValueError for the batch: asked one by one)."""
+        try:
+            return self._inner.get_many(keys, envs)
+        except ValueError:
+            out: list[Any] = []
+            for key, env in zip(keys, envs):
+                try:
+                    out.append(self._inner.get(key, env))
+                except ValueError:
+                    out.append(_WRONG_SIZE)
+            return out
+
+    def _open(self, key: RecordKey, env: np.ndarray, m: RecordMeta, seg: Any, digest: bytes | None,
+              skip_current: bool) -> _Read:
+        from cryptography.exceptions import InvalidTag
+
+        found: Opened | None = self.keyring.identify(env[:HEAD_BYTES], m.parent_hash, m.token_digest)
+        if found is None:
+            return _Read(_Outcome.FOREIGN)
+        if skip_current and found.keys is self.keyring.current:
+            return _Read(_Outcome.SKIPPED, key_id=found.keys.key_id)
+        aad = self.keyring.aad(env[:HEAD_BYTES].tobytes(), key, found.parent_hash, found.token_digest,
+                               self.layout_fingerprint)
+        data = env[HEAD_BYTES:]
+        single = len(seg) == 1
+        dst = seg[0] if single else self._arena("scratch", seg.nbytes)[:seg.nbytes]
+        try:
+            found.keys.aead.decrypt_into(found.nonce, data, aad, dst)
+        except InvalidTag:
+            return _Read(_Outcome.FORGED, key_id=found.keys.key_id)
+        if digest is not None and bytes(digest) != found.token_digest:
+            return _Read(_Outcome.DIGEST, key_id=found.keys.key_id)
+        if not single:
+            write_segments(seg, dst)
+        meta = RecordMeta(key=key, parent_hash=found.parent_hash, token_digest=found.token_digest,
+                          layout_fingerprint=self.layout_fingerprint, payload_bytes=seg.nbytes)
+        return _Read(_Outcome.OK, meta, found.keys.key_id)
+
+    # ------------------------------------------------------------------ the rest of the API
+    def contains(self, key: RecordKey) -> bool:
+        check_open(self._closed, self.where)
+        return self._inner.contains(key)
+
+    def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
+        check_open(self._closed, self.where)
+        return self._inner.contains_many(keys)
+
+    def delete(self, key: RecordKey) -> bool:
+        check_open(self._closed, self.where)
+        return self._inner.delete(key)
+
+    def __iter__(self) -> Iterator[RecordKey]:
+        check_open(self._closed, self.where)
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        check_open(self._closed, self.where)
+        return len(self._inner)
+
+    def stats(self) -> dict[str, Any]:
+        """The backend's stats, with ``hits`` / ``misses`` / ``corrupt`` as this
+        wrapper sees them (an envelope that fails authentication is a backend hit but a
+        miss here), plus ``encrypted`` (True), ``encryption`` (the cipher), ``key_id``
+        (the current key's id), ``key_ids`` (every key accepted, current first),
+        ``auth_failures`` and ``auth_removed``."""
+        check_open(self._closed, self.where)
+        out = dict(self._inner.stats())
+        mine = self._counters.as_dict()
+        out["backend_hits"] = out.get("hits")
+        out["hits"], out["misses"] = mine["hits"], mine["misses"]
+        out["corrupt"] = int(out.get("corrupt") or 0) + mine["corrupt"]
+        out.update(encrypted=True, encryption="aes-256-gcm", key_id=self.keyring.key_ids[0],
+                   key_ids=self.keyring.key_ids, auth_failures=mine["auth_failures"],
+                   auth_removed=mine["auth_removed"])
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        if self._owned:
+            self._inner.close()
+
+    def __repr__(self) -> str:
+        return f"EncryptedStore({self._inner!r}, key {self.keyring.key_ids[0]})"
+
+    # ------------------------------------------------------------------ maintenance
+    def gc(self, max_bytes: int) -> dict[str, Any]:
+        check_open(self._closed, self.where)
+        return self._inner.gc(max_bytes)
+
+    def verify(self, *, repair: bool = False,
+               payload_bytes: Mapping[RecordKind, int] | None = None) -> dict[str, Any]:
+        """The backend's :meth:`~.base.BlockStore.verify` (checksums, layout, keys), then
+        every record authenticated: read and its tag checked (``payload_bytes``: the
+        payload size of each kind, default the sizes this handle has seen; records of
+        another kind are ``unchecked``).
+
+        Adds ``authenticated`` (records whose tag verified), ``auth_failures`` and
+        ``auth_failed_keys`` (hex keys, as ``corrupt_keys``), ``foreign`` (of them: under
+        a key not given, or not envelopes; never removed), ``unchecked``, and
+        ``key_records`` (records per key id). With ``repair`` the backend removes its
+        corrupt records and the records whose tag fails under a key given are removed
+        (``auth_removed``)."""
+        check_open(self._closed, self.where)
+        result = dict(self._inner.verify(repair=repair))
+        sizes = dict(self._sizes if payload_bytes is None else payload_bytes)
+        per_key: dict[str, int] = {}
+        failed: list[str] = []
+        counts = {"authenticated": 0, "foreign": 0, "unchecked": 0, "auth_removed": 0}
+
+        def visit(key: RecordKey, r: _Read, payload: np.ndarray) -> None:
+            if r.outcome is _Outcome.OK:
+                assert r.key_id is not None
+                counts["authenticated"] += 1
+                per_key[r.key_id.hex()] = per_key.get(r.key_id.hex(), 0) + 1
+            elif r.outcome in (_Outcome.FOREIGN, _Outcome.FORGED):
+                failed.append(key.to_bytes().hex())
+                counts["foreign"] += r.outcome is _Outcome.FOREIGN
+                counts["auth_removed"] += r.outcome is _Outcome.FORGED and repair
+
+        counts["unchecked"] = self._scan(sizes, visit, remove=repair)
+        return {**result, **counts, "auth_failures": len(failed), "auth_failed_keys": failed,
+                "key_records": per_key}
+
+    def _scan(self, sizes: Mapping[RecordKind, int], visit: Callable[[RecordKey, _Read, np.ndarray], None], *,
+              remove: bool, skip_current: bool = False, batch: int = 64,
+              progress: Callable[[int, int], None] | None = None) -> int:
+        """Read every record of a kind in ``sizes``, ``batch`` per call, and call
+        ``visit(key, read, payload buffer)``; returns how many records were of another
+        kind. ``remove``: as :meth:`_read`."""
+        keys = list(self._inner)
+        todo = [k for k in keys if k.kind in sizes]
+        for start in range(0, len(todo), batch):
+            chunk = todo[start:start + batch]
+            bufs = [np.empty(sizes[k.kind], np.uint8) for k in chunk]
+            reads = self._read(chunk, [as_out_segments(b) for b in bufs], [None] * len(chunk),
+                               skip_current=skip_current, remove=remove)
+            for key, r, buf in zip(chunk, reads, bufs):
+                visit(key, r, buf)
+            if progress is not None:
+                progress(start + len(chunk), len(todo))
+        return len(keys) - len(todo)
+
+    def sample(self, keys: Sequence[RecordKey], payload_bytes: Mapping[RecordKind, int]) -> list[bytes | None]:
+        """The id of the key each record of ``keys`` (of a kind in ``payload_bytes``)
+        opens under; None where it is not authentic under a key given. Reads, removes
+        nothing, counts nothing."""
+        keys = [k for k in keys if k.kind in payload_bytes]
+        segs = [as_out_segments(np.empty(payload_bytes[k.kind], np.uint8)) for k in keys]
+        reads = self._read(keys, segs, [None] * len(keys), remove=False)
+        return [r.key_id if r.outcome is _Outcome.OK else None for r in reads]
+
+    def rekey(self, payload_bytes: Mapping[RecordKind, int], *, batch: int = 16,
+              progress: Callable[[int, int, RekeyReport], None] | None = None) -> RekeyReport:
+        """Rewrite every record sealed under an older key given (``key_files[1:]``) under
+        the current one (``key_files[0]``). Resumable: records already under the current
+        key are skipped without decrypting, so a run stopped at any point (kill -9
+        included) and run again finishes the job.
+
+        Each batch of ``batch`` records is read, authenticated and decrypted, then removed
+        and written again under the current key (a write-once store has no overwrite):
+        a process killed between the two loses at most that batch's records, which are a
+        miss later (a cache refills them), never wrong bytes. ``progress(done, total,
+        report)`` is called after each batch."""
+        check_open(self._closed, self.where)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise ValueError(f"batch: expected a positive int, got {batch!r}")
+        report = RekeyReport()
+        pending: list[PutItem] = []
+
+        def visit(key: RecordKey, r: _Read, payload: np.ndarray) -> None:
+            report.checked += 1
+            if r.outcome is _Outcome.SKIPPED:
+                report.current += 1
+            elif r.outcome is _Outcome.OK:
+                assert r.meta is not None
+                pending.append(PutItem(key, r.meta.parent_hash, r.meta.token_digest, payload))
+            elif r.outcome is _Outcome.FOREIGN:
+                report.foreign += 1
+            elif r.outcome is _Outcome.FORGED:
+                report.failed += 1
+            else:
+                report.absent += 1
+
+        def flush(done: int, total: int) -> None:
+            if pending:
+                for item in pending:
+                    self._inner.delete(item.key)
+                try:
+                    written = self.put_many(pending)
+                except BaseException:
+                    report.lost += len(pending)
+                    raise
+                report.rekeyed += sum(written)  # (False: another writer stored it meanwhile)
+                pending.clear()
+            if progress is not None:
+                progress(done, total, report)
+
+        report.unchecked = self._scan(payload_bytes, visit, remove=True, skip_current=True, batch=batch,
+                                      progress=flush)
+        return report
+
+
+

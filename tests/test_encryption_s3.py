@@ -1,0 +1,208 @@
+"""Tenant-encrypted records in a shared S3 bucket (SeaweedFS), against a bucket adversary.
+
+Tenant A seals its records; a client holding the bucket's credentials but no key then
+overwrites two objects with records under valid checksums, copies a third under another
+key (relabelled, checksum fixed) and deletes a fourth. A reads the first three as
+authentication failures and the fourth as a plain miss; the rest are exact. No object in
+the bucket holds a 64-byte run of any payload; the wrong key and another tenant read only
+misses; a sync to a sealed bucket and a prefetch from it keep records sealed there.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("obstore", reason="obstore is not installed (pip install obstore)")
+pytest.importorskip("cryptography", reason="encryption needs the cryptography package")
+
+import obstore  # noqa: E402
+
+from seaweedfs import SeaweedFS  # noqa: E402
+from tiered_kv.cli import main as cli_main  # noqa: E402
+from tiered_kv.storage import RecordKind, encode_record, open_store  # noqa: E402
+from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, write_key_file  # noqa: E402
+from tiered_kv.storage.record import HEADER_BYTES, parse_header  # noqa: E402
+from tiered_kv.storage.s3 import get_bytes, list_keys, open_object_store, parse_s3_url  # noqa: E402
+from tiered_kv.storage.zarr_objects import object_name  # noqa: E402
+
+BUCKET = "tkv-crypto"
+FP = "kvl1-test-0123456789abcdef0123"
+N = 50_000
+
+
+def _key(i: int):
+    import hashlib
+
+    from tiered_kv.storage import RecordKey
+
+    return RecordKey.block(hashlib.sha256(b"s3-crypto %d" % i).digest())
+
+
+def _item(key, n: int = N):
+    import hashlib
+
+    from tiered_kv.storage import PutItem
+
+    payload = np.random.default_rng(int.from_bytes(key.block_hash[:8], "little")).integers(0, 256, n, dtype=np.uint8)
+    return PutItem(key, hashlib.sha256(b"parent" + key.block_hash).digest(),
+                   hashlib.sha256(b"tokens" + key.block_hash).digest(), payload)
+
+
+@pytest.fixture
+def server(seaweedfs: SeaweedFS) -> SeaweedFS:
+    seaweedfs.make_bucket(BUCKET)
+    return seaweedfs
+
+
+@pytest.fixture
+def url(server: SeaweedFS) -> str:
+    return server.url(BUCKET, f"crypto-{uuid.uuid4().hex[:12]}")
+
+
+def _creds(server: SeaweedFS) -> dict[str, Any]:
+    return {"access_key_id": server.access_key, "secret_access_key": server.secret_key}
+
+
+def _keyfile(tmp_path: Path, name: str) -> str:
+    path = tmp_path / name
+    write_key_file(path)
+    return str(path)
+
+
+def _read(store, items) -> list[np.ndarray | None]:
+    outs = [np.empty(it.payload.nbytes, np.uint8) for it in items]
+    metas = store.get_many([it.key for it in items], outs, token_digests=[it.token_digest for it in items])
+    return [o if m is not None else None for o, m in zip(outs, metas)]
+
+
+def _bucket_objects(server: SeaweedFS, url: str) -> dict[str, bytes]:
+    """Every object under the store's prefix, as an adversary with the credentials lists it."""
+    raw = open_object_store(parse_s3_url(url, **_creds(server)))
+    return {name: bytes(get_bytes(raw, name)) for name in list_keys(raw)}
+
+
+def _leaks(blobs: list[bytes], payloads: list[np.ndarray], run: int = 64) -> int:
+    """Payloads with a ``run``-byte stretch inside some blob (every such stretch contains
+    an aligned run/2 window of the blob: index those, slide over the payloads)."""
+    half = run // 2
+    found = 0
+    for blob in blobs:
+        windows = {blob[i:i + half] for i in range(0, len(blob) - half + 1, half)}
+        for p in payloads:
+            data = p.tobytes()
+            if any(data[q:q + half] in windows and any(data[s:s + run] in blob
+                                                       for s in range(max(0, q - run), min(q, len(data) - run) + 1))
+                   for q in range(len(data) - half + 1)):
+                found += 1
+    return found
+
+
+@pytest.mark.s3
+def test_bucket_adversary_gets_misses_and_reads_nothing(server: SeaweedFS, url: str, tmp_path: Path) -> None:
+    key_a = _keyfile(tmp_path, "a.key")
+    enc_a = {"key_files": [key_a], "tenant": "tenant-a"}
+    items = [_item(_key(i)) for i in range(10)]
+    with open_store(url, layout_fingerprint=FP, encryption=enc_a, **_creds(server)) as store:
+        assert store.put_many(items) == [True] * 10
+
+    # -- the adversary: bucket credentials, no key ---------------------------------
+    objects = _bucket_objects(server, url)
+    names = [object_name(it.key) for it in items]
+    assert set(names) <= set(objects)
+    assert _leaks(list(objects.values()), [it.payload for it in items]) == 0     # reads nothing
+    bucket = open_object_store(parse_s3_url(url, **_creds(server)))
+    # 1. a plain record under a valid checksum, of the plain payload's size
+    forged_plain = encode_record(key=items[0].key, parent_hash=items[0].parent_hash,
+                                 token_digest=items[0].token_digest, layout_fingerprint=FP,
+                                 payload=np.zeros(N, np.uint8))
+    obstore.put(bucket, names[0], bytes(forged_plain))
+    # 2. a record of the envelope's size, bytes of its own, valid checksum
+    stolen = objects[names[1]]
+    hdr = parse_header(stolen, len(stolen))
+    forged_env = encode_record(key=items[1].key, parent_hash=hdr.parent_hash, token_digest=hdr.token_digest,
+                               layout_fingerprint=FP, payload=np.frombuffer(
+                                   stolen[HEADER_BYTES:HEADER_BYTES + 28] + bytes(N + ENVELOPE_OVERHEAD - 28), np.uint8))
+    obstore.put(bucket, names[1], bytes(forged_env))
+    # 3. record 9's object copied under key 2, its header relabelled, its checksum fixed
+    src = objects[names[9]]
+    hdr = parse_header(src, len(src))
+    moved = encode_record(key=items[2].key, parent_hash=hdr.parent_hash, token_digest=hdr.token_digest,
+                          layout_fingerprint=FP, payload=np.frombuffer(src[HEADER_BYTES:-16], np.uint8))
+    obstore.put(bucket, names[2], bytes(moved))
+    # 4. deleted
+    obstore.delete(bucket, names[3])
+
+    # -- tenant A reads ----------------------------------------------------------------
+    with open_store(url, layout_fingerprint=FP, encryption=enc_a, **_creds(server)) as store:
+        got = _read(store, items)
+        assert [g is None for g in got] == [True] * 4 + [False] * 6
+        for it, out in zip(items[4:], got[4:]):
+            np.testing.assert_array_equal(out, it.payload)
+        s = store.stats()
+        assert (s["auth_failures"], s["misses"], s["hits"], s["corrupt"]) == (3, 4, 6, 0)
+        # forged under A's key tag (2 copies a real head, 3 a real envelope): nobody can read
+        # them, so they are removed and A's next put restores them; 1 names no key: left
+        assert s["auth_removed"] == 2
+        assert store.put_many(items[1:4]) == [True, True, True]
+        assert all(g is not None for g in _read(store, items[1:4]))
+
+    # -- the wrong key and another tenant: only misses ------------------------------
+    for enc in ({"key_files": [_keyfile(tmp_path, "b.key")], "tenant": "tenant-a"},
+                {"key_files": [key_a], "tenant": "tenant-b"}):
+        with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
+            assert _read(store, items) == [None] * 10
+            assert store.stats()["hits"] == 0 and store.stats()["auth_failures"] == 10
+    # and nothing in the bucket leaks after all of it
+    assert _leaks(list(_bucket_objects(server, url).values()), [it.payload for it in items]) == 0
+
+
+@pytest.mark.s3
+def test_sync_to_and_prefetch_from_a_sealed_bucket(server: SeaweedFS, url: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The CLI between encrypted levels: ``sync`` seals what it uploads, ``prefetch`` opens
+    what it copies (into a sealed local store with --encrypt-local), ``verify`` checks tags."""
+    from tiered_kv import presets
+
+    layout = presets.tiny()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    key = _keyfile(tmp_path, "fleet.key")
+    monkeypatch.setenv("TIERED_KV_KEY_FILE", key)
+    local = tmp_path / "node-a"
+    assert cli_main(["warm-start", "--store", str(local), "--prompts", "bundled", "--salt", "acme", "--json"]) == 0
+    # node A's local store is sealed (TIERED_KV_KEY_FILE, tenant = the salt); sync uploads sealed
+    assert cli_main(["sync", "--store", str(local), "--shared", url, "--tenant", "acme", "--encrypt-local",
+                     "--json"]) == 0
+    with open_store(f"lmdb://{local}", layout_fingerprint=layout.fingerprint, readonly=True) as plain:
+        keys = list(plain)
+    payloads = []
+    with open_store(f"lmdb://{local}", layout_fingerprint=layout.fingerprint, readonly=True,
+                    encryption={"key_files": [key], "tenant": "acme"}) as sealed:
+        for k in keys:
+            out = np.empty(layout.block_bytes if k.kind is RecordKind.BLOCK else layout.snapshot_bytes, np.uint8)
+            assert sealed.get(k, out) is not None
+            payloads.append(out)
+    assert _leaks(list(_bucket_objects(server, url).values()), payloads[:6]) == 0
+    capsys.readouterr()
+    assert cli_main(["verify", "--store", url, "--tenant", "acme", "--json"]) == 0
+    assert '"authenticated": %d' % len(keys) in capsys.readouterr().out
+    # node B prefetches from the sealed bucket into its own sealed store
+    node_b = tmp_path / "node-b"
+    assert cli_main(["prefetch", "--from", url, "--to", str(node_b), "--prompts", "bundled", "--salt", "acme",
+                     "--encrypt-local", "--json"]) == 0
+    with open_store(f"lmdb://{node_b}", layout_fingerprint=layout.fingerprint, readonly=True,
+                    encryption={"key_files": [key], "tenant": "acme"}) as store:
+        assert set(store) == set(keys)
+        for k, want in zip(keys, payloads):
+            out = np.empty(want.nbytes, np.uint8)
+            assert store.get(k, out) is not None
+            np.testing.assert_array_equal(out, want)
+    # without the key, prefetch gets only misses from the bucket: nothing copied, exit 1
+    monkeypatch.delenv("TIERED_KV_KEY_FILE")
+    assert cli_main(["prefetch", "--from", url, "--to", str(tmp_path / "node-c"), "--prompts", "bundled",
+                     "--salt", "acme", "--key-file", _keyfile(tmp_path, "wrong.key"), "--json"]) == 1

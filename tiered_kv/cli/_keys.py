@@ -1,0 +1,110 @@
+"""Encryption options of the store commands, and what ``stats`` says about a store's sealing.
+
+* ``--key-file PATH`` (or the environment variable ``TIERED_KV_KEY_FILE``: one path, or
+  several separated by ``:``, the current key first): the master key the store's records
+  are sealed under; new records are sealed under it.
+* ``--old-key-file PATH`` (repeatable): older master keys still accepted for reading.
+* ``--tenant NAME``: whose keys (default: the command's ``--salt`` where it has one, as
+  a cache defaults its tenant to its salt; else ``""``).
+
+Without a key file the store is opened plain. A bad key file (missing, not 32 bytes,
+readable by group or others) is a usage error (exit 2) naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, Any
+
+from .main import UsageError
+
+if TYPE_CHECKING:
+    from ..layout import KVLayout
+    from ..storage import BlockStore, EncryptionConfig
+
+__all__ = ["ENV_KEY_FILE", "add_key_args", "describe_encryption", "encryption_from_args"]
+
+ENV_KEY_FILE = "TIERED_KV_KEY_FILE"
+
+
+def add_key_args(p: argparse.ArgumentParser, *, what: str = "the store", tenant_default: str = "''") -> None:
+    g = p.add_argument_group("encryption (tenant-sealed records)")
+    g.add_argument("--key-file", metavar="PATH", default=None,
+                   help=f"master key file (32 random bytes, owner-only) sealing the records of {what}: "
+                        f"reads are authenticated and decrypted, writes sealed under it (default: "
+                        f"${ENV_KEY_FILE}, whose ':'-separated list gives the current key first)")
+    g.add_argument("--old-key-file", metavar="PATH", action="append", default=[],
+                   help="an older master key still accepted for reading (repeatable)")
+    g.add_argument("--tenant", default=None, metavar="NAME",
+                   help=f"tenant whose keys are derived from the master key (default {tenant_default})")
+
+
+def encryption_from_args(args: argparse.Namespace, *, default_tenant: str = "") -> EncryptionConfig | None:
+    """The :class:`~tiered_kv.storage.EncryptionConfig` the options give (key files read
+    and checked now), or None when no key file is given."""
+    from ..storage import EncryptionConfig, KeyFileError
+    from ..storage.crypto import Keyring
+
+    files: list[str] = []
+    if args.key_file:
+        files = [args.key_file]
+    elif os.environ.get(ENV_KEY_FILE):
+        files = [f for f in os.environ[ENV_KEY_FILE].split(os.pathsep) if f]
+    if not files:
+        if args.old_key_file:
+            raise UsageError(f"--old-key-file: expected --key-file (or ${ENV_KEY_FILE}) too: the current key")
+        if args.tenant is not None:
+            raise UsageError(f"--tenant: expected --key-file (or ${ENV_KEY_FILE}) too: a tenant names whose "
+                             f"keys seal the records")
+        return None
+    files += list(args.old_key_file)
+    config = EncryptionConfig(key_files=files, tenant=args.tenant if args.tenant is not None else default_tenant)
+    try:
+        Keyring(config)
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+    return config
+
+
+def describe_encryption(store: BlockStore, layout: KVLayout, *, sample: int = 16) -> dict[str, Any]:
+    """What ``stats`` reports about sealing: ``encrypted`` (True / False, None when the
+    store is empty), and either the keys given (``key_id``, ``key_ids``, ``auth_failures``
+    and, of ``sample`` records read, how many open under each key) or, without keys,
+    how many of the ``sample`` records read are sealed envelopes and how many plain."""
+    import numpy as np
+
+    from ..storage import EncryptedStore, RecordKind
+    from ..storage.crypto import ENVELOPE_MAGIC, ENVELOPE_OVERHEAD
+
+    sizes = {RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes}
+    keys = []
+    for key in store:
+        keys.append(key)
+        if len(keys) >= sample:
+            break
+    if isinstance(store, EncryptedStore):
+        s = store.stats()
+        per_key: dict[str, int] = {}
+        reads = store.sample(keys, sizes)
+        for key_id in reads:
+            name = key_id.hex() if key_id is not None else "none (not authentic under a key given)"
+            per_key[name] = per_key.get(name, 0) + 1
+        return {"encrypted": True, "key_id": s["key_id"], "key_ids": s["key_ids"],
+                "auth_failures": s["auth_failures"], "sampled": len(keys), "sampled_by_key": per_key}
+    sealed = plain = 0
+    for key in keys:
+        for extra in (ENVELOPE_OVERHEAD, 0):
+            buf = np.empty(sizes[key.kind] + extra, np.uint8)
+            try:
+                meta = store.get(key, buf)
+            except ValueError:  # another size
+                continue
+            if meta is not None:
+                if extra and bytes(buf[:4]) == ENVELOPE_MAGIC:
+                    sealed += 1
+                elif not extra:
+                    plain += 1
+                break
+    encrypted = None if not keys or not (sealed or plain) else sealed > 0
+    return {"encrypted": encrypted, "sampled": len(keys), "sampled_sealed": sealed, "sampled_plain": plain}
