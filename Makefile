@@ -13,7 +13,7 @@ TORCH  := torch==2.13.0
 # --no-build-isolation (tests/test_packaging.py). A fresh 3.11 venv has setuptools 65.
 BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
-BENCHES := $(wildcard bench/*.py)
+BENCHES := $(filter-out bench/_%,$(wildcard bench/*.py))  # bench/_*.py: children run by a bench
 
 .PHONY: venv demo test bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations
 

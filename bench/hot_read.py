@@ -4,10 +4,15 @@ destination, measured in the same run (and LMCache 0.5.6's local disk backend, i
 venv, where one exists).
 
 Records are Flash-sized (one 128-token DeepSeek-V4-Flash fp8 block, 492,832 B of payload).
-Every reader writes into memory it has never touched: each pass allocates a fresh
-``[records * payload] uint8`` destination (``np.empty``), so the first write of every page
-faults, as a restore into new pool or host memory does. (A pass that reads into the same
-few buffers again and again measures cache-resident copies instead.)
+Every reader writes a destination the size of the data, allocated per pass (a pass that
+reads into the same few buffers again and again measures cache-resident copies instead),
+of two kinds:
+
+    fresh     np.empty: the first write of every page faults, as a restore into newly
+              allocated memory does
+    written   written once before the pass: the pages exist, as in pools, host records
+              and LMCache's pinned arena once a server runs. LMCache reads into its own
+              arena (allocated once, written by its puts), so it is compared with this one
 
     store get_many   LmdbStore.get_many in batches of --batch into views of the destination:
                      one preadv per record, every record verified (xxh3-128 checksum against
@@ -23,10 +28,12 @@ few buffers again and again measures cache-resident copies instead.)
 The store's files are read once (untimed) before each round so the page cache holds them;
 a round after which less than 99 % is still cached (another job dropped the cache) is
 measured again. Every figure is the median over --rounds; ratios compare medians of the
-same run. Targets (issue 15): store >= 1.0x LMCache, >= 0.8x parallel readv.
+same run; CPU s/GB (this process's CPU time per GB) is printed too, since wall time on a
+shared machine depends on what else runs. Targets (issue 15): store >= 1.0x LMCache,
+>= 0.8x parallel readv.
 
     python bench/hot_read.py --quick     # 128 records, 3 rounds: bench/results/hot_read.json
-    python bench/hot_read.py             # 512 records, 5 rounds
+    python bench/hot_read.py             # 512 records, 5 rounds; also hot_read.png
 """
 
 from __future__ import annotations
@@ -305,6 +312,32 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h, c = res["hot_read_gbps"], res["config"]
+    fig, axes = plt.subplots(1, len(DESTINATIONS), figsize=(10, 4), sharey=True)
+    for ax, kind in zip(axes, DESTINATIONS):
+        names = ["store\n(verified)", f"readv\n{c['threads']} threads", "readv\n1 thread"]
+        vals = [h[f"store/{kind}"], h[f"readv_parallel/{kind}"], h[f"readv_one/{kind}"]]
+        colors = ["tab:blue", "grey", "grey"]
+        if kind == "written" and res["lmcache"].get("ran"):
+            names.append("LMCache\n0.5.6")
+            vals.append(res["lmcache"]["hot_read_gbps"])
+            colors.append("tab:orange")
+        bars = ax.bar(names, vals, color=colors)
+        ax.bar_label(bars, labels=[f"{vals[0] / v:.2f}x" for v in vals], fontsize=8)
+        ax.set_title(f"{kind} destination (labels: store / this)", fontsize=9)
+    axes[0].set_ylabel("GB/s (payload)")
+    fig.suptitle(f"hot reads of {c['records']} Flash blocks (median of {c['rounds']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="128 records, 3 rounds")
@@ -334,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(res))
     (args.out / "hot_read.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out / 'hot_read.json'}")
+    if not args.quick:
+        plot(res, args.out / "hot_read.png")
+        print(f"wrote {args.out / 'hot_read.png'}")
     return 0
 
 

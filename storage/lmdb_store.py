@@ -48,10 +48,11 @@ index transaction stores ``segment_end`` of the segment it indexed into, so:
   like any other).
 
 Reads: one read transaction looks up every key; the records are then read in parallel
-(adjacent records of a segment in one transfer; from the page cache when it holds them,
-else ``O_DIRECT``) straight into the caller's buffers where possible, and each one is
-verified (header, xxh3-128 checksum against the record and the index, fingerprint, key,
-token digest). A record that fails while the index still points at it is corrupt: a miss,
+(from the page cache when it holds them: one ``preadv`` per record straight into the
+caller's buffers, hashed in the same step, shards spread over the CPUs; else adjacent
+records of a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
+xxh3-128 checksum against the record and the index, fingerprint, key, token digest; see
+:class:`~tiered_kv.storage.record.PartsVerifier`). A record that fails while the index still points at it is corrupt: a miss,
 counted and unindexed. Deleting or evicting a record punches a hole over its bytes.
 
 Access times are ``time.time_ns()`` (made strictly increasing within a process) so that they

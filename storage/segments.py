@@ -23,10 +23,14 @@ checksum), so the bytes a dead writer appended past what the index covers can be
 verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
 not verify stays unindexed and ``gc`` gives it back.
 
-Reads: an extent (records adjacent in one segment) whose pages are (3/4 or more) in the
-page cache (``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
-otherwise with ``O_DIRECT`` into an aligned bounce buffer (parallel, several extents in
-flight), or with buffered ``preadv`` after ``POSIX_FADV_WILLNEED`` when direct I/O is off.
+Reads: records whose pages are (3/4 or more) in the page cache (``cachestat``, Linux >=
+6.5; one call per segment when all of the span read is cached) are read one ``preadv``
+each straight into the caller's buffers and hashed in the same call
+(:func:`~tiered_kv.storage.fastread.read_and_hash`), spread over one thread per CPU in
+shards of >= 1 MiB: copies and hashing release the GIL, so they run in parallel. Other
+extents (records adjacent in one segment) are read with ``O_DIRECT`` into an aligned
+bounce buffer (parallel, several extents in flight), or with buffered ``preadv`` after
+``POSIX_FADV_WILLNEED`` when direct I/O is off.
 Deleting or evicting a record punches a hole over it (``fallocate(PUNCH_HOLE)``), so the
 disk space follows the live records without rewriting segments.
 """
