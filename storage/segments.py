@@ -45,6 +45,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -433,17 +434,22 @@ class SegmentFiles:
         each one read (in the reading thread, while its bytes are in the CPU cache).
 
         Records the page cache holds are read one ``preadv`` each (header, the caller's
-        buffers, checksum: a memory copy) in shards of about equal bytes, one per
-        :attr:`hot_threads`, the calling thread taking the first: ``preadv`` and the
-        hashing in ``then`` release the GIL, so copies and checks run in parallel. Cold
-        extents are read on the I/O threads meanwhile."""
+        buffers, checksum: a memory copy, hashed in the same call) in shards of about equal
+        bytes, drained by :attr:`hot_threads` threads, the calling thread one of them: the
+        copies and the hashing release the GIL, so they run in parallel. Cold extents are
+        read on the I/O threads meanwhile."""
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
         hot, cold = self._hot_and_cold(_extents(tasks))
         jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, fd, then)
                                           for ext, fd in cold]
-        jobs += [functools.partial(_read_records, shard, then) for shard in self._shards(hot)]
+        shards = deque(self._shards(hot))
+        if shards:
+            # Readers take the next shard as they finish one: a thread that runs late (a
+            # busy CPU) holds up the call by one shard, not by a fixed share.
+            drain = functools.partial(_drain, shards, then)
+            jobs = [drain] * min(self.hot_threads, len(shards)) + jobs
         if len(jobs) <= 1 or self.io_threads <= 1:
             for job in jobs:
                 job()
@@ -492,13 +498,14 @@ class SegmentFiles:
         return max(1, min(self.io_threads, _cpus()))
 
     def _shards(self, hot: list[tuple[ReadTask, int]]) -> list[list[tuple[ReadTask, int]]]:
-        """``hot`` in file order, cut into at most :attr:`hot_threads` runs of about equal
-        bytes, each at least ``_MIN_SHARD`` (a smaller one costs more to hand to a thread
-        than it saves)."""
+        """``hot`` in file order, cut into runs of about equal bytes: two per
+        :attr:`hot_threads` when there are several (one when there is one), each at least
+        ``_MIN_SHARD`` (a smaller one costs more to hand to a thread than it saves)."""
         if not hot:
             return []
         total = sum(t.loc.length for t, _ in hot)
-        n = max(1, min(self.hot_threads, len(hot), total // _MIN_SHARD))
+        per_thread = 2 if self.hot_threads > 1 else 1
+        n = max(1, min(per_thread * self.hot_threads, len(hot), total // _MIN_SHARD))
         if n == 1:
             return [hot]
         shards: list[list[tuple[ReadTask, int]]] = [[] for _ in range(n)]
@@ -728,6 +735,16 @@ def _read_records(shard: list[tuple[ReadTask, int]], then: Callable[[ReadTask], 
         t.ok = got == t.loc.length
         if t.ok and then is not None:
             then(t)
+
+
+def _drain(shards: deque[list[tuple[ReadTask, int]]], then: Callable[[ReadTask], None] | None) -> None:
+    """Read shards from ``shards`` until none is left (several threads drain one deque)."""
+    while True:
+        try:
+            shard = shards.popleft()
+        except IndexError:
+            return
+        _read_records(shard, then)
 
 
 def _cpus() -> int:
