@@ -53,6 +53,7 @@ from .record import (
     encode_record_into,
     record_size,
 )
+from .writer import StoreWriter, WriterKind, tenant_hash
 from .zarr_store import ZarrStore
 
 __all__ = [
@@ -76,6 +77,8 @@ __all__ = [
     "StoreError",
     "StoreFullError",
     "StoreLockedError",
+    "StoreWriter",
+    "WriterKind",
     "ZarrStore",
     "decode_record",
     "encode_record",
@@ -83,6 +86,7 @@ __all__ = [
     "open_chain",
     "open_store",
     "record_size",
+    "tenant_hash",
 ]
 
 #: Local-path URL schemes (``scheme:///abs/path``) :func:`open_store` accepts, and the
@@ -94,7 +98,8 @@ OBJECT_STORE_SCHEMES: dict[str, type[BlockStore]] = {"zarr+s3": ZarrStore}
 StoreSpec = str | os.PathLike[str] | BlockStore
 
 
-def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str, **options: Any) -> BlockStore:
+def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str | None,
+               writer: StoreWriter | None = None, **options: Any) -> BlockStore:
     """Open (creating if needed) the block store at ``url``.
 
     ``lmdb:///abs/path`` -> :class:`LmdbStore`, ``zarr:///abs/path`` -> :class:`ZarrStore`,
@@ -106,8 +111,18 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str,
     older...], "tenant": "..."}``) seals every record under the tenant's key
     (:class:`EncryptedStore` around the backend; see docs/shared-store.md).
 
+    ``layout_fingerprint``: the layout the records are written in; the store is created
+    with it, and an existing store of another raises :class:`LayoutMismatchError`. None:
+    a *maintenance open* of an existing store (missing: FileNotFoundError), bound to the
+    fingerprint it holds; reading, ``stats``, ``verify``, ``gc`` and ``delete`` work,
+    ``put_many`` raises :class:`StoreError` (a writer must know its layout).
+    ``writer``: who writes, recorded when the store is created (:class:`StoreWriter`;
+    ``stats()["writer"]`` shows it).
+
     A list (nearest first) opens a :class:`StoreChain` (see :func:`open_chain`).
     """
+    if writer is not None:
+        options["writer"] = writer
     if isinstance(url, (list, tuple)):
         return open_chain(url, layout_fingerprint=layout_fingerprint, **options)
     if isinstance(url, BlockStore):
@@ -142,10 +157,14 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str,
     return backend(rest, layout_fingerprint=layout_fingerprint, **options)
 
 
-def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str,
-               level_options: Sequence[dict[str, Any] | None] | None = None, **chain_options: Any) -> StoreChain:
+def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,
+               level_options: Sequence[dict[str, Any] | None] | None = None, writer: StoreWriter | None = None,
+               **chain_options: Any) -> StoreChain:
     """Open a :class:`StoreChain` over ``levels`` (nearest first): URLs / paths, or open
     stores (used as they are and not closed by the chain).
+
+    ``layout_fingerprint`` and ``writer`` as in :func:`open_store`, for every level opened
+    here (None: a maintenance open of every level, none of them created).
 
     ``level_options[i]``: options of level ``i``'s :func:`open_store`; an object-store level
     gets ``timeout_s`` = the chain's unless given. ``encryption`` among ``chain_options``
@@ -185,7 +204,8 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str,
                 kwargs["encryption"] = encryption
             if url.partition("://")[0] in OBJECT_STORE_SCHEMES:
                 kwargs.setdefault("timeout_s", timeout_s)
-            opener = functools.partial(open_store, url, layout_fingerprint=layout_fingerprint, **kwargs)
+            opener = functools.partial(open_store, url, layout_fingerprint=layout_fingerprint, writer=writer,
+                                       **kwargs)
             owned.append(True)
             if i == 0:
                 opened.append(opener())

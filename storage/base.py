@@ -21,6 +21,10 @@ for every backend):
   would exceed it first evicts the least recently accessed records (reads and writes
   count as accesses; a single call larger than ``max_bytes`` evicts its own first
   records). A full disk or map raises :class:`StoreFullError` and harms nothing.
+- **Guarded eviction.** Where ``supports_eviction_guard`` is set, a record the store's
+  :attr:`~BlockStore.eviction_guard` holds is never evicted (a store chain holds level-0
+  records whose upload is still pending): a put that cannot make room without them
+  raises :class:`StoreFullError`, and ``gc`` stops short of its bound.
 - **One layout.** The fingerprint is persisted when the store is created; opening it
   with another raises :class:`LayoutMismatchError`.
 - **Owner-only.** Every file and directory a store creates is 0o600 / 0o700, whatever
@@ -42,9 +46,10 @@ from __future__ import annotations
 
 import abc
 import functools
+import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +59,28 @@ import numpy as np
 
 from ..prefix import HASH_BYTES
 from .errors import StoreError, StoreLockedError
-from .record import RecordKey, RecordMeta, as_byte_array, as_out_segments, record_parts, write_segments
+from .record import (
+    CHECKSUM_BYTES,
+    HEADER_BYTES,
+    RecordKey,
+    RecordMeta,
+    as_byte_array,
+    as_out_segments,
+    record_parts,
+    write_segments,
+)
 
-__all__ = ["BlockStore", "PutItem", "StoreStats", "scatter_via_temporaries"]
+__all__ = ["BlockStore", "EvictionGuard", "PutItem", "StoreStats", "scatter_via_temporaries", "select_victims"]
+
+#: Which of some eviction candidates (``RecordKey`` s, least recently used first) must stay:
+#: returns that subset. Called inside the evicting store's write path, so it must be quick
+#: and must not call back into that store.
+EvictionGuard = Callable[[Sequence[RecordKey]], Collection[RecordKey]]
+#: Candidates handed to an eviction guard per call.
+_GUARD_BATCH = 256
+#: Guarded records an eviction walks past before it gives up (a put then raises
+#: StoreFullError): bounds the cost of a put when level 0 is full of pending uploads.
+GUARD_SCAN_MAX = 1 << 16
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -143,9 +167,18 @@ class BlockStore(abc.ABC):
     supports_mmap_reads: bool = False
     #: ``get_many`` reads a scatter-list out straight into its pieces (no temporary).
     supports_scatter_reads: bool = False
+    #: Eviction (by a put or ``gc``) skips the records :attr:`eviction_guard` holds.
+    supports_eviction_guard: bool = False
+
+    #: Set by the owner of the store (a :class:`~tiered_kv.storage.StoreChain` on its level
+    #: 0) where ``supports_eviction_guard``; None: every record may be evicted.
+    eviction_guard: EvictionGuard | None = None
 
     layout_fingerprint: str
     max_bytes: int | None
+    #: Opened with ``layout_fingerprint=None``: bound to whatever fingerprint the store
+    #: holds, for maintenance (stats, verify, gc, delete, reads); puts raise StoreError.
+    maintenance: bool = False
     _closed: bool = True
 
     @property
@@ -224,6 +257,13 @@ class BlockStore(abc.ABC):
         ``max_bytes``. Returns at least ``{"evicted": int, "freed_bytes": int, "bytes": int,
         "records": int}`` (``bytes`` / ``records``: what is left)."""
 
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """The payload bytes of the record stored under each key (None: absent), from the
+        store's index or object sizes, not verified: what a reader must allocate to
+        ``get`` it when it does not know the layout (``tiered-kv sync`` / ``prefetch`` on
+        a store of an engine's)."""
+        raise NotImplementedError(f"{type(self).__name__}: payload sizes are not known without the layout")
+
     # --------------------------------------------------------------- helpers
     def put(self, item: PutItem) -> bool:
         return self.put_many([item])[0]
@@ -239,6 +279,12 @@ class BlockStore(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_layout_known(self, where: str) -> None:
+        if self.maintenance:
+            raise StoreError(f"{where}: opened without a layout fingerprint (a maintenance open); writing "
+                             f"records needs the layout: open it with layout_fingerprint=... (the store holds "
+                             f"{self.layout_fingerprint!r})")
 
     @staticmethod
     def _check_gc_bound(max_bytes: object) -> int:
@@ -277,6 +323,35 @@ class BlockStore(abc.ABC):
             if d is not None and (not isinstance(d, (bytes, bytearray)) or len(d) != HASH_BYTES):
                 raise ValueError(f"token_digests[{i}]: expected None or {HASH_BYTES} bytes, got {d!r}")
         return keys, outs, digests
+
+
+H = TypeVar("H")
+
+
+def select_victims(candidates: Iterable[tuple[H, RecordKey | None, int]], excess: int,
+                   guard: EvictionGuard | None, *, max_records: int | None = None) -> tuple[list[H], int, int]:
+    """Pick records to evict: ``candidates`` are ``(handle, key, bytes)`` least recently
+    used first (``key`` None: never guarded, e.g. a stored key that is not a RecordKey);
+    taken in order, skipping those ``guard`` holds, until their bytes reach ``excess`` or
+    ``max_records`` were taken. Returns ``(handles taken, bytes taken, guarded records
+    walked past)``; the walk gives up after :data:`GUARD_SCAN_MAX` guarded records."""
+    taken: list[H] = []
+    freed = kept = 0
+    it = iter(candidates)
+    while freed < excess and (max_records is None or len(taken) < max_records) and kept < GUARD_SCAN_MAX:
+        batch = list(itertools.islice(it, _GUARD_BATCH if guard is not None else 1))
+        if not batch:
+            break
+        held = guard([key for _, key, _ in batch if key is not None]) if guard is not None else ()
+        for handle, key, size in batch:
+            if key is not None and key in held:
+                kept += 1
+                continue
+            taken.append(handle)
+            freed += size
+            if freed >= excess or (max_records is not None and len(taken) >= max_records):
+                break
+    return taken, freed, kept
 
 
 GetMany = TypeVar("GetMany", bound=Callable[..., list[Any]])
@@ -398,6 +473,13 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def payload_of_record(nbytes: int | None) -> int | None:
+    """Payload bytes of a stored record of ``nbytes`` (None: absent or too short to be one)."""
+    if nbytes is None or nbytes < HEADER_BYTES + CHECKSUM_BYTES:
+        return None
+    return nbytes - HEADER_BYTES - CHECKSUM_BYTES
 
 
 def check_open(closed: bool, what: str) -> None:

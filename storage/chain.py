@@ -26,8 +26,17 @@ promotion is written on the request path instead (back-pressure, never dropped).
 **Writes** (``put_many``) go to level 0 at once; the result is level 0's. Every item is
 queued for each farther level (deduplicated by key); one background thread uploads them
 in batches. The queue holds keys, not payloads: an upload reads the record back from level
-0, so the queue's memory is small and an upload always sends what level 0 verified. A
-record evicted from level 0 before its upload is skipped (``uploads_skipped``).
+0, so the queue's memory is small and an upload always sends what level 0 verified.
+
+**No upload is lost to eviction.** Level 0 (LMDB or Zarr: ``supports_eviction_guard``)
+gets an eviction guard from the chain: a record whose upload is queued, in flight or
+journaled (by any process: the journal is shared) is not evicted, neither by a put nor by
+``gc``, until a far level has it. A level 0 full of such records refuses new puts
+(:class:`StoreFullError`, counted by the cache as a write error; the data stays in the
+GPU and host tiers) until uploads free it, so a far level that is down for long makes
+level 0 stop taking new records rather than drop owed ones. A record gone from level 0
+anyway (deleted, ``gc`` run on level 0 alone, a level 0 without the guard) is skipped
+(``uploads_skipped``).
 
 **Far levels fail without harming the request path.**
 
@@ -76,6 +85,10 @@ What the chain guarantees:
   ``close_timeout_s`` (a level that is down is not waited for) and logs what was left
   (``abandoned_uploads``): with a journal the next process resumes those, without one
   :meth:`StoreChain.resync` (``tiered-kv sync``) queues them again.
+- A chain still open when the interpreter exits is closed then, as :meth:`StoreChain.close`
+  does, before Python's thread pools stop accepting work (:mod:`~.at_exit`): a script that
+  never calls ``close()`` loses no promotion and no journaled upload, and prints no
+  traceback.
 """
 
 from __future__ import annotations
@@ -97,6 +110,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from .at_exit import close_at_exit
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
@@ -223,6 +237,7 @@ class StoreChain(BlockStore):
             raise ValueError(f"owned: expected one flag per level ({len(levels)}), got {len(owned)}")
         near = levels[0]
         self.layout_fingerprint = near.layout_fingerprint
+        self.maintenance = near.maintenance  # (level 0 refuses puts then)
         for i, lvl in enumerate(levels):
             if isinstance(lvl, BlockStore) and lvl.layout_fingerprint != self.layout_fingerprint:
                 raise LayoutMismatchError(f"levels[{i}] ({_where(lvl)})", lvl.layout_fingerprint,
@@ -267,7 +282,11 @@ class StoreChain(BlockStore):
             level.scan_more = self._journal is not None  # resume what an earlier process left
         self._worker = threading.Thread(target=self._run_background, name="tiered_kv.chain.uploads", daemon=True)
         self._closed = False
+        self._guarded = bool(self._far) and near.supports_eviction_guard and near.eviction_guard is None
+        if self._guarded:
+            near.eviction_guard = self._uploads_pending
         self._worker.start()
+        self._at_exit = close_at_exit(self.close)
 
     # ------------------------------------------------------------------ health
     def _usable(self, level: _Level) -> bool:
@@ -314,6 +333,22 @@ class StoreChain(BlockStore):
         except _LEVEL_ERRORS as e:
             self._failed(level, what, e)
         return _SKIPPED
+
+    def _uploads_pending(self, keys: Sequence[RecordKey]) -> set[RecordKey]:
+        """Level 0's eviction guard: which of ``keys`` a far level still needs (queued, in
+        flight, being written and queued by this process, or journaled by any process)."""
+        with self._cond:
+            held = {key for key in keys if key in self._writing
+                    or any(key in level.pending or key in level.inflight_keys for level in self._far)}
+        if self._journal is not None and not self._closed:
+            rest = [key for key in keys if key not in held]
+            try:
+                held |= self._journal.pending_among([level.journal_name for level in self._far], rest)
+            except (StoreError, lmdb.Error) as e:  # unreadable journal: hold them all, never lose one
+                log.warning("upload journal %s: could not be read for level 0's eviction (%s); "
+                            "nothing is evicted meanwhile", self._journal.path, e)
+                return set(keys)
+        return held
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
@@ -563,11 +598,13 @@ class StoreChain(BlockStore):
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending_promotions, timeout=timeout_s)
 
-    def resync(self, payload_bytes: dict[RecordKind, int]) -> dict[str, int]:
+    def resync(self, payload_bytes: dict[RecordKind, int] | None = None) -> dict[str, int]:
         """Queue for upload every level-0 record that a farther level lacks.
 
-        ``payload_bytes``: the payload size of each record kind (a store holds one layout:
-        ``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); an upload reads
+        ``payload_bytes``: the payload size of each record kind, when the layout is known
+        (``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); None (default):
+        each record's own size, from level 0's index (:meth:`BlockStore.payload_sizes`), so
+        a store of any layout (an engine's pages of several sizes) resyncs. An upload reads
         the record back from level 0 into a buffer of that size.
 
         With a journal (see the module docstring) uploads pending when a process stopped are
@@ -587,13 +624,29 @@ class StoreChain(BlockStore):
                 continue
             missing = [key for key in local if key not in listed]
             out["present"] += len(local) - len(missing)
-            out["queued"] += len(missing)
+            sizes = ([payload_bytes[key.kind] for key in missing] if payload_bytes is not None
+                     else self._near.payload_sizes(missing))
+            owed = [(key, n) for key, n in zip(missing, sizes) if n is not None]  # (None: gone meanwhile)
+            out["queued"] += len(owed)
             if self._journal is not None:
-                self._journal.add([level.journal_name], [(key, payload_bytes[key.kind]) for key in missing])
+                self._journal.add([level.journal_name], owed)
             with self._cond:
-                for key in missing:
-                    self._enqueue(level, key, payload_bytes[key.kind])
+                for key, n in owed:
+                    self._enqueue(level, key, n)
         return out
+
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """Level 0's answer, and for the keys it lacks each farther level's in turn (far
+        levels are asked directly, an admin call: one not open raises StoreError)."""
+        check_open(self._closed, self.where)
+        sizes = self._near.payload_sizes(keys)
+        for level in self._far:
+            todo = [i for i, n in enumerate(sizes) if n is None]
+            if not todo:
+                break
+            for i, n in zip(todo, self._open_store(level, "payload_sizes").payload_sizes([keys[i] for i in todo])):
+                sizes[i] = n
+        return sizes
 
     def levels(self) -> list[BlockStore | None]:
         """The levels' stores, nearest first (None: a deferred level not opened yet)."""
@@ -616,6 +669,7 @@ class StoreChain(BlockStore):
         near = self._near.stats()
         out: dict[str, Any] = {
             "backend": "chain", "path": self.where, "layout_fingerprint": self.layout_fingerprint,
+            "writer": near.get("writer"),
             **{k: near.get(k) for k in ("records", "bytes", "max_bytes", "evictions", "puts", "put_bytes",
                                           "oldest_access_ns", "newest_access_ns")},
         }
@@ -645,6 +699,8 @@ class StoreChain(BlockStore):
                             "journaled_uploads": journaled.get(level.index, 0), **level.counters}
                 if stats_error is not None:
                     info["stats_error"] = stats_error
+                info["writer"] = store_stats.get("writer")
+                info["records"] = store_stats.get("records")
                 info["encrypted"] = bool(store_stats.get("encrypted"))  # (a level not open yet: False)
                 if info["encrypted"]:
                     info["key_ids"] = store_stats.get("key_ids")
@@ -816,7 +872,7 @@ class StoreChain(BlockStore):
     def _unjournal(self, level: _Level, keys: list[RecordKey]) -> None:
         """Remove ``keys`` from ``level``'s journal entries. A failure only means they are
         sent again later (create-only: found present), so it is logged, not raised."""
-        if self._journal is None or not keys:
+        if self._journal is None or not keys or self._closed:  # closed: an abandoned upload ended late
             return
         try:
             self._journal.remove(level.journal_name, keys)
@@ -867,12 +923,18 @@ class StoreChain(BlockStore):
         waited for), then stop and close the owned levels. Idempotent."""
         if self._closed:
             return
+        self._at_exit.cancel()
         self._promoter.shutdown(wait=True)  # promotions land in level 0 (and queue their uploads)
         with self._cond:
             self._closing = True
             self._close_deadline = time.monotonic() + self.close_timeout_s
             self._cond.notify_all()
-        self._worker.join()
+        # An upload in flight is bounded by its store's own timeouts; one that hangs past
+        # them (a stalled link) is abandoned: it stays journaled, the thread is a daemon.
+        self._worker.join(timeout=self.close_timeout_s + self.timeout_s)
+        if self._worker.is_alive():
+            log.warning("store chain %s: an upload still in flight after close_timeout_s=%g s is abandoned",
+                        self.where, self.close_timeout_s)
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._journal_io.shutdown(wait=True)
@@ -888,6 +950,8 @@ class StoreChain(BlockStore):
                         "; ".join(f"level {lv.index}: {len(lv.pending)} ({lv.last_error})"
                                   for lv in self._far if lv.pending))
         self.abandoned_uploads = abandoned
+        if self._guarded:
+            self._near.eviction_guard = None
         errors: list[BaseException] = []
         for level in reversed(self._levels):
             if level.owned and level.store is not None:

@@ -153,6 +153,8 @@ class EncryptedStore(BlockStore):
         self.max_bytes = inner.max_bytes
         self.supports_multiprocess = inner.supports_multiprocess
         self.supports_shared_writers = inner.supports_shared_writers
+        self.supports_eviction_guard = inner.supports_eviction_guard  # (the guard goes to the backend)
+        self.maintenance = inner.maintenance  # (the backend refuses the envelopes' puts then)
         self.threads = self.config.threads or max(1, min(8, os.cpu_count() or 1))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -179,6 +181,22 @@ class EncryptedStore(BlockStore):
     @property
     def where(self) -> str:
         return str(getattr(self._inner, "where", None) or getattr(self._inner, "path", None) or repr(self._inner))
+
+    @property  # type: ignore[override]
+    def eviction_guard(self) -> Any:
+        """The backend's (records are evicted there, under the same keys)."""
+        return self._inner.eviction_guard
+
+    @eviction_guard.setter
+    def eviction_guard(self, guard: Any) -> None:
+        self._inner.eviction_guard = guard
+
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """The plaintext payload sizes (the backend's envelope sizes less the envelope
+        overhead; None: absent, or too short to be an envelope)."""
+        check_open(self._closed, self.where)
+        return [None if n is None or n < ENVELOPE_OVERHEAD else n - ENVELOPE_OVERHEAD
+                for n in self._inner.payload_sizes(keys)]
 
     def recent(self, n: int) -> list[RecordKey]:
         """The backend's :meth:`~.zarr_store.ZarrStore.recent` (Zarr backends only)."""

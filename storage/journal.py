@@ -29,21 +29,23 @@ file is shared by every :class:`UploadJournal` on it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import lmdb
 
+from .base import BlockStore
 from .errors import StoreError, StoreFullError
 from .record import KEY_BYTES, RecordKey
 
-__all__ = ["JOURNAL_FILE", "UploadJournal", "level_name"]
+__all__ = ["JOURNAL_FILE", "UploadJournal", "keep_owed_uploads", "level_name"]
 
 #: File name of the journal inside the local store's directory.
 JOURNAL_FILE = "upload-journal.mdb"
@@ -204,6 +206,17 @@ class UploadJournal:
 
         return self._read(read)
 
+    def pending_among(self, levels: Sequence[str], keys: Sequence[RecordKey]) -> set[RecordKey]:
+        """Which of ``keys`` have an entry for any of ``levels`` (one read transaction)."""
+        if not levels or not keys:
+            return set()
+        dbs = [self._db(name) for name in levels]
+
+        def read(txn: lmdb.Transaction) -> set[RecordKey]:
+            return {key for key in keys if any(txn.get(key.to_bytes(), db=db) is not None for db in dbs)}
+
+        return self._read(read)
+
     def count(self, level: str) -> int:
         """Entries of ``level`` (O(1))."""
         db = self._db(level)
@@ -235,3 +248,31 @@ class UploadJournal:
 
     def __repr__(self) -> str:
         return f"UploadJournal({str(self.path)!r}, {'closed' if self._closed else 'open'})"
+
+
+@contextlib.contextmanager
+def keep_owed_uploads(store: BlockStore) -> Iterator[int]:
+    """While inside, ``store`` (a chain's level 0 opened without its chain, e.g. by
+    ``tiered-kv gc``) evicts no record that the upload journal in its directory still owes
+    a farther level, whichever chain or process journaled it. Yields the number of
+    journal entries (0: no journal there, or a store that cannot guard its evictions, which
+    is left as it is). Any guard the store has already is kept."""
+    path = getattr(store, "path", None)
+    if not store.supports_eviction_guard or not isinstance(path, os.PathLike) \
+            or not (Path(path) / JOURNAL_FILE).is_file():
+        yield 0
+        return
+    with UploadJournal(path) as journal:
+        owed = journal.levels()
+        names = list(owed)
+        previous = store.eviction_guard
+
+        def guard(keys: Sequence[RecordKey]) -> set[RecordKey]:
+            held = set(previous(keys)) if previous is not None else set()
+            return held | journal.pending_among(names, [key for key in keys if key not in held])
+
+        store.eviction_guard = guard
+        try:
+            yield sum(owed.values())
+        finally:
+            store.eviction_guard = previous

@@ -15,6 +15,7 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
               b"layout_fingerprint"               ascii
               b"record_bytes"                     u64 LE, sum of the accounted record sizes
               b"next_segment"                     u32 LE, the next segment id to hand out
+              b"writer"                           JSON: who created the store (writer.py)
               b"segment_end:" + u32 BE segment    u64 LE, the segment is indexed below this offset
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
@@ -100,6 +101,8 @@ from .base import (
     check_open,
     create_private_file,
     mkdir_private,
+    payload_of_record,
+    select_victims,
 )
 from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
 from .record import (
@@ -119,6 +122,7 @@ from .record import (
     write_segments,
 )
 from .segments import ALIGN, Location, ReadTask, SegmentFiles
+from .writer import StoreWriter, parse_recorded
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 
@@ -143,6 +147,8 @@ _M_RECORD_FORMAT = b"record_format_version"
 _M_FINGERPRINT = b"layout_fingerprint"
 _M_TOTAL = b"record_bytes"
 _M_NEXT_SEGMENT = b"next_segment"
+#: the writer that created the store (JSON, see writer.py)
+_M_WRITER = b"writer"
 _U32 = struct.Struct("<I")
 #: an index entry: segment, offset, record bytes, the record's xxh3-128 checksum
 _ENTRY = struct.Struct("<IQQ16s")
@@ -223,7 +229,11 @@ class LmdbStore(BlockStore):
     on the stored records (header + payload + checksum), LRU-evicted. ``map_size``: the
     largest LMDB map (default derived from ``max_bytes``, see the module docstring).
     ``readonly``: open an existing store without writing (corrupt records are misses but
-    stay; access times are not recorded). ``segment_bytes``: a writer starts a new segment
+    stay; access times are not recorded). ``layout_fingerprint=None``: a *maintenance
+    open* of an existing store, bound to whatever fingerprint it holds (stats, verify, gc,
+    delete, reads; ``put_many`` raises StoreError: records are only written by someone who
+    knows their layout). ``writer``: recorded when the store is created, or on the first
+    writable open of a store that has none (see :mod:`~.writer`). ``segment_bytes``: a writer starts a new segment
     file past this size. ``direct_io``: O_DIRECT segment writes and cold reads (None: where
     the filesystem accepts it). ``io_threads``: parallel transfers of one call.
     """
@@ -232,20 +242,26 @@ class LmdbStore(BlockStore):
     supports_shared_writers = True
     supports_mmap_reads = False  # records are pread (page cache or O_DIRECT) into the out buffers
     supports_scatter_reads = True  # one preadv per record: header, every piece, checksum
+    supports_eviction_guard = True
 
-    def __init__(self, path: str | os.PathLike[str], *, layout_fingerprint: str,
+    def __init__(self, path: str | os.PathLike[str], *, layout_fingerprint: str | None,
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
                  initial_map_size: int | None = None, access_flush_s: float = 5.0,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
-                 io_threads: int = DEFAULT_IO_THREADS) -> None:
-        fingerprint_field(layout_fingerprint)
+                 io_threads: int = DEFAULT_IO_THREADS, writer: StoreWriter | None = None) -> None:
+        if layout_fingerprint is not None:
+            fingerprint_field(layout_fingerprint)
+        if writer is not None and not isinstance(writer, StoreWriter):
+            raise TypeError(f"writer: expected a StoreWriter or None, got {type(writer).__name__}")
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size),
                             ("initial_map_size", initial_map_size), ("segment_bytes", segment_bytes),
                             ("io_threads", io_threads)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.path = Path(os.path.abspath(path))
-        self.layout_fingerprint = layout_fingerprint
+        self.layout_fingerprint: str = layout_fingerprint  # type: ignore[assignment]  (None: read at open)
+        self.maintenance = layout_fingerprint is None
+        self._writer = writer
         self.max_bytes = max_bytes
         self.readonly = readonly
         self.map_limit = map_size if map_size is not None else max_bytes * 3 // 2 + 64 * _MiB
@@ -263,9 +279,10 @@ class LmdbStore(BlockStore):
         if (self.path / "zarr.json").exists():
             raise StoreError(f"{self.path}: this directory holds a Zarr block store; open it with "
                              f"ZarrStore or a zarr:// URL")
-        if readonly:
+        if readonly or self.maintenance:
             if not (self.path / "data.mdb").is_file():
-                raise FileNotFoundError(f"{self.path}: no LMDB store here (no data.mdb) to open readonly")
+                why = "readonly" if readonly else "without a layout fingerprint"
+                raise FileNotFoundError(f"{self.path}: no LMDB store here (no data.mdb) to open {why}")
         else:
             mkdir_private(self.path)
             for name in ("data.mdb", "lock.mdb"):  # owner-only before LMDB opens them
@@ -322,13 +339,14 @@ class LmdbStore(BlockStore):
     def _check_meta(self, txn: lmdb.Transaction, *, create: bool) -> None:
         stored_version = txn.get(_M_FORMAT, db=self._meta)
         if stored_version is None:
-            if not create:
+            if not create or self.maintenance:
                 raise StoreError(f"{self.path}: not a tiered_kv LMDB store (no metadata)")
             txn.put(_M_FORMAT, _U16.pack(STORE_FORMAT_VERSION), db=self._meta)
             txn.put(_M_RECORD_FORMAT, _U16.pack(FORMAT_VERSION), db=self._meta)
             txn.put(_M_FINGERPRINT, self.layout_fingerprint.encode("ascii"), db=self._meta)
             txn.put(_M_TOTAL, _U64.pack(0), db=self._meta)
             txn.put(_M_NEXT_SEGMENT, _U32.pack(1), db=self._meta)
+            self._record_writer(txn)
             return
         (version,) = _U16.unpack(bytes(stored_version))
         if version == 1:
@@ -340,8 +358,16 @@ class LmdbStore(BlockStore):
             raise StoreError(f"{self.path}: store format version {version}, this code reads "
                              f"version {STORE_FORMAT_VERSION}")
         stored_fp = bytes(txn.get(_M_FINGERPRINT, db=self._meta) or b"").decode("ascii", "replace")
-        if stored_fp != self.layout_fingerprint:
+        if self.maintenance:
+            self.layout_fingerprint = stored_fp
+        elif stored_fp != self.layout_fingerprint:
             raise LayoutMismatchError(str(self.path), stored_fp, self.layout_fingerprint)
+        if create and txn.get(_M_WRITER, db=self._meta) is None:
+            self._record_writer(txn)
+
+    def _record_writer(self, txn: lmdb.Transaction) -> None:
+        if self._writer is not None:
+            txn.put(_M_WRITER, self._writer.to_json(), db=self._meta)
 
     # ------------------------------------------------------------------ transactions
     def _run(self, fn: Callable[[lmdb.Transaction], T], *, write: bool, need: int = 0) -> T:
@@ -446,18 +472,46 @@ class LmdbStore(BlockStore):
     def _evict_for(self, txn: lmdb.Transaction, total: int, need: int, freed: list[Location], *,
                    limit: int | None = None, max_records: int | None = None) -> tuple[int, int]:
         """Evict least recently accessed records until ``need`` more bytes fit in ``limit``
-        (default ``max_bytes``), or ``max_records`` were evicted."""
+        (default ``max_bytes``), or ``max_records`` were evicted; records the
+        :attr:`eviction_guard` holds are skipped. Returns (bytes left, records evicted).
+
+        Raises StoreFullError when a put (``need > 0``) cannot make room because the
+        guard holds the rest; ``gc`` (``need == 0``) then stops short of its bound."""
         bound = self.max_bytes if limit is None else limit
-        evicted = 0
-        while total + need > bound and (max_records is None or evicted < max_records):
-            cur = txn.cursor(db=self._lru)
-            if not cur.first():
+        if total + need <= bound:
+            return total, 0
+        victims, _, kept = select_victims(self._lru_candidates(txn), total + need - bound, self.eviction_guard,
+                                          max_records=max_records)
+        for kb in victims:
+            total -= self._remove(txn, kb, freed)
+        if total + need > bound and (max_records is None or len(victims) < max_records):
+            if kept and need:
+                raise StoreFullError(
+                    f"{self.path}: no room for {need} bytes: records take {total} of {bound} bytes and the "
+                    f"{kept} least recently used that could go are held by the store's eviction guard "
+                    f"(uploads to a farther level still pending); nothing was written by this call")
+            if not kept:
                 raise StoreError(f"{self.path}: accounting broken: {total} bytes recorded but no "
                                  f"record left to evict")
+        return total, len(victims)
+
+    def _lru_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, RecordKey | None, int]]:
+        """Every record, least recently accessed first: (key bytes, its RecordKey when an
+        eviction guard is set, accounted bytes)."""
+        guarded = self.eviction_guard is not None
+        cur = txn.cursor(db=self._lru)
+        ok = cur.first()
+        while ok:
             kb = bytes(cur.key()[_LRU_NS.size:])
-            total -= self._remove(txn, kb, freed)
-            evicted += 1
-        return total, evicted
+            raw = txn.get(kb, db=self._atime)
+            key = None
+            if guarded:
+                try:
+                    key = RecordKey.from_bytes(kb)
+                except ValueError:  # not a RecordKey: nothing can hold it
+                    key = None
+            yield kb, key, _ATIME.unpack(raw)[1] if raw is not None else 0
+            ok = cur.next()
 
     def _take_access(self) -> dict[bytes, int]:
         with self._access_lock:
@@ -519,6 +573,7 @@ class LmdbStore(BlockStore):
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         check_open(self._closed, str(self.path))
         self._check_writable()
+        self._check_layout_known(str(self.path))
         items = self._check_put_items(items)
         if not items:
             return []
@@ -792,6 +847,19 @@ class LmdbStore(BlockStore):
 
         return self._run(check, write=False)
 
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """See :meth:`BlockStore.payload_sizes`: from the index, one read transaction."""
+        kbs = [key.to_bytes() for key in keys]
+
+        def read(txn: lmdb.Transaction) -> list[int | None]:
+            out: list[int | None] = []
+            for kb in kbs:
+                found = unpack_entry(txn.get(kb, db=self._records))
+                out.append(payload_of_record(found[0].length) if found is not None else None)
+            return out
+
+        return self._run(read, write=False)
+
     def contains(self, key: RecordKey) -> bool:
         kb = key.to_bytes()
         return self._run(lambda txn: txn.get(kb, db=self._records) is not None, write=False)
@@ -818,8 +886,10 @@ class LmdbStore(BlockStore):
             oldest = _LRU_NS.unpack(bytes(cur.key()[:8]))[0] if cur.first() else None
             newest = _LRU_NS.unpack(bytes(cur.key()[:8]))[0] if cur.last() else None
             lifetime = {f"lifetime_{k}": v for k, v in self._get_counters(txn).items()}
+            writer = txn.get(_M_WRITER, db=self._meta)
             return {"records": txn.stat(self._records)["entries"], "bytes": self._get_total(txn),
-                    "oldest_access_ns": oldest, "newest_access_ns": newest, **lifetime}
+                    "oldest_access_ns": oldest, "newest_access_ns": newest,
+                    "writer": parse_recorded(None if writer is None else bytes(writer)), **lifetime}
 
         out: dict[str, Any] = {"backend": "lmdb", "path": str(self.path),
                                "layout_fingerprint": self.layout_fingerprint, "max_bytes": self.max_bytes}

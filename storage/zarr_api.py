@@ -63,6 +63,10 @@ class ZarrApiObjects(Objects):
     def exists(self, name: str) -> bool:
         return bool(self._sync(self.store.exists(name)))
 
+    def size_of(self, name: str) -> int | None:
+        arr = self._get(name)  # (the zarr Store API has no size query that every store answers)
+        return None if arr is None else int(arr.nbytes)
+
     def remove(self, name: str) -> bool:
         if not self.exists(name):
             return False

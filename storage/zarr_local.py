@@ -165,6 +165,12 @@ class LocalObjects(Objects):
     def exists(self, name: str) -> bool:
         return (self.root / name).is_file()
 
+    def size_of(self, name: str) -> int | None:
+        try:
+            return os.stat(self.root / name).st_size
+        except FileNotFoundError:
+            return None
+
     def remove(self, name: str) -> bool:
         try:
             os.unlink(self.root / name)

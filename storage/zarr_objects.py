@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .record import FORMAT_VERSION, RecordKey, RecordKind, RecordMeta
+from .writer import StoreWriter
 
 __all__ = ["ATTR", "DIR_KINDS", "IoPool", "KIND_DIRS", "META_KEY", "Objects", "STORE_FORMAT_VERSION", "group_metadata",
            "key_of", "object_name", "raise_first"]
@@ -49,9 +50,13 @@ def key_of(kind_dir: str, shard: str, rest: str) -> RecordKey | None:
     return RecordKey(kind, bytes.fromhex(shard + rest))
 
 
-def group_metadata(layout_fingerprint: str) -> bytes:
-    attrs = {ATTR: {"store": _STORE_NAME, "store_format_version": STORE_FORMAT_VERSION,
-                     "record_format_version": FORMAT_VERSION, "layout_fingerprint": layout_fingerprint}}
+def group_metadata(layout_fingerprint: str, writer: StoreWriter | None = None) -> bytes:
+    """``zarr.json`` of a new store; ``writer``: who creates it (see :mod:`~.writer`)."""
+    attrs: dict[str, Any] = {ATTR: {"store": _STORE_NAME, "store_format_version": STORE_FORMAT_VERSION,
+                                    "record_format_version": FORMAT_VERSION,
+                                    "layout_fingerprint": layout_fingerprint}}
+    if writer is not None:
+        attrs[ATTR]["writer"] = writer.to_dict()
     doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs}
     return json.dumps(doc, indent=2, sort_keys=True).encode()
 
@@ -127,9 +132,9 @@ class Objects(abc.ABC):
     @abc.abstractmethod
     def exists(self, name: str) -> bool: ...
 
+    @abc.abstractmethod
     def size_of(self, name: str) -> int | None:
-        """Stored bytes of object ``name``, None if absent (used where ``remote``)."""
-        raise NotImplementedError
+        """Stored bytes of object ``name``, None if absent."""
 
     @abc.abstractmethod
     def remove(self, name: str) -> bool: ...

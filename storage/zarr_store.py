@@ -5,7 +5,8 @@ Layout (keys relative to the group; on a local directory each key is a file)::
     zarr.json                     group metadata; attributes["tiered_kv"] = {
                                     "store": "tiered_kv.block_store",
                                     "store_format_version": 1, "record_format_version": 1,
-                                    "layout_fingerprint": "kvl1-…"}
+                                    "layout_fingerprint": "kvl1-…",
+                                    "writer": {...}}  (who created it, see writer.py; optional)
     blocks/<h[0:2]>/<h[2:64]>     one Classical-block record, h = block hash in hex
     snapshots/<h[0:2]>/<h[2:64]>  one state-snapshot record
 
@@ -79,7 +80,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import BlockStore, PutItem, StoreStats, check_open, scatter_via_temporaries
+from .base import (
+    BlockStore,
+    PutItem,
+    StoreStats,
+    check_open,
+    payload_of_record,
+    scatter_via_temporaries,
+    select_victims,
+)
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
 from .record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
 from .zarr_api import ZarrApiObjects
@@ -94,6 +103,7 @@ from .zarr_objects import (
     object_name,
     raise_first,
 )
+from .writer import StoreWriter
 from .zarr_s3 import _s3, s3_objects
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
@@ -110,7 +120,9 @@ class ZarrStore(BlockStore):
     ``io_threads``: records of one ``put_many`` / ``get_many`` are written / read
     concurrently by this many threads (their fsyncs, reads or requests overlap).
     ``stale_partial_s``: age after which a scan removes a temporary file left by a killed
-    writer. ``rescan_fraction``: see the module docstring.
+    writer. ``rescan_fraction``: see the module docstring. ``layout_fingerprint=None``: a
+    maintenance open of an existing store (see :func:`tiered_kv.storage.open_store`;
+    puts raise StoreError). ``writer``: recorded in ``zarr.json`` when the store is created.
 
     ``s3_options`` (object stores only): ``timeout_s`` (default 5) and ``max_retries``
     (default 2) of :func:`~tiered_kv.storage.s3.open_object_store`, and with a URL the
@@ -126,17 +138,28 @@ class ZarrStore(BlockStore):
     supports_multiprocess = True
     supports_shared_writers = True
     supports_mmap_reads = False
+    supports_eviction_guard = True
 
-    def __init__(self, url_or_path: Any, *, layout_fingerprint: str, max_bytes: int | None = None,
+    def __init__(self, url_or_path: Any, *, layout_fingerprint: str | None, max_bytes: int | None = None,
                  io_threads: int = 8, stale_partial_s: float = 3600.0, rescan_fraction: float = 0.1,
-                 **s3_options: Any) -> None:
-        fingerprint_field(layout_fingerprint)
+                 writer: StoreWriter | None = None, **s3_options: Any) -> None:
+        if layout_fingerprint is not None:
+            fingerprint_field(layout_fingerprint)
+        if writer is not None and not isinstance(writer, StoreWriter):
+            raise TypeError(f"writer: expected a StoreWriter or None, got {type(writer).__name__}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes <= 0):
             raise ValueError(f"max_bytes: expected None or a positive int, got {max_bytes!r}")
         if not 0 < rescan_fraction <= 1:
             raise ValueError(f"rescan_fraction: expected a value in (0, 1], got {rescan_fraction!r}")
-        self.layout_fingerprint = layout_fingerprint
+        self.layout_fingerprint: str = layout_fingerprint  # type: ignore[assignment]  (None: read at open)
+        self.maintenance = layout_fingerprint is None
+        self._writer = writer
+        self.writer_info: dict[str, Any] | None = None
+        local = _local_dir(url_or_path)
+        if self.maintenance and local is not None and not (local / META_KEY).is_file():
+            raise FileNotFoundError(f"{local}: no Zarr store here (no {META_KEY}) to open without a layout "
+                                    f"fingerprint")
         self.max_bytes = max_bytes
         self._rescan_bytes = None if max_bytes is None else max(1, int(rescan_fraction * max_bytes))
         self._io = IoPool(io_threads)
@@ -208,8 +231,11 @@ class ZarrStore(BlockStore):
         if raw is None and self.path is not None and (self.path / "data.mdb").exists():
             raise StoreError(f"{self.where}: this directory holds an LMDB block store; open it with "
                              f"LmdbStore or an lmdb:// URL")
+        if raw is None and self.maintenance:
+            raise FileNotFoundError(f"{self.where}: no Zarr store here (no {META_KEY}) to open without a "
+                                    f"layout fingerprint")
         if raw is None:
-            self._objects.create_meta(group_metadata(self.layout_fingerprint))
+            self._objects.create_meta(group_metadata(self.layout_fingerprint, self._writer))
             raw = self._objects.read_meta()  # another process may have created it first
             if raw is None:
                 raise StoreError(f"{self.where}: could not create {META_KEY}")
@@ -223,8 +249,12 @@ class ZarrStore(BlockStore):
         if version != STORE_FORMAT_VERSION:
             raise StoreError(f"{self.where}: store format version {version}, this code reads "
                              f"version {STORE_FORMAT_VERSION}")
-        if stored_fp != self.layout_fingerprint:
+        if self.maintenance:
+            self.layout_fingerprint = str(stored_fp)
+        elif stored_fp != self.layout_fingerprint:
             raise LayoutMismatchError(self.where, str(stored_fp), self.layout_fingerprint)
+        writer = attrs.get("writer")
+        self.writer_info = writer if isinstance(writer, dict) else None
 
     # ------------------------------------------------------------------ index
     def _rescan(self) -> None:
@@ -266,13 +296,36 @@ class ZarrStore(BlockStore):
         assert self._rescan_bytes is not None
         if self._written_since_scan >= self._rescan_bytes:
             self._rescan()
-        victims = []
         with self._lock:
-            while self._total + need > self.max_bytes and self._index:
-                key, (size, _) = self._index.popitem(last=False)
-                self._total -= size
-                victims.append(key)
-        return sum(self._objects.remove(object_name(key)) for key in victims)
+            victims, kept = self._take_victims(self._total + need - self.max_bytes)
+            if self._total + need > self.max_bytes and kept:
+                self._restore_victims(victims)
+                raise StoreFullError(
+                    f"{self.where}: no room for {need} bytes: records take {self._total} of {self.max_bytes} "
+                    f"bytes and the {kept} least recently used that could go are held by the store's eviction "
+                    f"guard (uploads to a farther level still pending); nothing was written by this call")
+        return sum(self._objects.remove(object_name(key)) for key, _ in victims)
+
+    def _take_victims(self, excess: int) -> tuple[list[tuple[RecordKey, tuple[int, int]]], int]:
+        """Take least recently accessed records worth ``excess`` bytes out of the index,
+        skipping those the eviction guard holds; (their entries, guarded records walked
+        past). Caller holds the lock."""
+        if excess <= 0:
+            return [], 0
+        candidates = ((key, key, size) for key, (size, _) in self._index.items())
+        keys, _, kept = select_victims(candidates, excess, self.eviction_guard)
+        victims = [(key, self._index.pop(key)) for key in keys]
+        self._total -= sum(entry[0] for _, entry in victims)
+        return victims, kept
+
+    def _restore_victims(self, victims: list[tuple[RecordKey, tuple[int, int]]]) -> None:
+        """Undo :meth:`_take_victims` (nothing is evicted after all), LRU order kept.
+        Caller holds the lock."""
+        if not victims:
+            return
+        rest = list(self._index.items())
+        self._index = OrderedDict(sorted([*victims, *rest], key=lambda kv: kv[1][1]))
+        self._total += sum(entry[0] for _, entry in victims)
 
     # ------------------------------------------------------------------ writes
     def _existing_is_valid(self, key: RecordKey, size: int) -> bool | None:
@@ -307,6 +360,7 @@ class ZarrStore(BlockStore):
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         check_open(self._closed, self.where)
+        self._check_layout_known(self.where)
         items = self._check_put_items(items)
         prepared: list[tuple[RecordKey, Any, int]] = []
         for item in items:
@@ -447,10 +501,23 @@ class ZarrStore(BlockStore):
                 "records": len(self._index), "bytes": self._total, "max_bytes": self.max_bytes,
                 "oldest_access_ns": min(times) if times else None,
                 "newest_access_ns": max(times) if times else None,
-                "listed_ns": self._scanned_ns,
+                "listed_ns": self._scanned_ns, "writer": self.writer_info,
             }
         out.update(self._stats.as_dict())
         return out
+
+    def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
+        """See :meth:`BlockStore.payload_sizes`: from the listing this handle holds, else
+        one stat / HEAD per key (``io_threads`` at a time)."""
+        check_open(self._closed, self.where)
+        keys = list(keys)
+        with self._lock:
+            known = [self._index.get(key) for key in keys]
+        todo = [i for i, entry in enumerate(known) if entry is None]
+        sizes = self._io.map(lambda i: self._objects.size_of(object_name(keys[i])), todo)
+        raise_first(sizes)
+        asked = dict(zip(todo, sizes))
+        return [payload_of_record(asked[i] if entry is None else entry[0]) for i, entry in enumerate(known)]
 
     # ------------------------------------------------------------------ maintenance
     def verify(self, *, repair: bool = False) -> dict[str, Any]:
@@ -495,12 +562,8 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         self._check_gc_bound(max_bytes)
         self._rescan()
-        victims: list[tuple[RecordKey, int]] = []
-        with self._lock:
-            while self._total > max_bytes and self._index:
-                key, (size, _) = self._index.popitem(last=False)
-                self._total -= size
-                victims.append((key, size))
+        with self._lock:  # (records the eviction guard holds stay: gc may stop above its bound)
+            victims = [(key, size) for key, (size, _) in self._take_victims(self._total - max_bytes)[0]]
         removed = self._io.map(lambda v: self._objects.remove(object_name(v[0])), victims)
         raise_first(removed)
         evicted = sum(1 for r in removed if r)
@@ -519,3 +582,16 @@ class ZarrStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"ZarrStore({self.where!r}, {self.layout_fingerprint!r}, {'closed' if self._closed else 'open'})"
+
+
+def _local_dir(url_or_path: Any) -> Path | None:
+    """The directory a local ``url_or_path`` (path or ``file://`` URL) names; None otherwise."""
+    if not isinstance(url_or_path, (str, os.PathLike)):
+        return None
+    s = os.fspath(url_or_path)
+    if "://" in s:
+        scheme, _, rest = s.partition("://")
+        if scheme != "file":
+            return None
+        s = rest
+    return Path(os.path.abspath(s))

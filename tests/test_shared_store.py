@@ -637,9 +637,13 @@ def _fill(cache: TieredKVCache, model: Any, tokens: list[int]) -> float:
 def test_killed_object_store_local_serving_continues_and_uploads_resume(
         server: SeaweedFS, tmp_path: Path, tiny_layout, tiny_model) -> None:
     timeout_s = 1.0
+    bound_s = timeout_s + 2.0   # the chain's bound plus local work on a loaded CI machine
     shared = _prefix_url(server, "kill")
+    # The bucket client's own timeout is far longer than the chain's, so a call to the
+    # frozen server can only end by the chain's bound (counted as a timeout), never by the
+    # client giving up at the same moment (an error).
     opts = {"timeout_s": timeout_s, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
-            "level_options": [{"max_bytes": 1 << 30}, _creds(server)]}
+            "level_options": [{"max_bytes": 1 << 30}, {**_creds(server), "timeout_s": 30.0}]}
     prompts = [random_tokens(300, seed=30 + i) for i in range(4)]
     with TieredKVCache(tiny_layout, num_blocks=8, num_state_slots=1, snapshot_interval=1,
                        store=[f"lmdb://{tmp_path / 'local'}", shared], store_options=opts) as cache:
@@ -651,7 +655,7 @@ def test_killed_object_store_local_serving_continues_and_uploads_resume(
         assert server.pid is not None
         os.kill(server.pid, signal.SIGSTOP)
         try:
-            assert _fill(cache, tiny_model, prompts[1]) < timeout_s + 0.5
+            assert _fill(cache, tiny_model, prompts[1]) < bound_s
             assert chain.stats()["timeouts"] >= 1
         finally:
             os.kill(server.pid, signal.SIGCONT)
@@ -659,12 +663,12 @@ def test_killed_object_store_local_serving_continues_and_uploads_resume(
         server.stop()  # killed: connections refused
         try:
             for p in prompts[2:]:
-                assert _fill(cache, tiny_model, p) < timeout_s + 0.5
+                assert _fill(cache, tiny_model, p) < bound_s
             # prompt 0's blocks left the GPU pool (8 blocks); they come back from the local LMDB
             before = cache.stats()["blocks_from_disk"]
             t0 = time.monotonic()
             req = cache.open(prompts[0] + [7])
-            assert time.monotonic() - t0 < timeout_s + 0.5
+            assert time.monotonic() - t0 < bound_s
             assert req.num_cached_tokens == 256 and cache.stats()["blocks_from_disk"] > before
             got = tiny_model.forward(cache, req, (prompts[0] + [7])[256:])
             assert (got - tiny_model.naive_logits(prompts[0] + [7])[256:]).abs().max().item() < 1e-4

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from . import presets
 from .cache import Request, TieredKVCache
-from .errors import CacheFullError
+from .errors import CacheFullError, CacheShutdownError
 from .layout import EntryFormat, KVLayout, LayerKind
 
-__all__ = ["CacheFullError", "EntryFormat", "KVLayout", "LayerKind", "Request", "TieredKVCache", "presets"]
+__all__ = ["CacheFullError", "CacheShutdownError", "EntryFormat", "KVLayout", "LayerKind", "Request", "TieredKVCache",
+           "presets"]
 __version__ = "0.1.0"

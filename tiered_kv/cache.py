@@ -35,10 +35,11 @@ import torch
 
 from .block_pool import BlockPool
 from .block_table import BlockTables
+from .checks import as_int
 from .classical_pool import ClassicalPool
 from .device import empty_host, resolve_device
 from .disk import DiskTier
-from .errors import CacheFullError
+from .errors import CacheFullError, CacheShutdownError
 from .hisparse import HiSparseBuffers, HiSparseConfig
 from .host import HostTier
 from .layout import KVLayout, LayerKind
@@ -90,14 +91,12 @@ class TieredKVCache(TierMoves):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.device = resolve_device(device)
+        num_blocks = as_int("num_blocks", num_blocks, minimum=1)
+        num_state_slots = as_int("num_state_slots", num_state_slots, minimum=1)
         if num_snapshots is None:
             num_snapshots = 4 * num_state_slots
-        if num_snapshots < num_state_slots + 1:
-            raise ValueError(f"num_snapshots: expected >= num_state_slots + 1 = {num_state_slots + 1}, "
-                             f"got {num_snapshots}")
-        if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval <= 0:
-            raise ValueError(f"snapshot_interval: expected a positive int, got {snapshot_interval!r}")
-        self.snapshot_interval = snapshot_interval
+        num_snapshots = as_int("num_snapshots", num_snapshots, minimum=num_state_slots + 1)
+        self.snapshot_interval = as_int("snapshot_interval", snapshot_interval, minimum=1)
         if hisparse is not None and host_bytes is None:
             raise ValueError("hisparse: expected host_bytes too (the CSA mirror lives in the host tier)")
         if hisparse is not None and not isinstance(hisparse, HiSparseConfig):
@@ -125,9 +124,11 @@ class TieredKVCache(TierMoves):
         from .storage.crypto import default_tenant  # an encrypted level's tenant defaults to the salt
 
         store_options = default_tenant(store_options, salt)
-        self.disk = DiskTier(store, layout, store_options=store_options) if store is not None else None
+        self.disk = DiskTier(store, layout, store_options=store_options,
+                             writer=self._store_writer(salt)) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
+        self._shut_down = False
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
@@ -135,8 +136,21 @@ class TieredKVCache(TierMoves):
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
 
+    def _store_writer(self, salt: str | bytes) -> object:
+        """What a store created by this cache records about its writer (model id, a hash
+        of the tenant salt; see :mod:`tiered_kv.storage.writer`)."""
+        from .storage import StoreWriter, WriterKind
+
+        return StoreWriter.of(WriterKind.CACHE, model=self.hasher.model_id, tenant=salt)
+
     # ---------------------------------------------------------------- checks
+    def _check_running(self, what: str) -> None:
+        if self._shut_down:
+            raise CacheShutdownError(f"{what}: the cache was shut down (shutdown() was called); expected a "
+                                     f"running cache: create a new TieredKVCache")
+
     def _live(self, request: Request) -> Request:
+        self._check_running("request calls")
         if not isinstance(request, Request):
             raise TypeError(f"request: expected a Request, got {type(request).__name__}")
         if request.closed:
@@ -162,8 +176,7 @@ class TieredKVCache(TierMoves):
         return ids.to(torch.int64).cpu()
 
     def _layer_part(self, layer: int, kind: LayerKind) -> int:
-        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.layout.num_layers}), got {layer!r}")
+        layer = as_int("layer", layer, minimum=0, below=self.layout.num_layers)
         if self.layout.layer_kinds[layer] is not kind:
             raise ValueError(f"layer {layer}: expected a {kind.value} layer, got {self.layout.layer_kinds[layer].value}")
         return self.layout.part_index(layer)
@@ -201,6 +214,7 @@ class TieredKVCache(TierMoves):
 
         Raises :class:`CacheFullError` when no State slot is free.
         """
+        self._check_running("open")
         tokens = as_token_list(token_ids)
         limit = max(0, len(tokens) - 1)
         if max_cached_tokens is not None:
@@ -236,6 +250,7 @@ class TieredKVCache(TierMoves):
 
     def close(self, request: Request) -> None:
         """End a request: free its State slot; its full blocks stay as cached prefix."""
+        self._check_running("close")
         req = self._live(request)
         for k, snap_id, h in req._pending:
             self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * self.layout.block_tokens:
@@ -265,6 +280,7 @@ class TieredKVCache(TierMoves):
         :meth:`tiered_kv.storage.StoreChain.flush`). Returns False if ``timeout_s`` passed
         first (only with ``uploads=True``; a far level may be down); True otherwise.
         """
+        self._check_running("flush")
         self.copies.synchronize()
         if self.disk is not None:
             return self.disk.flush(uploads=uploads, timeout_s=timeout_s)
@@ -275,7 +291,15 @@ class TieredKVCache(TierMoves):
 
         A store chain keeps uploading for up to its ``close_timeout_s`` and then stops;
         uploads not done by then stay journaled and the next process resumes them (see
-        :meth:`flush` to wait for them instead)."""
+        :meth:`flush` to wait for them instead).
+
+        Idempotent. Afterwards ``open``, ``close``, ``flush`` and every call on a request
+        raise :class:`~tiered_kv.errors.CacheShutdownError`. A cache never shut down is
+        shut down at interpreter exit as far as its disk tier goes (queued writes land,
+        chain uploads are journaled; :mod:`tiered_kv.storage.at_exit`)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.copies.synchronize()
         if self.disk is not None:
             self.disk.close()
@@ -396,11 +420,15 @@ class TieredKVCache(TierMoves):
         return ids
 
     def _write_parts(self, kind: LayerKind, layers: int | Sequence[int]) -> PartSet:
-        parts = self._writer.part_set(kind, layers)
+        plain = isinstance(layers, (int, Sequence)) and not isinstance(layers, bool)
+        parts = self._writer.part_set(kind, layers) if plain else None
+        if parts is None:  # integer-likes (numpy ints, a 1-D array), or an invalid layer
+            layers = _layer_args(layers)
+            parts = self._writer.part_set(kind, layers)
         if parts is None:  # raise the precise error
-            if isinstance(layers, Sequence) and not layers:
+            if isinstance(layers, tuple) and not layers:
                 raise ValueError("layers: expected at least one layer")
-            for layer in ([layers] if not isinstance(layers, Sequence) else layers):
+            for layer in ([layers] if isinstance(layers, int) else layers):
                 self._layer_part(layer, kind)
             raise AssertionError(f"layers {layers!r}: rejected but no layer is invalid")
         return parts
@@ -434,7 +462,7 @@ class TieredKVCache(TierMoves):
         """The first ``num_entries`` indexer keys of CSA ``layer``: ``[num_entries, indexer_bytes]`` uint8."""
         req = self._live(request)
         c = self._layer_part(layer, LayerKind.CSA)
-        ids = torch.arange(num_entries)
+        ids = torch.arange(as_int("num_entries", num_entries, minimum=0))
         blk, off = self._locate(req, ids, self.layout.csa_entries_per_block, writable=False)
         return self.classical.indexer[c, blk, off]
 
@@ -546,7 +574,7 @@ class TieredKVCache(TierMoves):
         """The first ``num_entries`` HCA entries of HCA ``layer``: ``[num_entries, entry_bytes]`` uint8."""
         req = self._live(request)
         h = self._layer_part(layer, LayerKind.HCA)
-        ids = torch.arange(num_entries)
+        ids = torch.arange(as_int("num_entries", num_entries, minimum=0))
         blk, off = self._locate(req, ids, self.layout.hca_entries_per_block, writable=False)
         return self.classical.hca_kv[h, blk, off]
 
@@ -738,3 +766,14 @@ class TieredKVCache(TierMoves):
         if self.disk is not None:
             out.update(self.disk.stats())
         return out
+
+
+def _layer_args(layers: object) -> int | tuple[int, ...]:
+    """``layers`` of a write as an int or a tuple of ints (integer-likes accepted)."""
+    if isinstance(layers, (np.ndarray, torch.Tensor)) and layers.ndim > 0:
+        if layers.ndim != 1:
+            raise ValueError(f"layers: expected a layer index or a 1-D sequence of them, got {layers.ndim}-D")
+        return tuple(as_int(f"layers[{i}]", x, minimum=0) for i, x in enumerate(layers.tolist()))
+    if isinstance(layers, Sequence) and not isinstance(layers, (str, bytes)):
+        return tuple(as_int(f"layers[{i}]", x, minimum=0) for i, x in enumerate(layers))
+    return as_int("layers", layers, minimum=0)

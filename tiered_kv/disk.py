@@ -12,6 +12,11 @@ or one round of concurrent requests) straight into the caller's buffers, and
 :meth:`DiskTier.read_async` runs one on a small pool of reader threads, so that
 ``open()`` reads the next batch of a long prefix while it copies the last one into the
 pools (see :mod:`tiered_kv.tiering`).
+
+Exit: a disk tier still open when the interpreter exits is closed then (its queued writes
+land, a store it opened is closed), before Python's thread pools stop accepting work: see
+:mod:`tiered_kv.storage.at_exit`. After :meth:`DiskTier.close` a submit raises
+:class:`DiskTierClosedError`.
 """
 
 from __future__ import annotations
@@ -27,10 +32,14 @@ import torch
 
 from .layout import KVLayout
 
-__all__ = ["DiskTier"]
+__all__ = ["DiskTier", "DiskTierClosedError"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class DiskTierClosedError(RuntimeError):
+    """A write or read was asked of a disk tier after :meth:`DiskTier.close`."""
 
 
 class DiskTier:
@@ -49,15 +58,22 @@ class DiskTier:
         store_options: options of :func:`~tiered_kv.storage.open_store`; for a list, the
             chain's (``timeout_s``, ``backoff_max_s``, ...) and ``level_options``, one
             dict per level.
+        writer: who writes (a :class:`~tiered_kv.storage.StoreWriter`), recorded by a
+            store created here.
     """
 
     def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
-                 store_options: dict[str, Any] | None = None, read_threads: int = 2) -> None:
+                 store_options: dict[str, Any] | None = None, read_threads: int = 2,
+                 writer: Any | None = None) -> None:
         from .storage import BlockStore, open_store
+        from .storage.at_exit import close_at_exit
 
         self._owns_store = not isinstance(store, BlockStore)
         if self._owns_store:
-            store = open_store(store, layout_fingerprint=layout.fingerprint, **(store_options or {}))
+            options = dict(store_options or {})
+            if writer is not None:
+                options.setdefault("writer", writer)
+            store = open_store(store, layout_fingerprint=layout.fingerprint, **options)
         elif store.layout_fingerprint != layout.fingerprint:
             from .storage import LayoutMismatchError
             raise LayoutMismatchError(f"store: expected layout fingerprint {layout.fingerprint}, "
@@ -79,6 +95,9 @@ class DiskTier:
         self.reads = 0
         self.read_hits = 0
         self.read_bytes = 0
+        self._closed = False
+        #: closes this tier at interpreter exit if close() was not called (see the module docstring)
+        self._at_exit = close_at_exit(self.close)
 
     # ----------------------------------------------------------------- writes
     def submit(self, key: Any, parent_hash: bytes, token_digest: bytes, payload: torch.Tensor,
@@ -89,6 +108,7 @@ class DiskTier:
         from .storage import PutItem
 
         item = PutItem(key=key, parent_hash=parent_hash, token_digest=token_digest, payload=payload)
+        self._check_open("submit")
         while len(self._pending) >= self.max_pending:
             self._pending.popleft().result()
         self._pending.append(self._executor.submit(self._write, item, ready))
@@ -116,6 +136,7 @@ class DiskTier:
         uploads to the farther levels are done too (:meth:`~tiered_kv.storage.StoreChain.flush`);
         False if ``timeout_s`` passed first. True otherwise.
         """
+        self._check_open("flush")
         while self._pending:
             self._pending.popleft().result()
         from .storage import StoreChain
@@ -185,9 +206,19 @@ class DiskTier:
             **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))},
         }
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise DiskTierClosedError(f"{what}: the disk tier is closed (after close() or the cache's "
+                                      f"shutdown()); expected an open one")
+
     def close(self) -> None:
-        """Flush pending writes, stop the writer thread, close a store opened from a URL."""
+        """Flush pending writes, stop the writer thread, close a store opened from a URL.
+        Idempotent."""
+        if self._closed:
+            return
+        self._at_exit.cancel()
         self.flush()
+        self._closed = True
         self._executor.shutdown(wait=True)
         if self._readers is not None:
             self._readers.shutdown(wait=True)

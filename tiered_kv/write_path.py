@@ -192,6 +192,7 @@ class EntryWriter:
         if valid is not None and not valid.all():
             src = np.flatnonzero(valid)
             blocks, offsets, row_slots = blocks[src], offsets[src], row_slots[src]
+        self._check_no_overlap(reqs, ids, blocks * E + offsets, src)
         # runs: break where the block, the slot, the offset or the source position jumps
         pos = np.arange(blocks.size) if src is None else src
         brk = np.flatnonzero((np.diff(blocks) != 0) | (np.diff(row_slots) != 0) | (np.diff(offsets) != 1)
@@ -201,6 +202,29 @@ class EntryWriter:
         runs = [Run(int(blocks[a]), int(row_slots[a]), int(offsets[a]), int(pos[a]), b - a)
                 for a, b in zip(starts, ends)] if len(starts) <= _MAX_RUNS else []
         return Placement(int(blocks.size), runs, blocks=blocks, offsets=offsets, slots=row_slots, select=src)
+
+    @staticmethod
+    def _check_no_overlap(reqs: Sequence[Request], ids: np.ndarray, dest: np.ndarray,
+                          src: np.ndarray | None) -> None:
+        """Each destination entry at most once per write: the same request twice in a batch
+        with overlapping ids, or an id repeated in a row, would leave which bytes land to
+        the order of the copies. ``dest`` ``[M]``: flat destination of each valid entry;
+        ``src``: their flat positions in ``ids`` (None: all of them)."""
+        if dest.size < 2:
+            return
+        order = np.argsort(dest, kind="stable")
+        same = np.flatnonzero(dest[order][1:] == dest[order][:-1])
+        if not same.size:
+            return
+        pos = np.arange(ids.size) if src is None else src
+        a, b = (int(pos[order[same[0]]]), int(pos[order[same[0] + 1]]))
+        m = ids.shape[1]
+        (ra, ca), (rb, cb) = divmod(a, m), divmod(b, m)
+        req = reqs[ra]
+        where = (f"rows {ra} and {rb} (request {req.request_id} twice)" if ra != rb
+                 else f"row {ra} (request {req.request_id}), columns {ca} and {cb}")
+        raise ValueError(f"entry ids: expected each entry at most once per write, got entry {int(ids[ra, ca])} "
+                         f"in {where}")
 
     @staticmethod
     def _sealed_error(req: Request, k: int) -> None:

@@ -100,6 +100,29 @@ def test_a_store_of_another_layout_is_refused(tmp_path):
         TieredKVHiCacheStorage(env.storage_config(f"lmdb://{tmp_path}/kv"), {})
 
 
+def test_the_cli_opens_the_backends_store_and_names_its_writer(store_url, backends, capsys):
+    """``tiered-kv stats / verify / gc`` with no layout option on the store the backend
+    wrote; ``stats`` names the SGLang adapter, the model and a hash of the tenant."""
+    from tiered_kv.cli.main import main
+    from tiered_kv.storage import tenant_hash
+
+    pool = env.mla_host_pool()
+    b = env.create_backend(env.storage_config(store_url, tenant="team-secret"), pool, None)
+    _store_and_reload(b, pool, 4)
+    b.close()
+    assert main(["stats", "--store", store_url, "--json"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out)
+    assert stats["layout_fingerprint"] == "sglang-hicache-v1" and stats["records"] == 4
+    writer = stats["writer"]
+    assert (writer["writer"], writer["model"]) == ("sglang-adapter", "deepseek-ai/DeepSeek-V4-Flash")
+    assert writer["tenant_sha256"] == tenant_hash("team-secret") and "team-secret" not in out
+    assert main(["verify", "--store", store_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 4
+    assert main(["gc", "--store", store_url, "--max-bytes", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 0
+
+
 # ---------------------------------------------------------------------- v1 zero-copy
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
 def test_v1_round_trip_through_mla_host_pool(store_url, backends, layout):

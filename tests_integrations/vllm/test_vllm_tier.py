@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,32 @@ def test_store_evict_load_back_exact_bytes(tmp_path: Path, engines: list[Engine]
     assert info["tier"] == TIER and info["tiered_kv_tenant"] == "team-a"
     assert info["tiered_kv_store"] == f"{scheme}://{tmp_path / 'store'}"
     assert info["tiered_kv_layout"] == engine.tier.keys.layout_fingerprint
+
+
+def test_the_cli_opens_the_tiers_store_and_names_its_writer(tmp_path: Path, engines: list[Engine],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiered-kv stats / verify / gc`` with no layout option on the store the tier wrote;
+    ``stats`` names the vLLM adapter, the model and a hash of the tenant."""
+    from tiered_kv.cli.main import main
+    from tiered_kv.storage import tenant_hash
+
+    store = f"lmdb://{tmp_path / 'store'}"
+    engine = Engine(store, num_chunks=4, tenant="team-secret")
+    engines.append(engine)
+    engine.store(chunk_keys("cli", 4))
+    engine.wait_jobs()
+    engine.close()
+    assert main(["stats", "--store", store, "--json"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out)
+    assert stats["layout_fingerprint"] == engine.tier.keys.layout_fingerprint and stats["records"] == 4
+    writer = stats["writer"]
+    assert (writer["writer"], writer["model"]) == ("vllm-adapter", engine.tier.keys.model_id)
+    assert writer["tenant_sha256"] == tenant_hash("team-secret") and "team-secret" not in out
+    assert main(["verify", "--store", store, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 4
+    assert main(["gc", "--store", store, "--max-bytes", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 0
 
 
 def test_chunks_already_stored_are_not_written_twice(tmp_path: Path, engines: list[Engine]) -> None:

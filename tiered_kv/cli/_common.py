@@ -5,8 +5,13 @@
   that holds a Zarr store opens as Zarr, anything else as LMDB).
 * The layout options (:func:`add_layout_args`, :func:`layout_from_args`): ``--model`` plus
   ``--entry-format`` / ``--indexer-bytes`` / ``--block-tokens`` overrides, as ``plan`` has.
+  Commands that compute no KV (``stats``, ``verify``, ``gc``, ``ls``, ``sync``,
+  ``prefetch``) take them optionally (:func:`layout_option`): without them the store is
+  opened for whatever layout it holds (a maintenance open: it is never written then,
+  see :func:`tiered_kv.storage.open_store`), with them the store must hold that layout.
 * Store errors -> documented exit codes (:func:`store_errors`, :func:`open_cli_store`,
-  :func:`run_guarded`): missing 3, foreign layout 4, locked 5, unreadable 1.
+  :func:`run_guarded`): missing 3, foreign layout 4, locked 5, unreadable 1. A repeated
+  ``--store`` (``stats``, ``verify``, ``gc``) opens a chain, nearest first.
 * Prompt files (:func:`load_prompts`): JSONL of ``{"id", "tokens"}`` or ``{"id", "text"}``.
 * A small progress bar (:class:`Progress`) drawn on stderr when it is a terminal.
 
@@ -18,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import itertools
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -108,18 +114,28 @@ def size_arg(text: str) -> int:
 
 
 def add_store_arg(p: argparse.ArgumentParser, *, creates: bool = False, required: bool = True,
-                  note: str = "") -> None:
+                  note: str = "", chain: bool = False) -> None:
+    """``--store URL``; ``chain``: it may be repeated (a chain, nearest first), and
+    ``args.store`` is then a list."""
     what = "created if missing" if creates else "must exist"
-    p.add_argument("--store", required=required, metavar="URL",
-                   help=f"the prefix-cache store ({what}): lmdb:///abs/path, zarr:///abs/path, or a "
-                        f"plain path (LMDB; relative paths are resolved){note}")
+    more = "; repeat it for a chain, nearest first (e.g. the node's LMDB, then the bucket)" if chain else ""
+    p.add_argument("--store", required=required, metavar="URL", action="append" if chain else "store",
+                   help=f"the prefix-cache store ({what}): lmdb:///abs/path, zarr:///abs/path, "
+                        f"zarr+s3://bucket/prefix?endpoint=..., or a plain path (LMDB; relative paths are "
+                        f"resolved){more}{note}")
 
 
-def add_layout_args(p: argparse.ArgumentParser) -> None:
+def add_layout_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
     """``--model`` and the layout overrides: they select the layout fingerprint the store
-    must have been created with."""
-    p.add_argument("--model", choices=sorted(PRESETS), default="tiny",
-                   help="model preset whose KV layout the store holds (default %(default)s)")
+    must have been created with. ``optional``: for commands that compute no KV; without
+    any of them the store's own layout is used (:func:`layout_option`)."""
+    if optional:
+        p.add_argument("--model", choices=sorted(PRESETS), default=None,
+                       help="model preset whose KV layout the store must hold (default: whatever layout "
+                            "the store holds; give it, or an override below, only to check that)")
+    else:
+        p.add_argument("--model", choices=sorted(PRESETS), default="tiny",
+                       help="model preset whose KV layout the store holds (default %(default)s)")
     p.add_argument("--entry-format", choices=ENTRY_FORMATS, default=None,
                    help="CSA/HCA/SWA entry format (default: the preset's; fp8 = fp8_ds_mla)")
     p.add_argument("--indexer-bytes", type=positive_int, default=None, metavar="B",
@@ -130,10 +146,18 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
     try:
-        return get_preset(args.model, entry_format=args.entry_format,
+        return get_preset(args.model or "tiny", entry_format=args.entry_format,
                           indexer_bytes=args.indexer_bytes, block_tokens=args.block_tokens)
     except ValueError as exc:  # e.g. fp8 needs head_dim 512; block_tokens not a multiple of 128
         raise UsageError(str(exc)) from None
+
+
+def layout_option(args: argparse.Namespace) -> KVLayout | None:
+    """The layout the options select (``--model`` defaults to ``tiny`` when only an
+    override is given), or None when no layout option was given: the store decides."""
+    if all(getattr(args, name) is None for name in ("model", "entry_format", "indexer_bytes", "block_tokens")):
+        return None
+    return layout_from_args(args)
 
 
 def layout_options(layout: KVLayout) -> str:
@@ -143,6 +167,19 @@ def layout_options(layout: KVLayout) -> str:
 
 def _options_for(fingerprint: str) -> str | None:
     """Options of a preset layout with this fingerprint (None if no common variant has it)."""
+    found = _preset_variant(fingerprint)
+    return found[1] if found is not None else None
+
+
+def preset_layout(fingerprint: str) -> KVLayout | None:
+    """The preset layout (a common variant) with this fingerprint, None if there is none
+    (e.g. a store of the vLLM or SGLang adapter)."""
+    found = _preset_variant(fingerprint)
+    return found[0] if found is not None else None
+
+
+@functools.lru_cache(maxsize=64)
+def _preset_variant(fingerprint: str) -> tuple[KVLayout, str] | None:
     variants = itertools.product(sorted(PRESETS), (None, *ENTRY_FORMATS), (None, 16, 32, 68, 132, 256),
                                  (None, 256))
     for name, fmt, ib, bt in variants:
@@ -155,8 +192,53 @@ def _options_for(fingerprint: str) -> str | None:
             opts += [f"--entry-format {fmt}"] if fmt else []
             opts += [f"--indexer-bytes {ib}"] if ib else []
             opts += [f"--block-tokens {bt}"] if bt else []
-            return " ".join(opts)
+            return layout, " ".join(opts)
     return None
+
+
+def hashing_layout(layout: KVLayout | None, fingerprint: str) -> KVLayout:
+    """The layout prompts are hashed with (``--prompts`` of ``ls`` / ``prefetch``): the
+    options', else the preset layout the store holds; UsageError for an engine's store."""
+    if layout is not None:
+        return layout
+    found = preset_layout(fingerprint)
+    if found is None:
+        raise UsageError(f"--prompts: the store holds layout {fingerprint}, not a tiered_kv preset (e.g. a "
+                         f"vLLM or SGLang adapter's store), so prompts cannot be hashed here; give the layout "
+                         f"with --model and the overrides (prefetch: or select records with --recent N)")
+    return found
+
+
+def cache_model_id(writer: dict[str, Any] | None) -> str | None:
+    """The model id a tiered_kv cache salted its keys with, as its store recorded it (None:
+    not recorded, or another writer: the preset's name is used)."""
+    if writer and writer.get("writer") == "tiered_kv-cache" and isinstance(writer.get("model"), str):
+        return writer["model"]
+    return None
+
+
+def layout_hint(fingerprint: str, writer: dict[str, Any] | None) -> str:
+    """What selects ``fingerprint``: a preset's options, else where such layouts come from."""
+    options = _options_for(fingerprint)
+    if options is not None:
+        return options
+    if writer and writer.get("writer") in ("vllm-adapter", "sglang-adapter"):
+        return "an engine's layout (see writer)"
+    return "not a tiered_kv preset"
+
+
+def describe_writer(info: dict[str, Any] | None) -> str:
+    """A store's writer record (:mod:`tiered_kv.storage.writer`) in a few words."""
+    if not info:
+        return "not recorded (created before writers were recorded, or by a maintenance tool)"
+    names = {"tiered_kv-cache": "tiered_kv cache", "vllm-adapter": "vLLM adapter",
+             "sglang-adapter": "SGLang adapter"}
+    kind = names.get(str(info.get("writer")), str(info.get("writer")))
+    tenant = info.get("tenant_sha256")
+    parts = [kind, f"model {info.get('model')}", f"tenant sha256 {tenant}" if tenant else "no tenant"]
+    if info.get("recorded_at"):
+        parts.append(f"since {info['recorded_at']}")
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------- store location
@@ -244,11 +326,18 @@ def parse_store(text: str) -> StoreLocation:
     return StoreLocation(backend=backend, path=path, given=text)
 
 
+class _NoObjectStoreError(Exception):
+    """Stands for the object-store errors where obstore is not installed (never raised)."""
+
+
 @contextmanager
 def _object_store_errors(loc: StoreLocation) -> Iterator[None]:
     """Object-store failures as a command failure naming what to check (no secrets)."""
-    from ..storage.s3 import BucketNotFoundError, ObjectStoreAuthError, ObjectStoreUnavailable
-
+    try:
+        from ..storage.s3 import BucketNotFoundError, ObjectStoreAuthError, ObjectStoreUnavailable
+    except ImportError:  # no obstore (the optional `s3` extra): no object store can be in use
+        yield
+        return
     try:
         yield
     except BucketNotFoundError as exc:
@@ -267,13 +356,17 @@ def missing_store(loc: StoreLocation) -> CommandFailed:
 
 
 @contextmanager
-def store_errors(loc: StoreLocation, layout: KVLayout) -> Iterator[None]:
+def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str = "") -> Iterator[None]:
     """Turn the errors of opening or using the store at ``loc`` into :class:`CommandFailed`
-    with the documented exit codes."""
+    with the documented exit codes. ``layout``: the one the options selected (None: none
+    was, the fingerprint came from another store, which ``expected`` names)."""
     import lmdb
 
     from ..storage import LayoutMismatchError, StoreError, StoreLockedError
-    from ..storage.s3 import ObjectStoreError
+    try:
+        from ..storage.s3 import ObjectStoreError
+    except ImportError:  # no obstore (the optional `s3` extra): nothing raises it
+        ObjectStoreError = _NoObjectStoreError  # noqa: N806
 
     try:
         with _object_store_errors(loc):
@@ -284,11 +377,15 @@ def store_errors(loc: StoreLocation, layout: KVLayout) -> Iterator[None]:
         stored = exc.stored or "another layout"
         hint = _options_for(stored) if exc.stored else None
         written = f" (written with {hint})" if hint else ""
-        raise CommandFailed(
-            ExitCode.FOREIGN_LAYOUT,
-            f"{loc.path}: the store holds layout fingerprint {stored}{written}, but the options "
-            f"select {layout.fingerprint} ({layout_options(layout)}); pass the options the store "
-            f"was created with, or use another --store for this layout") from None
+        if layout is not None:
+            wanted = (f"the options select {layout.fingerprint} ({layout_options(layout)}); pass the options "
+                      f"the store was created with (or none: the store's own layout is used), or use another "
+                      f"--store for this layout")
+        else:
+            wanted = (f"{exc.requested or 'another layout'} was expected{f' ({expected})' if expected else ''}: "
+                      f"these stores hold records of different layouts")
+        raise CommandFailed(ExitCode.FOREIGN_LAYOUT,
+                            f"{loc.path}: the store holds layout fingerprint {stored}{written}, but {wanted}") from None
     except StoreLockedError as exc:
         raise CommandFailed(ExitCode.STORE_LOCKED, f"{loc.path}: store is locked: {exc}") from None
     except lmdb.LockError as exc:
@@ -304,27 +401,65 @@ def store_errors(loc: StoreLocation, layout: KVLayout) -> Iterator[None]:
 
 
 @contextmanager
-def open_cli_store(loc: StoreLocation, layout: KVLayout, *, readonly: bool = False,
-                   encryption: Any = None) -> Iterator[BlockStore]:
-    """Open the existing store at ``loc`` for ``layout`` (exit 3 when there is none).
+def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayout | None, *,
+                   readonly: bool = False, encryption: Any = None) -> Iterator[BlockStore]:
+    """Open the existing store at ``locs`` (several: a chain, nearest first) for ``layout``
+    (exit 3 when there is none).
 
-    ``readonly`` opens an LMDB store without writing (no access times recorded); other
-    backends ignore it. ``encryption``: an EncryptionConfig (see :mod:`._keys`) seals
-    and opens its records.
+    ``layout`` None: whatever layout the store holds (a maintenance open: nothing is
+    written, see :func:`tiered_kv.storage.open_store`); the farther levels of a chain must
+    hold level 0's. ``readonly`` opens LMDB stores without writing (no access times
+    recorded); other backends ignore it. A chain is opened without its upload journal, so
+    inspecting it uploads nothing (the node's own process does that). ``encryption``: an
+    EncryptionConfig (see :mod:`._keys`) seals and opens the records of a single store
+    (a chain's levels may be sealed differently: UsageError).
     """
-    from ..storage import open_store
+    from ..storage import StoreChain, open_store
 
-    if not loc.exists():
-        raise missing_store(loc)
-    options: dict[str, Any] = {"readonly": True} if readonly and loc.backend is Backend.LMDB else {}
-    if encryption is not None:
-        options["encryption"] = encryption
-    with store_errors(loc, layout):
-        store = open_store(loc.url, layout_fingerprint=layout.fingerprint, **options)
+    levels = [locs] if isinstance(locs, StoreLocation) else list(locs)
+    if encryption is not None and len(levels) > 1:
+        raise UsageError("--key-file: expected one --store: the levels of a chain may be sealed differently; "
+                         "check each level on its own")
+    for loc in levels:
+        if not loc.exists():
+            raise missing_store(loc)
+    opened: list[BlockStore] = []
+    try:
+        fingerprint = None if layout is None else layout.fingerprint
+        for i, loc in enumerate(levels):
+            expected = "" if i == 0 else f"the layout of {levels[0].path}, the chain's level 0"
+            with store_errors(loc, layout, expected=expected):
+                options: dict[str, Any] = {"readonly": True} if readonly and loc.backend is Backend.LMDB else {}
+                if encryption is not None:
+                    options["encryption"] = encryption
+                opened.append(open_store(loc.url, layout_fingerprint=fingerprint, **options))
+            fingerprint = opened[0].layout_fingerprint
+        store = opened[0] if len(opened) == 1 else StoreChain(opened, journal=False)
+    except BaseException:
+        for level in opened:
+            level.close()
+        raise
+    with store_errors(levels[0], layout):
         try:
             yield store
         finally:
             store.close()
+
+
+def store_url(locs: StoreLocation | Sequence[StoreLocation]) -> str | list[str]:
+    """``--store`` as the JSON output names it: a URL, or for a chain the list of them."""
+    if isinstance(locs, StoreLocation):
+        return locs.url
+    return locs[0].url if len(locs) == 1 else [loc.url for loc in locs]
+
+
+def model_of(layout: KVLayout | None, fingerprint: str) -> str | None:
+    """The preset name of the layout the command used: the options', else the store's
+    (None for a layout no preset has, e.g. an engine's store)."""
+    if layout is not None:
+        return layout.name
+    found = preset_layout(fingerprint)
+    return found.name if found is not None else None
 
 
 # ---------------------------------------------------------------- prompts

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from .main import UsageError
 
 if TYPE_CHECKING:
-    from ..layout import KVLayout
     from ..storage import BlockStore, EncryptionConfig
 
 __all__ = ["ENV_KEY_FILE", "add_key_args", "describe_encryption", "encryption_from_args"]
@@ -67,44 +66,44 @@ def encryption_from_args(args: argparse.Namespace, *, default_tenant: str = "") 
     return config
 
 
-def describe_encryption(store: BlockStore, layout: KVLayout, *, sample: int = 16) -> dict[str, Any]:
+def describe_encryption(store: BlockStore, *, sample: int = 16) -> dict[str, Any]:
     """What ``stats`` reports about sealing: ``encrypted`` (True / False, None when the
     store is empty), and either the keys given (``key_id``, ``key_ids``, ``auth_failures``
     and, of ``sample`` records read, how many open under each key) or, without keys,
-    how many of the ``sample`` records read are sealed envelopes and how many plain."""
+    how many of the ``sample`` records read are sealed envelopes and how many plain.
+
+    Records are read at their stored sizes (:meth:`~tiered_kv.storage.BlockStore.payload_sizes`),
+    so a store of any layout is described."""
     import numpy as np
 
-    from ..storage import EncryptedStore, RecordKind
-    from ..storage.crypto import ENVELOPE_MAGIC, ENVELOPE_OVERHEAD
+    from ..storage import EncryptedStore
+    from ..storage.crypto import ENVELOPE_MAGIC
 
-    sizes = {RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes}
     keys = []
     for key in store:
         keys.append(key)
         if len(keys) >= sample:
             break
+    sizes = store.payload_sizes(keys)  # (an EncryptedStore: the plaintext sizes)
+    present = [(key, n) for key, n in zip(keys, sizes) if n is not None]
     if isinstance(store, EncryptedStore):
         s = store.stats()
         per_key: dict[str, int] = {}
-        reads = store.sample(keys, sizes)
-        for key_id in reads:
-            name = key_id.hex() if key_id is not None else "none (not authentic under a key given)"
-            per_key[name] = per_key.get(name, 0) + 1
+        for n in sorted({n for _, n in present}):  # one sample call per payload size
+            group = [key for key, m in present if m == n]
+            for key_id in store.sample(group, {kind: n for kind in {key.kind for key in group}}):
+                name = key_id.hex() if key_id is not None else "none (not authentic under a key given)"
+                per_key[name] = per_key.get(name, 0) + 1
         return {"encrypted": True, "key_id": s["key_id"], "key_ids": s["key_ids"],
                 "auth_failures": s["auth_failures"], "sampled": len(keys), "sampled_by_key": per_key}
     sealed = plain = 0
-    for key in keys:
-        for extra in (ENVELOPE_OVERHEAD, 0):
-            buf = np.empty(sizes[key.kind] + extra, np.uint8)
-            try:
-                meta = store.get(key, buf)
-            except ValueError:  # another size
-                continue
-            if meta is not None:
-                if extra and bytes(buf[:4]) == ENVELOPE_MAGIC:
-                    sealed += 1
-                elif not extra:
-                    plain += 1
-                break
+    for key, n in present:
+        buf = np.empty(n, np.uint8)
+        if store.get(key, buf) is None:
+            continue
+        if bytes(buf[:len(ENVELOPE_MAGIC)]) == ENVELOPE_MAGIC:
+            sealed += 1
+        else:
+            plain += 1
     encrypted = None if not keys or not (sealed or plain) else sealed > 0
     return {"encrypted": encrypted, "sampled": len(keys), "sampled_sealed": sealed, "sampled_plain": plain}

@@ -7,12 +7,18 @@
 
 ``SIZE`` takes binary suffixes (``k``/``K``/``M``/``G``/``T``, ``KiB``...). Records are
 evicted oldest access first (:meth:`tiered_kv.storage.BlockStore.gc`); bytes count whole
-records (header + payload + checksum). The bound applies to this run only: to keep a
+records (header + payload + checksum). No layout option is needed (``--model`` only checks
+the store's). A repeated ``--store`` names a chain: its level 0 is collected (a shared
+level is collected by running ``gc`` on its own URL, once for the fleet). Records the
+store's upload journal (``upload-journal.mdb`` in a chain's local store) still owes a
+farther level are kept, so ``gc`` never drops an upload: the store may stay above the
+bound by them. The bound applies to this run only: to keep a
 store under it, give the same bound to the processes that write (``warm-start
 --max-bytes``, ``TieredKVCache(store_options={"max_bytes": ...})``).
 
-JSON: ``{"store", "model", "max_bytes", "evicted", "freed_bytes", "bytes", "records"}``
-(``bytes``/``records``: what is left).
+JSON: ``{"store", "model", "max_bytes", "evicted", "freed_bytes", "bytes", "records",
+"journaled_uploads"}`` (``bytes``/``records``: what is left; ``journaled_uploads``: uploads
+the store's journal still owes, whose records were kept).
 
 Exit codes: 0 ok, 2 bad arguments, 3 no store at ``--store``, 4 the store holds another
 layout, 5 the store is locked.
@@ -38,10 +44,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "records take at most SIZE bytes.",
         epilog="exit codes: 0 ok, 2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
     )
-    _common.add_store_arg(p)
+    _common.add_store_arg(p, chain=True)
     p.add_argument("--max-bytes", required=True, type=_common.size_arg, metavar="SIZE",
                    help="bytes the records may take afterwards, e.g. 200G, 512M or 1048576 (binary units)")
-    _common.add_layout_args(p)
+    _common.add_layout_args(p, optional=True)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -51,15 +57,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = _common.layout_from_args(args)
-    loc = _common.parse_store(args.store)
-    with _common.open_cli_store(loc, layout) as store:
-        result = dict(store.gc(args.max_bytes))
-    out = {"store": loc.url, "model": layout.name, "max_bytes": args.max_bytes, **result}
+    from ..storage import StoreChain
+    from ..storage.journal import keep_owed_uploads
+
+    layout = _common.layout_option(args)
+    locs = [_common.parse_store(text) for text in args.store]
+    with _common.open_cli_store(locs, layout) as store:
+        level0 = store.levels()[0] if isinstance(store, StoreChain) else store
+        with keep_owed_uploads(level0) as held:
+            result = dict(store.gc(args.max_bytes))
+        model = _common.model_of(layout, store.layout_fingerprint)
+    out = {"store": _common.store_url(locs), "model": model, "max_bytes": args.max_bytes, **result,
+           "journaled_uploads": held}
     if args.json:
         _common.print_json(out)
     else:
-        print(f"{loc.url}: evicted {out['evicted']} records, freed {out['freed_bytes']} bytes "
+        print(f"{locs[0].url}: evicted {out['evicted']} records, freed {out['freed_bytes']} bytes "
               f"({format_bytes(out['freed_bytes'])}); {out['records']} records, {out['bytes']} bytes "
-              f"({format_bytes(out['bytes'])}) left, bound {format_bytes(args.max_bytes)}")
+              f"({format_bytes(out['bytes'])}) left, bound {format_bytes(args.max_bytes)}"
+              + (f"; {held} uploads still journaled: their records were kept" if held else ""))
     return ExitCode.OK

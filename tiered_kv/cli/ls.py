@@ -12,8 +12,9 @@ longest, leaving at least one token to compute. That is the ``cached_tokens`` a
 ``warm-start`` of the same prompt reports. Only presence is checked (records are not
 read, so no access time changes); ``verify`` checks the contents.
 
-Prompts are hashed in the namespace the cache uses: the layout (``--model`` and
-overrides) and the tenant ``--salt``.
+Prompts are hashed in the namespace the cache uses: the layout (the store's, or the one
+``--model`` and the overrides select, which the store must hold), the model id the store's
+writer recorded (a tiered_kv cache's; else the preset's name) and the tenant ``--salt``.
 
 JSON: ``{"store", "model", "layout_fingerprint", "salt", "prompts": [{"id", "tokens",
 "full_blocks", "blocks_in_store", "resume_points", "cached_tokens"}]}``.
@@ -44,7 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _common.add_store_arg(p)
     p.add_argument("--prompts", required=True, metavar="FILE", help=_common.prompts_arg_help("prompts"))
-    _common.add_layout_args(p)
+    _common.add_layout_args(p, optional=True)
     p.add_argument("--salt", default="", metavar="S",
                    help="tenant salt of the prefix hash, as given to warm-start (default: none)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -58,11 +59,12 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..prefix import PrefixHasher
 
-    layout = _common.layout_from_args(args)
+    layout = _common.layout_option(args)
     loc = _common.parse_store(args.store)
     prompts = _common.load_prompts(args.prompts)
-    hasher = PrefixHasher(layout, salt=args.salt)  # model id = layout.name, as the cache's
     with _common.open_cli_store(loc, layout, readonly=True) as store:
+        layout = _common.hashing_layout(layout, store.layout_fingerprint)
+        hasher = PrefixHasher(layout, model_id=_common.cache_model_id(store.stats().get("writer")), salt=args.salt)
         rows = [resume_points(store, hasher, p) for p in prompts]
     if args.json:
         _common.print_json({"store": loc.url, "model": layout.name, "layout_fingerprint": layout.fingerprint,

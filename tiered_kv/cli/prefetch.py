@@ -9,13 +9,19 @@
 Which records:
 
 - ``--prompts FILE``: the records a cache would hit for those prompts. Each prompt is
-  hashed as the cache hashes it (the layout's ``--model`` and overrides, the tenant
-  ``--salt``); its blocks are taken in order up to the first one the source lacks (a
+  hashed as the cache hashes it (the source's layout, or the one ``--model`` and the
+  overrides select; the model id the source's writer recorded, else the preset's name; the
+  tenant ``--salt``); its blocks are taken in order up to the first one the source lacks (a
   cache resumes a contiguous prefix only), with the state snapshot at every one of those
-  blocks the source has.
+  blocks the source has. Needs a source of a tiered_kv preset layout (an engine's store
+  has no prompts to hash here: use ``--recent``).
 - ``--recent N``: the N most recent records of the source: most recently written on an
   object store (last-modified), most recently accessed on a local Zarr directory. Needs a
   Zarr source (``zarr://`` or ``zarr+s3://``).
+
+No layout option is needed: the source's layout is used, and the destination is created
+with it and the source's writer record (``--model`` only checks the source's). Records are
+copied at their own size, so an engine's store (pages of several sizes) copies too.
 
 Resumable: records the destination holds already are skipped (``present``), so a run
 stopped half-way (or run again) copies only the rest. Verified: every record is read
@@ -87,7 +93,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     which.add_argument("--prompts", metavar="FILE", help=_common.prompts_arg_help("prompts whose records to copy"))
     which.add_argument("--recent", type=_common.positive_int, metavar="N",
                        help="copy the N most recent records of the source (a Zarr store)")
-    _common.add_layout_args(p)
+    _common.add_layout_args(p, optional=True)
     p.add_argument("--salt", default="", metavar="S",
                    help="tenant salt of the prefix hash, as the serving cache uses (default: none)")
     p.add_argument("--batch", type=_common.positive_int, default=16, metavar="N",
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = _common.layout_from_args(args)
+    layout = _common.layout_option(args)
     source = _common.parse_store(args.source)
     dest = _common.parse_store(args.dest)
     if dest.backend.remote:
@@ -153,30 +159,36 @@ class _Counts:
     digests: dict[Any, bytes | None] = field(default_factory=dict)
 
 
-def prefetch(layout: KVLayout, source: _common.StoreLocation, dest: _common.StoreLocation, *,
+def prefetch(layout: KVLayout | None, source: _common.StoreLocation, dest: _common.StoreLocation, *,
              prompts: list[Prompt] | None = None, recent: int | None = None, salt: str = "", batch: int = 16,
              max_bytes: int | None = None, verbose: bool = True, encryption: Any = None,
              encrypt_local: bool = False) -> dict[str, Any]:
     """Copy the selected records of ``source`` into ``dest`` (see the module docstring);
     return the report (the ``--json`` object). Exactly one of ``prompts`` and ``recent``.
-    ``encryption``: the source's EncryptionConfig (and the destination's with
-    ``encrypt_local``)."""
-    from ..storage import open_store
+    ``layout`` None: the source's. ``encryption``: the source's EncryptionConfig (and the
+    destination's with ``encrypt_local``)."""
+    from ..storage import StoreWriter, open_store
 
     if (prompts is None) == (recent is None):
         raise ValueError("prompts, recent: expected exactly one of them")
     t0 = time.perf_counter()
     counts = _Counts()
     with _common.open_cli_store(source, layout, readonly=True, encryption=encryption) as src:
-        with _common.store_errors(dest, layout):
+        fingerprint = src.layout_fingerprint
+        writer_info = src.stats().get("writer")
+        hashing = _common.hashing_layout(layout, fingerprint) if prompts is not None else None
+        with _common.store_errors(dest, layout, expected=f"the layout of {source.path}, the source"):
             options: dict[str, Any] = {} if max_bytes is None else {"max_bytes": max_bytes}
             if encrypt_local:
                 options["encryption"] = encryption
-            dst = open_store(dest.url, layout_fingerprint=layout.fingerprint, **options)
+            dst = open_store(dest.url, layout_fingerprint=fingerprint, writer=StoreWriter.from_dict(writer_info),
+                             **options)
             try:
                 with _common.store_errors(source, layout):
                     if prompts is not None:
-                        keys, counts.digests = select_prompt_records(src, layout, prompts, salt=salt)
+                        assert hashing is not None
+                        keys, counts.digests = select_prompt_records(src, hashing, prompts, salt=salt,
+                                                                     model_id=_common.cache_model_id(writer_info))
                     else:
                         assert recent is not None
                         keys = src.recent(recent)  # type: ignore[attr-defined]  (Zarr: checked by _run)
@@ -186,7 +198,8 @@ def prefetch(layout: KVLayout, source: _common.StoreLocation, dest: _common.Stor
                 if verbose:
                     print(f"prefetch: {source.url} -> {dest.url}: {counts.wanted} records selected, "
                           f"{counts.present} already there, {len(todo)} to copy")
-                _copy(src, dst, layout, todo, counts, batch, source, verbose)
+                sizing = hashing or layout or _common.preset_layout(fingerprint)  # None: an engine's store
+                _copy(src, dst, sizing, todo, counts, batch, source, verbose)
                 auth_failures = int(src.stats().get("auth_failures") or 0)
             finally:
                 dst.close()
@@ -194,25 +207,26 @@ def prefetch(layout: KVLayout, source: _common.StoreLocation, dest: _common.Stor
     if verbose:
         print(f"  copied {counts.copied} records ({format_bytes(counts.copied_bytes)}) in {wall:.1f} s; "
               f"{counts.absent} absent, {counts.corrupt} corrupt, {counts.write_errors} not written")
-    return {"from": source.url, "to": dest.url, "model": layout.name, "layout_fingerprint": layout.fingerprint,
+    return {"from": source.url, "to": dest.url, "model": _common.model_of(layout, fingerprint),
+            "layout_fingerprint": fingerprint,
             "salt": salt, "selection": "prompts" if prompts is not None else f"recent {recent}",
             "wanted": counts.wanted, "present": counts.present, "absent": counts.absent, "copied": counts.copied,
             "copied_bytes": counts.copied_bytes, "corrupt": counts.corrupt, "write_errors": counts.write_errors,
             "last_write_error": counts.last_write_error, "auth_failures": auth_failures, "wall_s": wall}
 
 
-def select_prompt_records(store: BlockStore, layout: KVLayout, prompts: list[Prompt], *,
-                          salt: str = "") -> tuple[list[RecordKey], dict[RecordKey, bytes | None]]:
+def select_prompt_records(store: BlockStore, layout: KVLayout, prompts: list[Prompt], *, salt: str = "",
+                          model_id: str | None = None) -> tuple[list[RecordKey], dict[RecordKey, bytes | None]]:
     """The records of ``store`` a cache would hit for ``prompts``, in prompt order (no
     duplicates), and each one's token digest (checked when it is read).
 
     Per prompt: its full blocks up to the first one ``store`` lacks, and the snapshot of
-    each of those blocks that ``store`` has (hashed as the cache does: model id = layout
-    name, tenant ``salt``)."""
+    each of those blocks that ``store`` has (hashed as the cache does: ``model_id``
+    (default: the layout's name), tenant ``salt``)."""
     from ..prefix import PrefixHasher, token_digest
     from ..storage import RecordKey
 
-    hasher = PrefixHasher(layout, salt=salt)
+    hasher = PrefixHasher(layout, model_id=model_id, salt=salt)
     bt = layout.block_tokens
     digests: dict[RecordKey, bytes | None] = {}
     per_prompt: list[list[RecordKey]] = []
@@ -249,14 +263,16 @@ def _missing(store: BlockStore, keys: list[RecordKey]) -> list[RecordKey]:
     return out
 
 
-def _copy(src: BlockStore, dst: BlockStore, layout: KVLayout, keys: list[RecordKey], counts: _Counts,
+def _copy(src: BlockStore, dst: BlockStore, layout: KVLayout | None, keys: list[RecordKey], counts: _Counts,
           batch: int, source: _common.StoreLocation, verbose: bool) -> None:
-    """Read ``keys`` from ``src`` (verified) and write them to ``dst``, ``batch`` at a time."""
+    """Read ``keys`` from ``src`` (verified) and write them to ``dst``, ``batch`` at a time.
+    Buffers are sized by ``layout`` when known, else by each record's stored size."""
     import numpy as np
 
     from ..storage import PutItem, RecordKind, StoreError
 
-    sizes = {RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes}
+    sizes = None if layout is None else {RecordKind.BLOCK: layout.block_bytes,
+                                         RecordKind.SNAPSHOT: layout.snapshot_bytes}
     progress = Progress(len(keys), enabled=None if verbose else False)
     done = misses = 0
     with _common.store_errors(source, layout):
@@ -264,9 +280,15 @@ def _copy(src: BlockStore, dst: BlockStore, layout: KVLayout, keys: list[RecordK
     try:
         for i in range(0, len(keys), batch):
             chunk = keys[i:i + batch]
-            bufs = [np.empty(sizes[key.kind], dtype=np.uint8) for key in chunk]
             with _common.store_errors(source, layout):
+                if sizes is None:  # an unknown layout: each record's own size (None: gone meanwhile)
+                    found = [(key, n) for key, n in zip(chunk, src.payload_sizes(chunk)) if n is not None]
+                else:
+                    found = [(key, sizes[key.kind]) for key in chunk]
+                chunk = [key for key, _ in found]
+                bufs = [np.empty(n, dtype=np.uint8) for _, n in found]
                 metas = src.get_many(chunk, bufs, token_digests=[counts.digests.get(key) for key in chunk])
+            misses += len(keys[i:i + batch]) - len(chunk)
             misses += sum(m is None for m in metas)
             items = [PutItem(m.key, m.parent_hash, m.token_digest, buf) for m, buf in zip(metas, bufs) if m is not None]
             if items:
@@ -278,7 +300,7 @@ def _copy(src: BlockStore, dst: BlockStore, layout: KVLayout, keys: list[RecordK
                 else:
                     counts.copied += len(items)
                     counts.copied_bytes += sum(int(item.payload.nbytes) for item in items)
-            done += len(chunk)
+            done += min(batch, len(keys) - i)
             progress.update(done, f"{done}/{len(keys)} records, {format_bytes(counts.copied_bytes)}")
     finally:
         progress.close()

@@ -3,10 +3,16 @@
 ::
 
     tiered-kv stats --store .demo/store
-    tiered-kv stats --store lmdb:///var/cache/kv --model deepseek-v4-flash --json
+    tiered-kv stats --store lmdb:///var/cache/kv --json
+    tiered-kv stats --store lmdb:///var/cache/kv --store "zarr+s3://kv/v4?endpoint=..."   # a chain
 
 Records (blocks and snapshots), bytes against the bound, the least and most recent
-access, and the store's hit / miss / corrupt / eviction counters. An LMDB store keeps
+access, the store's layout fingerprint and writer (who created it: the tiered_kv cache,
+the vLLM adapter or the SGLang adapter; the model; a hash of the tenant, never the tenant)
+and its hit / miss / corrupt / eviction counters. No layout option is needed: the store
+is opened for whatever layout it holds; ``--model`` (and the overrides) only check that it
+holds that one (exit 4 if not). A repeated ``--store`` opens a chain and adds one line per
+level. An LMDB store keeps
 lifetime counters, summed over every process that used it (each flushes its counts with
 its access times and at close), and the table shows those; other backends count only
 for the open store object, so a fresh ``tiered-kv stats`` shows zeros there (a serving
@@ -42,8 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "counters and the oldest and newest access of a prefix-cache store.",
         epilog="exit codes: 0 ok, 2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
     )
-    _common.add_store_arg(p)
-    _common.add_layout_args(p)
+    _common.add_store_arg(p, chain=True)
+    _common.add_layout_args(p, optional=True)
     _keys.add_key_args(p)
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     return p
@@ -54,13 +60,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = _common.layout_from_args(args)
-    loc = _common.parse_store(args.store)
+    layout = _common.layout_option(args)
+    locs = [_common.parse_store(text) for text in args.store]
     encryption = _keys.encryption_from_args(args)
-    with _common.open_cli_store(loc, layout, readonly=True, encryption=encryption) as store:
+    with _common.open_cli_store(locs, layout, readonly=True, encryption=encryption) as store:
         summary = store_summary(store)
-        summary["encryption"] = _keys.describe_encryption(store, layout)
-    summary = {"store": loc.url, "model": layout.name, **summary}
+        # a chain: each level says whether it is sealed (its line); a store: a sample says
+        summary["encryption"] = None if len(locs) > 1 else _keys.describe_encryption(store)
+    summary = {"store": _common.store_url(locs), "model": _common.model_of(layout, store.layout_fingerprint),
+               **summary}
     if args.json:
         _common.print_json(summary)
     else:
@@ -83,26 +91,39 @@ def store_summary(store: Any) -> dict[str, Any]:
 
 def format_table(s: dict[str, Any]) -> str:
     max_bytes = s.get("max_bytes")
+    fingerprint = str(s.get("layout_fingerprint"))
+    store = s["store"] if isinstance(s["store"], str) else " -> ".join(s["store"])
     rows: list[tuple[str, str, str]] = [
-        ("store", s["store"], ""),
-        ("layout_fingerprint", str(s.get("layout_fingerprint")), f"--model {s['model']}"),
+        ("store", store, ""),
+        ("layout_fingerprint", fingerprint, _common.layout_hint(fingerprint, s.get("writer"))),
+        ("writer", _common.describe_writer(s.get("writer")), ""),
         ("records", str(s["records"]), f"{s['blocks']} blocks, {s['snapshots']} snapshots"),
         ("bytes", str(s["bytes"]), format_bytes(s["bytes"])),
         ("max_bytes", str(max_bytes) if max_bytes is not None else "none",
          format_bytes(max_bytes) if max_bytes is not None else "unbounded"),
         ("oldest_access", s["oldest_access"] or "-", "least recently used record (evicted first)"),
         ("newest_access", s["newest_access"] or "-", ""),
-        *_encryption_rows(s.get("encryption") or {}),
+        *(_encryption_rows(s["encryption"]) if s.get("encryption") is not None else []),
     ]
-    lifetime = "lifetime_hits" in s  # LMDB persists counters across processes
+    # LMDB persists counters across processes (a chain: its level 0's)
+    lifetime = next((p for p in ("lifetime_", "level0_lifetime_") if f"{p}hits" in s), None)
     note = "since the store was created, all processes" if lifetime else "since this process opened the store"
     if "auth_failures" in s:
         rows.append(("auth_failures", str(s["auth_failures"]), "reads that failed authentication (misses)"))
     for name in ("hits", "misses", "corrupt", "evictions"):
-        key = f"lifetime_{name}" if lifetime else name
+        key = f"{lifetime}{name}" if lifetime else name
         if key in s:
             rows.append((name, str(s[key]), note))
             note = ""
+    for i, level in enumerate(s.get("levels") or []):  # a chain: one line per level
+        records = level.get("records")
+        extra = level["where"]
+        if level.get("encrypted"):
+            extra += f" (encrypted, keys {', '.join(level.get('key_ids') or [])})"
+        if i:
+            state = "up" if level.get("up") else f"down: {level.get('last_error')}"
+            extra += f" ({state}); writer: {_common.describe_writer(level.get('writer'))}"
+        rows.append((f"level{i}", str(records) if records is not None else "-", extra))
     name_w = max(len(r[0]) for r in rows)
     num_w = max(len(r[1]) for r in rows if r[1].isdigit())
     lines = []

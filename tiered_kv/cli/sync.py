@@ -4,7 +4,10 @@
 
     tiered-kv sync --store lmdb:///var/cache/kv --shared "zarr+s3://kv-cache/v4?endpoint=https://..."
 
-A cache with a store chain uploads behind the request. Uploads still owed when its
+No layout option is needed: the local store's layout is used (``--model`` only checks it),
+and a shared store created here gets it and the local store's writer record. Records of
+any layout are sent at their own size, so stores written by the vLLM or SGLang adapter sync
+too. A cache with a store chain uploads behind the request. Uploads still owed when its
 process stopped are journaled in the local store and resumed by the next process that
 opens the chain; ``sync`` is for the records no journal holds (written with no journal,
 or before journals existed). ``sync`` lists both
@@ -49,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the shared store: zarr+s3://bucket/prefix?endpoint=..., or any store URL")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for the uploads (default 600)")
-    _common.add_layout_args(p)
+    _common.add_layout_args(p, optional=True)
     _keys.add_key_args(p, what="the shared store")
     p.add_argument("--encrypt-local", action="store_true",
                    help="the local store is sealed under the same keys too")
@@ -62,18 +65,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..storage import RecordKind, open_store
+    from ..storage import StoreChain, StoreWriter, open_store
 
-    layout = _common.layout_from_args(args)
+    layout = _common.layout_option(args)
     loc = _common.parse_store(args.store)
     shared = _common.parse_store(args.shared)
+    local_options, shared_options = _level_options(args)
     if not loc.exists():
         raise _common.missing_store(loc)
+    with _common.store_errors(loc, layout):  # (no layout given: the local store's, a maintenance open)
+        local = open_store(loc.url, layout_fingerprint=None if layout is None else layout.fingerprint,
+                           **local_options)
+    try:
+        # the shared store must hold the local one's layout; one created here records its writer
+        writer = StoreWriter.from_dict(local.stats().get("writer"))
+        with _common.store_errors(shared, layout, expected=f"the layout of {loc.path}"):
+            far = open_store(shared.url, layout_fingerprint=local.layout_fingerprint, writer=writer,
+                             **shared_options)
+    except BaseException:
+        local.close()
+        raise
     with _common.store_errors(loc, layout):
-        chain = open_store([loc.url, shared.url], layout_fingerprint=layout.fingerprint,
-                           level_options=_level_options(args))
+        chain = StoreChain([local, far])
         try:
-            result = chain.resync({RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes})
+            result = chain.resync()  # each record's own size, from the local index: any layout
             done = chain.wait_uploads(args.timeout)
             s = chain.stats()
         finally:

@@ -4,6 +4,10 @@
 
     tiered-kv verify --store .demo/store
     tiered-kv verify --store lmdb:///var/cache/kv --repair --json
+    tiered-kv verify --store lmdb:///var/cache/kv --store "zarr+s3://kv/v4?endpoint=..."   # a chain: every level
+
+No layout option is needed (the store is checked against the fingerprint it holds);
+``--model`` and the overrides only check that it holds that layout (exit 4 if not).
 
 Every record's checksum, layout fingerprint and key are checked
 (:meth:`tiered_kv.storage.BlockStore.verify`). Without ``--repair`` nothing is changed:
@@ -47,8 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="exit codes: 0 all good (or bad records removed), 1 corrupt records found, "
                "2 bad arguments, 3 store missing, 4 foreign-layout store, 5 store locked",
     )
-    _common.add_store_arg(p)
-    _common.add_layout_args(p)
+    _common.add_store_arg(p, chain=True)
+    _common.add_layout_args(p, optional=True)
     _keys.add_key_args(p)
     p.add_argument("--repair", action="store_true", help="remove the records that fail a check")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -60,19 +64,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = _common.layout_from_args(args)
-    loc = _common.parse_store(args.store)
+    layout = _common.layout_option(args)
+    locs = [_common.parse_store(text) for text in args.store]
     encryption = _keys.encryption_from_args(args)
-    with _common.open_cli_store(loc, layout, encryption=encryption) as store:
-        if encryption is not None:
+    with _common.open_cli_store(locs, layout, encryption=encryption) as store:
+        sizing = layout or _common.preset_layout(store.layout_fingerprint)
+        if encryption is not None and sizing is not None:  # tags are checked at the layout's sizes
             from ..storage import RecordKind
 
             result = dict(store.verify(repair=args.repair, payload_bytes={  # type: ignore[call-arg]
-                RecordKind.BLOCK: layout.block_bytes, RecordKind.SNAPSHOT: layout.snapshot_bytes}))
-        else:
+                RecordKind.BLOCK: sizing.block_bytes, RecordKind.SNAPSHOT: sizing.snapshot_bytes}))
+        else:  # (sealed, of an engine's layout: the records this handle has not read stay `unchecked`)
             result = dict(store.verify(repair=args.repair))
+        model = _common.model_of(layout, store.layout_fingerprint)
     bad = [_key_name(k) for k in result.get("corrupt_keys", [])]
-    out = {"store": loc.url, "model": layout.name, "repair": args.repair, **result, "corrupt_keys": bad}
+    out = {"store": _common.store_url(locs), "model": model, "repair": args.repair, **result, "corrupt_keys": bad}
     if encryption is not None:
         out["auth_failed_keys"] = [_key_name(k) for k in result["auth_failed_keys"]]
     found = out["corrupt"]
@@ -80,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         _common.print_json(out)
     else:
-        print(f"{loc.url}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
+        where = " -> ".join(loc.url for loc in locs)
+        print(f"{where}: checked {out['checked']} records, {found} corrupt, {out['removed']} removed")
         for name in bad:
             print(f"  corrupt  {name}")
         if encryption is not None:

@@ -74,7 +74,17 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ..storage import BlockStore, EncryptionConfig, PutItem, RecordKey, StoreError, StoreFullError, open_store
+from ..storage import (
+    BlockStore,
+    EncryptionConfig,
+    PutItem,
+    RecordKey,
+    StoreError,
+    StoreFullError,
+    StoreWriter,
+    WriterKind,
+    open_store,
+)
 from ..storage.crypto import default_tenant
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "TieredKVHiCacheStorage"]
@@ -154,12 +164,15 @@ class _OpenStores:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[BlockStore, int]] = {}
 
-    def acquire(self, url: Any, options: dict[str, Any]) -> tuple[str, BlockStore]:
+    def acquire(self, url: Any, options: dict[str, Any], writer: StoreWriter | None = None) -> tuple[str, BlockStore]:
+        """The store at ``url`` (opened with ``options`` unless open); ``writer`` is recorded
+        if this call creates it."""
         ident = json.dumps([url, options], sort_keys=True, default=str)
         with self._lock:
             store, refs = self._open.get(ident, (None, 0))
             if store is None or store.closed:
-                store, refs = open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT, **options), 0
+                opts = {"writer": writer, **options} if writer is not None else options
+                store, refs = open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT, **opts), 0
             self._open[ident] = (store, refs + 1)
             return ident, store
 
@@ -249,7 +262,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.store: BlockStore
         self._store_ident: str | None
-        self._store_ident, self.store = _STORES.acquire(store_url, store_options)
+        writer = StoreWriter.of(WriterKind.SGLANG, model=model_id, tenant=tenant)  # (the tenant is hashed)
+        self._store_ident, self.store = _STORES.acquire(store_url, store_options, writer)
         logger.info("tiered_kv HiCache storage: store %r, model %r, tenant %r, %s calls", store_url, model_id,
                     tenant, "zero-copy v1" if self.interface_v1 else "legacy")
 

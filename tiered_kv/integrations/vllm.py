@@ -96,7 +96,16 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from ..storage import BlockStore, EncryptionConfig, PutItem, RecordKey, StoreFullError, open_store
+from ..storage import (
+    BlockStore,
+    EncryptionConfig,
+    PutItem,
+    RecordKey,
+    StoreFullError,
+    StoreWriter,
+    WriterKind,
+    open_store,
+)
 from ..storage.crypto import default_tenant
 
 if TYPE_CHECKING:
@@ -292,6 +301,8 @@ class TieredKVTier(SecondaryTierManager):
                 levels = list(options.get("level_options") or [None] * len(store))
                 levels[0] = {**(levels[0] or {}), "max_bytes": max_bytes}
                 options["level_options"] = levels
+        # recorded by a store created here: `tiered-kv stats` names its writer (the tenant hashed)
+        options.setdefault("writer", StoreWriter.of(WriterKind.VLLM, model=self.keys.model_id, tenant=tenant))
         self.store: BlockStore = open_store(store if isinstance(store, str) else list(store),
                                             layout_fingerprint=self.keys.layout_fingerprint, **options)
         #: ``[num_chunks, chunk_bytes] uint8``: the primary tier's buffer, row c = chunk c (vLLM
