@@ -4,7 +4,9 @@
  * the preadv of a record's parts (header, the caller's payload buffers, the stored checksum)
  * and the xxh3-128 of header + payload. python-xxhash releases the GIL only for pieces over
  * 64 KiB, so a record read into a scatter list of pool rows (62 pieces of 0.6-18 KiB for a
- * Flash block) hashes with the GIL held. read_and_hash() does both with the GIL released.
+ * Flash block) hashes with the GIL held. read_and_hash() does both with the GIL released;
+ * read_verify_many() does it for a whole batch of records in one call (one GIL release) and
+ * also checks each header's known fields and checksum, as PartsVerifier does in Python.
  *
  * xxh3 itself is not reimplemented here: bind_xxh3() takes the addresses of xxHash's public
  * streaming API (XXH3_createState, XXH3_freeState, XXH3_128bits_reset, _update, _digest) as
@@ -201,7 +203,195 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ read_verify_many */
+
+/* expect: identity (72 B: magic, version, kind, flags, fingerprint, block hash), payload
+ * length (8 B LE), the index's checksum (16 B), optionally the token digest (32 B). */
+#define ID_BYTES 72
+#define EXPECT_BYTES (ID_BYTES + 8 + DIGEST_BYTES)
+#define EXPECT_WITH_DIGEST (EXPECT_BYTES + 32)
+#define HEADER_BYTES 144
+#define PARENT_AT 72
+#define DIGEST_AT 104
+#define LENGTH_AT 136
+
+enum { ST_OK = 0, ST_SHORT = 1, ST_BAD = 2 };
+
+typedef struct {
+    int fd;
+    long long offset;
+    Py_ssize_t first, count;   /* its pieces: iov[first .. first + count) */
+    Py_ssize_t want;
+    const unsigned char *expect;
+    Py_ssize_t expect_len;
+    int status;
+} job_t;
+
+static int
+verify_one(job_t *j, struct iovec *iov, struct iovec *scratch, void *state)
+{
+    struct iovec *mine = iov + j->first;
+    memcpy(scratch, mine, (size_t)j->count * sizeof(struct iovec));
+    Py_ssize_t got = preadv_full(j->fd, scratch, (int)j->count, (off_t)j->offset);
+    if (got < j->want)
+        return ST_SHORT;   /* end of file or a read error: a miss */
+    const unsigned char *header = mine[0].iov_base;
+    const unsigned char *tail = mine[j->count - 1].iov_base;
+    const unsigned char *e = j->expect;
+    if (memcmp(header, e, ID_BYTES) != 0 || memcmp(header + LENGTH_AT, e + ID_BYTES, 8) != 0)
+        return ST_BAD;
+    if (memcmp(tail, e + ID_BYTES + 8, DIGEST_BYTES) != 0)
+        return ST_BAD;     /* not the checksum the index holds */
+    if (j->expect_len == EXPECT_WITH_DIGEST && memcmp(header + DIGEST_AT, e + EXPECT_BYTES, 32) != 0)
+        return ST_BAD;
+    unsigned char digest[DIGEST_BYTES];
+    xxh_reset(state);
+    for (Py_ssize_t i = 0; i + 1 < j->count; i++)
+        xxh_update(state, mine[i].iov_base, mine[i].iov_len);
+    canonical(xxh_digest(state), digest);
+    return memcmp(digest, tail, DIGEST_BYTES) == 0 ? ST_OK : ST_BAD;
+}
+
+PyDoc_STRVAR(read_verify_many_doc,
+"read_verify_many(items, /) -> list[int]\n\n"
+"For each ``(fd, offset, bufs, expect)`` of ``items``: preadv the writable buffers ``bufs``\n"
+"(a record's 144-byte header, its payload pieces, its 16-byte checksum) from ``fd`` at\n"
+"``offset``, then check it: the header's identity fields and payload length against\n"
+"``expect`` (72 + 8 bytes), the stored checksum against the index's (``expect``'s next\n"
+"16 bytes) and against the xxh3-128 of header + payload, and the header's token digest\n"
+"against ``expect``'s last 32 bytes when given. Returns one status each: 0 verified, 1\n"
+"not read whole (end of file or a read error), 2 read but failing a check. The GIL is\n"
+"released for the whole batch.");
+
+static PyObject *
+read_verify_many(PyObject *self, PyObject *arg)
+{
+    if (xxh_create == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "read_verify_many: xxh3 is not bound (bind_xxh3)");
+        return NULL;
+    }
+    PyObject *items = PySequence_Fast(arg, "read_verify_many: expected a sequence of items");
+    if (items == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    PyObject **item_v = PySequence_Fast_ITEMS(items);
+    job_t *jobs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(job_t));
+    PyObject **seqs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
+    Py_ssize_t total = 0, cap = 0, held = 0, max_count = 0;
+    Py_buffer *views = NULL;
+    struct iovec *iov = NULL, *scratch = NULL;
+    PyObject *result = NULL;
+    void *state = NULL;
+    if (jobs == NULL || seqs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *fd_o, *off_o, *bufs_o, *expect_o;
+        if (!PyTuple_Check(item_v[k]) || PyTuple_GET_SIZE(item_v[k]) != 4) {
+            PyErr_Format(PyExc_TypeError, "read_verify_many: items[%zd]: expected (fd, offset, bufs, expect)", k);
+            goto done;
+        }
+        fd_o = PyTuple_GET_ITEM(item_v[k], 0);
+        off_o = PyTuple_GET_ITEM(item_v[k], 1);
+        bufs_o = PyTuple_GET_ITEM(item_v[k], 2);
+        expect_o = PyTuple_GET_ITEM(item_v[k], 3);
+        jobs[k].fd = (int)PyLong_AsLong(fd_o);
+        jobs[k].offset = PyLong_AsLongLong(off_o);
+        if (PyErr_Occurred())
+            goto done;
+        if (!PyBytes_Check(expect_o) || (PyBytes_GET_SIZE(expect_o) != EXPECT_BYTES
+                                        && PyBytes_GET_SIZE(expect_o) != EXPECT_WITH_DIGEST)) {
+            PyErr_Format(PyExc_ValueError, "read_verify_many: items[%zd]: expect must be %d or %d bytes",
+                         k, EXPECT_BYTES, EXPECT_WITH_DIGEST);
+            goto done;
+        }
+        jobs[k].expect = (const unsigned char *)PyBytes_AS_STRING(expect_o);
+        jobs[k].expect_len = PyBytes_GET_SIZE(expect_o);
+        seqs[k] = PySequence_Fast(bufs_o, "read_verify_many: bufs must be a sequence of buffers");
+        if (seqs[k] == NULL)
+            goto done;
+        Py_ssize_t c = PySequence_Fast_GET_SIZE(seqs[k]);
+        if (c < 2 || c > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "read_verify_many: items[%zd]: expected header, payload pieces, checksum", k);
+            goto done;
+        }
+        jobs[k].first = total;
+        jobs[k].count = c;
+        total += c;
+        if (c > max_count)
+            max_count = c;
+    }
+    cap = total ? total : 1;
+    views = PyMem_Calloc((size_t)cap, sizeof(Py_buffer));
+    iov = PyMem_Calloc((size_t)cap, sizeof(struct iovec));
+    scratch = PyMem_Calloc((size_t)(max_count ? max_count : 1), sizeof(struct iovec));
+    if (views == NULL || iov == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject **pieces = PySequence_Fast_ITEMS(seqs[k]);
+        Py_ssize_t want = 0;
+        for (Py_ssize_t i = 0; i < jobs[k].count; i++) {
+            Py_ssize_t at = jobs[k].first + i;
+            if (PyObject_GetBuffer(pieces[i], &views[at], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+                goto done;
+            held = at + 1;
+            iov[at].iov_base = views[at].buf;
+            iov[at].iov_len = (size_t)views[at].len;
+            want += views[at].len;
+        }
+        if (views[jobs[k].first].len != HEADER_BYTES || views[jobs[k].first + jobs[k].count - 1].len != DIGEST_BYTES) {
+            PyErr_Format(PyExc_ValueError, "read_verify_many: items[%zd]: expected a %d-byte header first and a "
+                         "%d-byte checksum last", k, HEADER_BYTES, DIGEST_BYTES);
+            goto done;
+        }
+        jobs[k].want = want;
+    }
+    int nomem = 0;
+    Py_BEGIN_ALLOW_THREADS
+    state = xxh_create();
+    if (state == NULL) {
+        nomem = 1;
+    } else {
+        for (Py_ssize_t k = 0; k < n; k++)
+            jobs[k].status = verify_one(&jobs[k], iov, scratch, state);
+        xxh_free(state);
+    }
+    Py_END_ALLOW_THREADS
+    if (nomem) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyList_New(n);
+    if (result == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *st = PyLong_FromLong(jobs[k].status);
+        if (st == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, k, st);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    if (seqs != NULL)
+        for (Py_ssize_t k = 0; k < n; k++)
+            Py_XDECREF(seqs[k]);
+    PyMem_Free(views);
+    PyMem_Free(iov);
+    PyMem_Free(scratch);
+    PyMem_Free(jobs);
+    PyMem_Free(seqs);
+    Py_DECREF(items);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"read_verify_many", read_verify_many, METH_O, read_verify_many_doc},
     {"bind_xxh3", bind_xxh3, METH_VARARGS,
      "bind_xxh3(create, free, reset, update, digest): addresses of xxHash's XXH3_createState, "
      "XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update, XXH3_128bits_digest."},

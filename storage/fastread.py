@@ -15,6 +15,10 @@ ended first). Two implementations, with the same results:
 - Python: ``os.preadv`` (GIL released) then python-xxhash, piece by piece (the GIL is
   released only for pieces over 64 KiB).
 
+Natively, :data:`read_verify_many` also reads and checks a whole batch of records in one
+call (the header checks of :class:`~tiered_kv.storage.record.PartsVerifier` included), so
+that the threads reading a hot batch hold the GIL once per batch, not per record.
+
 :data:`NATIVE` says which one is in use; ``TIERED_KV_NATIVE=0`` in the environment forces
 the Python one (tests run both).
 """
@@ -28,7 +32,8 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["NATIVE", "digest_parts", "native_read_and_hash", "python_read_and_hash", "read_and_hash"]
+__all__ = ["FAILED", "NATIVE", "SHORT", "VERIFIED", "digest_parts", "native_read_and_hash",
+           "native_read_verify_many", "python_read_and_hash", "read_and_hash", "read_verify_many"]
 
 _XXH3_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
                  "XXH3_128bits_digest")
@@ -103,9 +108,27 @@ def python_read_and_hash(fd: int, offset: int, bufs: Sequence[Any]) -> tuple[int
     return got, digest_parts(bufs[:-1])
 
 
+#: ``read_verify_many(items) -> list[int]`` (native only; None otherwise): for each
+#: ``(fd, offset, bufs, expect)`` read the record's parts and check them in one call for
+#: the whole batch (the GIL released throughout): the header's known fields, its stored
+#: checksum against the index's and against the xxh3-128 of header + payload, its token
+#: digest; ``expect`` is :meth:`~tiered_kv.storage.record.PartsVerifier.expectation`.
+#: Status :data:`VERIFIED`, :data:`SHORT` (not read whole: end of file, read error) or
+#: :data:`FAILED` (a check failed). The same verdicts as read_and_hash + PartsVerifier.verify.
+read_verify_many: Callable[[Sequence[tuple[int, int, Sequence[Any], bytes]]], list[int]] | None = None
+VERIFIED, SHORT, FAILED = 0, 1, 2
+
 #: ``read_and_hash(fd, offset, bufs) -> (bytes read, digest or None)``: fill ``bufs``
 #: (writable 1-D uint8 buffers, the last one 16 bytes) from ``fd`` at ``offset`` and return
 #: the canonical xxh3-128 of all but the last buffer, or None when the file ended first.
 #: OSError on a read error. The native implementation where :data:`NATIVE`, else Python.
 read_and_hash: Callable[[int, int, Sequence[Any]], tuple[int, bytes | None]] = (
     native_read_and_hash if NATIVE and native_read_and_hash is not None else python_read_and_hash)
+#: The native read_verify_many where the helper was built and bound, else None.
+native_read_verify_many: Callable[[Sequence[tuple[int, int, Sequence[Any], bytes]]], list[int]] | None = None
+if native_read_and_hash is not None:
+    from . import _fastread  # type: ignore[attr-defined]
+
+    native_read_verify_many = _fastread.read_verify_many
+if NATIVE:
+    read_verify_many = native_read_verify_many

@@ -745,6 +745,7 @@ class LmdbStore(BlockStore):
         An index entry whose length does not fit in its segment file (torn, or corrupt:
         e.g. an absurd length) fails without allocating anything of that size."""
         fp = self.layout_fingerprint
+        verifier = PartsVerifier(fp)
         tasks: list[ReadTask] = []
         heads = np.empty((len(jobs), HEADER_BYTES), np.uint8)
         tails = np.empty((len(jobs), CHECKSUM_BYTES), np.uint8)
@@ -767,18 +768,20 @@ class LmdbStore(BlockStore):
             if payload_bytes < 0 or out.nbytes != payload_bytes:
                 odd.append((i, key, loc, out, digest))
                 continue
-            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)]))
-        verify = PartsVerifier(fp).verify
+            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)],
+                                  expect=verifier.expectation(key, loc.length, checksum, digest)))
 
         def check(t: ReadTask) -> None:  # in the reading thread, while the record is in the CPU cache
             key, checksum, digest = info[t.index]
-            t.result = verify(t.header.tobytes(), t.digest, t.tail, key=key, record_bytes=t.loc.length,
-                              checksum=checksum, token_digest=digest)
+            t.result = verifier.verify(t.header.tobytes(), t.digest, t.tail, key=key, record_bytes=t.loc.length,
+                                       checksum=checksum, token_digest=digest)
 
         if tasks:
             self._segments.read(tasks, check)
         metas: dict[int, RecordMeta] = {}
         for t in tasks:
+            if t.verified:  # checked by the native batch read
+                t.result = verifier.meta(t.header.tobytes(), info[t.index][0], t.loc.length)
             if t.result is None:
                 failed.append(t.index)
             else:

@@ -455,6 +455,21 @@ class PartsVerifier:
             return None
         return RecordMeta(key, header[_PARENT_AT:_DIGEST_AT], digest_field, self.fingerprint, payload_bytes)
 
+    def expectation(self, key: RecordKey, record_bytes: int, checksum: bytes,
+                    token_digest: bytes | None = None) -> bytes:
+        """What :func:`~tiered_kv.storage.fastread.read_verify_many` checks a record of
+        ``key``, ``record_bytes`` long, against: the header's first 72 bytes (magic,
+        version, kind, flags, fingerprint, block hash), its payload length (8 B), the
+        index's ``checksum`` (16 B) and, when given, the ``token_digest`` (32 B)."""
+        return b"".join((self._lead[key.kind], self._fp_field, key.block_hash,
+                         _PAYLOAD_LENGTH.pack(record_bytes - HEADER_BYTES - CHECKSUM_BYTES), checksum,
+                         token_digest or b""))
+
+    def meta(self, header: bytes, key: RecordKey, record_bytes: int) -> RecordMeta:
+        """The meta of a record of ``key`` whose ``header`` was verified (natively)."""
+        return RecordMeta(key, header[_PARENT_AT:_DIGEST_AT], header[_DIGEST_AT:_LENGTH_AT], self.fingerprint,
+                          record_bytes - HEADER_BYTES - CHECKSUM_BYTES)
+
 
 def decode_record(buf: Any, *, expect_key: RecordKey, expect_fingerprint: str,
                   expect_token_digest: bytes | None = None, out: Any = None) -> RecordMeta:

@@ -179,7 +179,8 @@ class ReadTask:
     1-D uint8 views filled in order (a scatter list; often one); ``tail``:
     ``[CHECKSUM_BYTES] uint8``. Filled in by the read: ``ok`` (False: the bytes could not
     be read, e.g. the segment is gone) and ``digest``, the canonical xxh3-128 of header +
-    payload as read (what ``tail`` must equal). ``result``: the reader's verdict.
+    payload as read (what ``tail`` must equal), or, for a task with ``expect`` read by
+    the native batch read, ``verified``. ``result``: the reader's verdict.
     """
 
     index: int
@@ -190,6 +191,11 @@ class ReadTask:
     ok: bool = False
     digest: bytes | None = None
     result: Any = None
+    #: what the native batch read checks the record against (PartsVerifier.expectation);
+    #: None: only read and hashed
+    expect: bytes | None = None
+    #: set by a native batch read that checked it (then ``then`` is not called for it)
+    verified: bool | None = None
 
 
 class _DirectUnsupported(Exception):
@@ -725,7 +731,17 @@ def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None =
 def _read_records(shard: list[tuple[ReadTask, int]], then: Callable[[ReadTask], None] | None) -> None:
     """Read each record of ``shard`` (task, buffered fd) into its parts and hash it, one
     :func:`~tiered_kv.storage.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
-    then ``then(task)``. An error (EIO; a segment gc unlinked) is that record's miss."""
+    then ``then(task)``; or, natively when every task has ``expect``, read and check them
+    all in one :func:`~tiered_kv.storage.fastread.read_verify_many` call (sets ``ok`` and
+    ``verified``; ``then`` is not called). An error (EIO; a segment gc unlinked) is that
+    record's miss."""
+    many = fastread.read_verify_many
+    if many is not None and all(t.expect is not None for t, _ in shard):
+        statuses = many([(fd, t.loc.offset, [t.header, *t.payload, t.tail], t.expect) for t, fd in shard])
+        for (t, _), status in zip(shard, statuses):
+            t.ok = status != fastread.SHORT
+            t.verified = status == fastread.VERIFIED
+        return
     read = fastread.read_and_hash
     for t, fd in shard:
         try:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import sysconfig
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for
 from tiered_kv.storage import LmdbStore, fastread, segments
@@ -25,9 +26,12 @@ if fastread.native_read_and_hash is not None:
 
 @pytest.fixture(params=sorted(IMPLS))
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """Each read_and_hash implementation in turn, as the one the stores use."""
+    """Each read_and_hash implementation in turn, as the one the stores use (natively
+    with the batch read-and-verify, in Python without it)."""
     fn = IMPLS[request.param]
     monkeypatch.setattr(fastread, "read_and_hash", fn)
+    monkeypatch.setattr(fastread, "read_verify_many",
+                        fastread.native_read_verify_many if request.param == "native" else None)
     return fn
 
 
@@ -146,21 +150,12 @@ def test_hot_get_many_spreads_over_threads(monkeypatch: pytest.MonkeyPatch, tmp_
         submitted: list[object] = []
         real_submit = pool.submit
         monkeypatch.setattr(pool, "submit", lambda fn, *a: submitted.append(fn) or real_submit(fn, *a))
-        readers: set[int] = set()
-        read = fastread.read_and_hash
-
-        def spy(fd, offset, bufs):
-            readers.add(threading.get_ident())
-            return read(fd, offset, bufs)
-
-        monkeypatch.setattr(fastread, "read_and_hash", spy)
         outs = [np.empty(500_000, np.uint8) for _ in keys]
         metas = store.get_many(keys, outs, token_digests=[digest_for(k) for k in keys])
     assert all(metas)
     for k, out in zip(keys, outs):
         np.testing.assert_array_equal(out, payload_for(k, 500_000))
     assert len(submitted) == 3  # 6 MB in 5 shards: the caller and 3 pool threads drain them
-    assert 1 <= len(readers) <= 4
 
 
 @pytest.mark.parametrize("direct_io", [False, True])
@@ -195,3 +190,67 @@ def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direc
             assert metas[i].payload_bytes == sizes[i] and metas[i].token_digest == digest_for(keys[i])
         assert store.stats()["corrupt"] == 1 and keys[4] not in store
     assert HEADER_BYTES + CHECKSUM_BYTES == 160
+
+
+# ------------------------------------------------------------------ the native batch check
+needs_native = pytest.mark.skipif("native" not in IMPLS, reason="native helper not built")
+
+
+def _one_record(tmp_path: Path, flip: int | None, n: int = 5000) -> tuple[int, bytes]:
+    """A file holding one encoded record (one bit flipped at byte ``flip``); (fd, record)."""
+    from tiered_kv.storage.record import encode_record
+
+    key = make_key(7)
+    rec = bytearray(encode_record(key=key, parent_hash=bytes(range(32)), token_digest=digest_for(key),
+                                  layout_fingerprint=FP, payload=payload_for(key, n)))
+    clean = bytes(rec)
+    if flip is not None:
+        rec[flip] ^= 0x10
+    path = tmp_path / f"r{flip}.bin"
+    path.write_bytes(b"\0" * 100 + bytes(rec))
+    return os.open(path, os.O_RDONLY), clean
+
+
+def _both_verdicts(fd: int, record: bytes, *, checksum: bytes, token_digest: bytes | None,
+                   length: int | None = None) -> tuple[bool, bool]:
+    """(native batch verdict, Python read_and_hash + PartsVerifier verdict) of the record at 100."""
+    from tiered_kv.storage.record import PartsVerifier
+
+    key, n = make_key(7), len(record) if length is None else length
+    v = PartsVerifier(FP)
+    bufs = [np.empty(HEADER_BYTES, np.uint8), np.empty(n - 160 - 9, np.uint8), np.empty(9, np.uint8),
+            np.empty(CHECKSUM_BYTES, np.uint8)]
+    [status] = fastread.native_read_verify_many([(fd, 100, bufs, v.expectation(key, n, checksum, token_digest))])
+    got, digest = fastread.python_read_and_hash(fd, 100, bufs)
+    meta = None if got < n else v.verify(bufs[0].tobytes(), digest, bufs[-1], key=key, record_bytes=n,
+                                         checksum=checksum, token_digest=token_digest)
+    return status == fastread.VERIFIED, meta is not None
+
+
+@needs_native
+@settings(max_examples=120, deadline=None)
+@given(pos=st.integers(0, 5000 + 160 - 1))
+def test_native_batch_check_rejects_what_python_rejects(tmp_path_factory, pos: int) -> None:
+    fd, clean = _one_record(tmp_path_factory.mktemp("r"), pos)
+    try:
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=digest_for(make_key(7))) == (False, False)
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> None:
+    fd, clean = _one_record(tmp_path, None)
+    try:
+        good = digest_for(make_key(7))
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=good) == (True, True)
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=None) == (True, True)
+        assert _both_verdicts(fd, clean, checksum=bytes(16), token_digest=good) == (False, False)  # index differs
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=bytes(32)) == (False, False)
+        with pytest.raises(ValueError, match="expect must be"):
+            fastread.native_read_verify_many([(fd, 100, [np.empty(144, np.uint8), np.empty(16, np.uint8)], b"x")])
+        status = fastread.native_read_verify_many([(fd, 10_000, [np.empty(144, np.uint8), np.empty(16, np.uint8)],
+                                             bytes(96))])
+        assert status == [fastread.SHORT]  # past the end of the file
+    finally:
+        os.close(fd)
