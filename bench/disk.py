@@ -1,33 +1,44 @@
-"""Disk-tier throughput: LMDB and Zarr block stores against two baselines of the same run.
+"""Disk-tier throughput: our stores, plain-file baselines and the peers' disk tiers, all in
+the same run, over the same bytes.
 
-Records are Flash-sized: the payload is one 128-token DeepSeek-V4-Flash fp8 block
-(``deepseek_v4_flash().block_bytes`` = 492,832 bytes). Every number is payload bytes over
-wall time, the median of ``--repeats`` runs, and each store is shown as a ratio of both
-baselines, measured in the same run on the same filesystem:
+The workload: ``--records`` random blocks (default 512 DeepSeek-V4-Flash fp8 blocks,
+``deepseek_v4_flash().block_bytes`` = 492,832 B, 252 MB) drawn from one seed, so that every
+process, ours and the peers', holds the same bytes. Each round, every contender writes every
+block (fresh store or directory), then reads them all back cold and hot; the figure is the
+median over ``--repeats`` rounds (after one untimed warm-up round), in GB/s of payload.
+Rounds are interleaved across the contenders, so that drifts of the disk hit all alike.
 
-    raw        the durable baseline: one thread, write() the payloads back to back to one
-               file, fsync after every batch; reads: readinto() one buffer per record
-    ceiling    what the disk gives: the same bytes written with parallel O_DIRECT pwrites
-               (4 threads, 4 MiB each, one fdatasync at the end) and read back with parallel
-               O_DIRECT preads (cold) or parallel buffered preads (hot)
-    store      put_many(batch) into a fresh store (each call is durable when it returns);
-               get_many(batch) into preallocated numpy buffers (verified: checksum,
-               fingerprint, key), a fresh store handle per read pass
+Every read lands in a destination the size of the data (one row per block, its pages
+faulted in beforehand, zeroed before each pass and compared with the bytes written after
+it), as a restore's does: never in a few buffers that stay in the CPU's cache.
 
-    write      the whole workload, fsync-durable (the ceiling: fdatasync once)
-    cold read  the page cache of the files dropped first (posix_fadvise DONTNEED)
-    hot read   the store's files in the page cache: every file read once with plain reads
-               (untimed) before the pass. A store that reads cold data with O_DIRECT (LMDB)
-               leaves nothing cached by its cold pass, so without this step its "hot" pass
-               would be a second cold one. Other sessions on a shared machine drop the page
-               cache now and then: a hot pass after which less than 99 % of the files'
-               pages are still cached (cachestat) is measured again (up to 5 times).
+    raw              the plain way: one file per block, write() + fsync() each, then an
+                     fsync of the directory; reads: open() + readv() into the block's row
+    ceiling          what the disk gives: the data as one file, written with parallel O_DIRECT
+                     pwrites (4 threads, 4 MiB, one fdatasync) and read with parallel O_DIRECT
+                     preads (cold) or parallel buffered preads (hot) into the destination
+    <store> files    the store's own files read with parallel buffered preads (4 threads,
+                     4 MiB) into a destination of their size: the page cache's speed for them
+    lmdb, zarr       tiered_kv: ``put_many(batch)`` into a fresh store (fsync-durable when it
+                     returns), ``get_many(batch)`` into the destination's rows (every record
+                     verified: checksum, key, layout fingerprint), a fresh handle per pass
+    vLLM FS tier     vLLM 0.33's ``fs`` offloading tier, driven by bench/peers/vllm_fs.py in
+                     .venv-vllm (``make venv-vllm``)
+    LMCache disk     LMCache 0.5.6's ``LocalDiskBackend``, driven by bench/peers/lmcache_disk.py
+                     in .venv-lmcache (``make venv-lmcache``)
 
-The issue's reference figures (vLLM 0.33 FS tier, LMCache 0.5.6 local disk, measured on
-this machine type on 2026-11-30, not re-measured here) are printed beside the targets.
+Each peer runs in its own venv's Python process and measures itself with the same code
+(bench/peers/peer_common.py: workload, page cache, timing); a peer whose venv is missing or whose
+driver fails is reported as "not run: <why>", never with a figure. The drivers' docstrings
+say which of the peer's calls they make and what its writes guarantee.
 
-    python bench/disk.py --quick     # < 1 minute; writes bench/results/disk.json
-    python bench/disk.py             # also bench/results/disk.png
+    cold read        the files' pages written back and dropped first (posix_fadvise DONTNEED)
+    hot read         every file read once (plain reads, untimed) before the pass; a pass after
+                     which less than 99 % of the files is still cached (cachestat; other jobs
+                     on a shared machine drop the page cache) is measured again, up to 5 times
+
+    python bench/disk.py --quick     # 128 blocks, 2 rounds; writes bench/results/disk.json
+    python bench/disk.py             # 512 blocks, 5 rounds; also bench/results/disk.png
 """
 
 from __future__ import annotations
@@ -41,8 +52,8 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,318 +62,380 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # allow `python bench/disk.py` from a checkout
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench" / "peers"))
 
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from peer_common import (  # noqa: E402  (bench/peers/peer_common.py: shared with the peer drivers)
+    FLASH_BLOCK_BYTES,
+    aligned_destination,
+    batches,
+    check_equal,
+    cold_pass,
+    destination,
+    files_under,
+    hot_pass,
+    payloads,
+    round_figures,
+    timed,
+)
+from peer_launch import PEERS, PeerProcess  # noqa: E402
 
 from tiered_kv.storage import BlockStore, LmdbStore, PutItem, RecordKey, ZarrStore, record_size  # noqa: E402
-from tiered_kv.storage import segments  # noqa: E402  (cachestat)
-from tiered_kv.storage.segments import aligned_buffer  # noqa: E402
 
-FLASH_BLOCK_BYTES = 492_832  # 21*32*584 + 21*32*132 + 20*1*584
-
-
-def flash_block_bytes() -> int:
-    try:
-        from tiered_kv.presets import deepseek_v4_flash
-    except ImportError:
-        return FLASH_BLOCK_BYTES
-    return deepseek_v4_flash().block_bytes
-
-
+METRICS = ("write_gbps", "cold_read_gbps", "hot_read_gbps")
 FINGERPRINT = "kvl1-bench-flash-fp8"
 BACKENDS: dict[str, Callable[[Path, int], BlockStore]] = {
     "lmdb": lambda path, max_bytes: LmdbStore(path, layout_fingerprint=FINGERPRINT, max_bytes=max_bytes),
     "zarr": lambda path, max_bytes: ZarrStore(path, layout_fingerprint=FINGERPRINT, max_bytes=max_bytes),
 }
+LABELS = {
+    "raw": "raw file per block (write+fsync / readv)",
+    "ceiling": "disk ceiling (4 threads, O_DIRECT)",
+    "lmdb": "tiered_kv LMDB + segments",
+    "zarr": "tiered_kv Zarr",
+}
+DURABILITY = {
+    "raw": "fsync per file, no checksum",
+    "ceiling": "one fdatasync, no checksum",
+    "files": "plain reads, nothing verified",
+    "store": "fsync-durable when put_many returns, every read verified",
+}
+THREADS = 4
+PIECE = 4 << 20
 
 
-HOT_TRIES = 5
+def flash_block_bytes() -> int:
+    from tiered_kv.presets import deepseek_v4_flash
 
-
-def cached_fraction(path: Path) -> float:
-    """Fraction of the pages of the files under ``path`` in the page cache (1.0 where
-    cachestat is unavailable: unknown)."""
-    files = [path] if path.is_file() else [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
-    cached = total = 0
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            got = segments._LIBC.cached_pages(fd, 0, max(os.fstat(fd).st_size, 1))
-        finally:
-            os.close(fd)
-        if got is None:
-            return 1.0
-        cached, total = cached + got[0], total + got[1]
-    return cached / total if total else 1.0
-
-
-def hot_pass(path: Path, timed_pass: Callable[[], float], *, warm: bool = True) -> float:
-    """Seconds of ``timed_pass`` with the files under ``path`` in the page cache. Other
-    sessions on a shared machine drop the page cache now and then (a file's cached pages
-    were seen gone within 2 s): a pass after which less than 99 % is still cached is
-    measured again, up to HOT_TRIES times."""
-    best = None
-    for _ in range(HOT_TRIES):
-        if warm:
-            warm_cache(path)
-        before = cached_fraction(path)
-        seconds = timed_pass()
-        if min(before, cached_fraction(path)) >= 0.99:
-            return seconds
-        best = seconds if best is None else min(best, seconds)
-        warm = True
-    return best
-
-
-def warm_cache(path: Path) -> None:
-    """Read every file under ``path`` once (plain reads): its pages are then cached."""
-    files = [path] if path.is_file() else [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
-    buf = bytearray(128 << 10)  # cat's size: much larger reads left slower-to-copy pages here
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
-
-
-def drop_cache(path: Path) -> None:
-    """posix_fadvise(DONTNEED) every file under ``path`` (clean pages leave the page cache)."""
-    files = [path] if path.is_file() else [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    return deepseek_v4_flash().block_bytes
 
 
 class Workload:
-    """``n`` distinct Flash-block payloads and their keys, written in batches of ``batch``."""
+    """The blocks (``payloads``: ``[records, payload_bytes] uint8``, bench/peers/peer_common.py's
+    seed), their store keys, and the destination every read of ours lands in."""
 
-    def __init__(self, n: int, batch: int, payload_bytes: int) -> None:
-        rng = np.random.default_rng(0)
-        self.payload_bytes = payload_bytes
-        self.batch = batch
-        self.payloads = [rng.integers(0, 256, payload_bytes, dtype=np.uint8) for _ in range(n)]
-        hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(n)]
+    def __init__(self, records: int, batch: int, payload_bytes: int) -> None:
+        self.payloads = payloads(records, payload_bytes)
+        self.records, self.batch, self.payload_bytes = records, batch, payload_bytes
+        self.total = records * payload_bytes
+        hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(records)]
         self.items = [PutItem(RecordKey.block(h), parent_hash=bytes(32), token_digest=hashlib.sha256(h).digest(),
                               payload=p) for h, p in zip(hashes, self.payloads)]
         self.keys = [it.key for it in self.items]
-        self.total = n * payload_bytes
+        #: ``[records, payload_bytes] uint8``: where every read of ours lands
+        self.dest = destination(self.payloads.shape)
 
-    def batches(self, seq: list[Any]) -> list[list[Any]]:
-        return [seq[i:i + self.batch] for i in range(0, len(seq), self.batch)]
+    def batches(self) -> list[range]:
+        return batches(self.records, self.batch)
 
 
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+def parallel_pread(pieces: list[tuple[int, int, int, int]], out: np.ndarray) -> None:
+    """``os.preadv`` each (fd, file offset, destination offset, length) piece into ``out``,
+    THREADS at a time (the GIL is released while each reads)."""
+    view = memoryview(out)
+
+    def read(piece: tuple[int, int, int, int]) -> None:
+        fd, off, at, n = piece
+        while n:
+            got = os.preadv(fd, [view[at:at + n]], off)
+            if got <= 0:
+                raise RuntimeError("a parallel read came back short")
+            off, at, n = off + got, at + got, n - got
+
+    with ThreadPoolExecutor(THREADS) as ex:
+        list(ex.map(read, pieces))
 
 
 # ------------------------------------------------------------------ raw baseline
-def raw_run(w: Workload, workdir: Path) -> dict[str, float]:
-    path = workdir / "raw.bin"
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for batch in w.batches(w.payloads):
-            for p in batch:
+def raw_run(w: Workload, workdir: Path) -> dict[str, Any]:
+    path = workdir / "raw"
+    path.mkdir()
+    names = [path / f"{i:06d}.blk" for i in range(w.records)]
+
+    def write_all() -> None:
+        for name, p in zip(names, w.payloads):
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
                 view = memoryview(p)
                 while view:
                     view = view[os.write(fd, view):]
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    write_s = time.perf_counter() - t0
-
-    buf = np.empty(w.payload_bytes, np.uint8)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        dfd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def read_all() -> float:
-        t = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            for _ in range(len(w.payloads)):
-                if f.readinto(buf) != w.payload_bytes:
-                    raise RuntimeError("raw read came back short")
-        return time.perf_counter() - t
+        w.dest.fill(0)
+        t = timed(lambda: [_readv_file(name, row) for name, row in zip(names, w.dest)])
+        check_equal(w.dest, w.payloads, "raw")
+        return t
 
-    drop_cache(path)
-    cold_s = read_all()
-    hot_s = hot_pass(path, read_all, warm=False)  # the cold pass left the file cached
-    path.unlink()
-    return {"write_gbps": gbps(w.total, write_s), "cold_read_gbps": gbps(w.total, cold_s),
-            "hot_read_gbps": gbps(w.total, hot_s)}
+    write_s = timed(write_all)
+    figures = round_figures(w.total, write_s, cold_pass(path, read_all), hot_pass(path, read_all))
+    shutil.rmtree(path)
+    return figures
+
+
+def _readv_file(name: Path, row: np.ndarray) -> None:
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        if os.readv(fd, [row]) != row.nbytes:
+            raise RuntimeError(f"raw: {name} came back short")
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ disk ceiling
-CEILING_THREADS = 4
-CEILING_CHUNK = 4 << 20
+class Ceiling:
+    """The workload as one page-aligned buffer (the O_DIRECT source) and a destination of
+    the same size, both built once (``[total rounded up to pages] uint8``)."""
 
+    def __init__(self, w: Workload) -> None:
+        self.total = w.total
+        self.src = aligned_destination(w.total)
+        self.src[:w.total] = w.payloads.reshape(-1)
+        self.dest = aligned_destination(w.total)
+        self.pieces = [(o, min(PIECE, len(self.src) - o)) for o in range(0, len(self.src), PIECE)]
 
-def ceiling_run(w: Workload, workdir: Path) -> dict[str, float]:
-    """Parallel O_DIRECT writes and reads of the workload's bytes (4 KiB-aligned copy)."""
-    path = workdir / "ceiling.bin"
-    n = (w.total + 4095) // 4096 * 4096
-    buf = aligned_buffer(n)
-    pos = 0
-    for p in w.payloads:
-        buf[pos:pos + p.nbytes] = p
-        pos += p.nbytes
-    view = memoryview(buf)
-    chunks = [(o, min(CEILING_CHUNK, n - o)) for o in range(0, n, CEILING_CHUNK)]
-
-    def timed(flags: int, fn: Callable[[int, tuple[int, int]], Any]) -> float:
-        fd = os.open(path, flags, 0o600)
+    def run(self, w: Workload, workdir: Path) -> dict[str, Any]:
+        path = workdir / "ceiling.bin"
+        src = memoryview(self.src)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            t = time.perf_counter()
-            with ThreadPoolExecutor(CEILING_THREADS) as ex:
-                list(ex.map(lambda c: fn(fd, c), chunks))
-            if flags & os.O_WRONLY:
+            def write_all() -> None:
+                with ThreadPoolExecutor(THREADS) as ex:
+                    wrote = list(ex.map(lambda p: os.pwrite(fd, src[p[0]:p[0] + p[1]], p[0]), self.pieces))
+                if wrote != [n for _, n in self.pieces]:
+                    raise RuntimeError("ceiling: a pwrite came back short")
                 os.fdatasync(fd)
-            return time.perf_counter() - t
+
+            write_s = timed(write_all)
         finally:
             os.close(fd)
 
-    write_s = timed(os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT,
-                    lambda fd, c: os.pwrite(fd, view[c[0]:c[0] + c[1]], c[0]))
-    bufs = {}
+        def read_all(flags: int) -> float:
+            self.dest.fill(0)
+            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                seconds = timed(lambda: parallel_pread([(fd, o, o, n) for o, n in self.pieces], self.dest))
+            finally:
+                os.close(fd)
+            check_equal(self.dest[:self.total], self.src[:self.total], "ceiling")
+            return seconds
 
-    def read_into(fd: int, c: tuple[int, int]) -> None:
-        import threading
-
-        b = bufs.setdefault(threading.get_ident(), aligned_buffer(CEILING_CHUNK))
-        if os.preadv(fd, [b[:c[1]]], c[0]) != c[1]:
-            raise RuntimeError("ceiling read came back short")
-
-    drop_cache(path)
-    cold_s = timed(os.O_RDONLY | os.O_DIRECT, read_into)
-    hot_s = hot_pass(path, lambda: timed(os.O_RDONLY, read_into))
-    path.unlink()
-    return {"write_gbps": gbps(w.total, write_s), "cold_read_gbps": gbps(w.total, cold_s),
-            "hot_read_gbps": gbps(w.total, hot_s)}
+        figures = round_figures(w.total, write_s, cold_pass(path, lambda: read_all(os.O_DIRECT)),
+                                hot_pass(path, lambda: read_all(0)))
+        path.unlink()
+        return figures
 
 
 # ------------------------------------------------------------------ stores
-def store_run(name: str, w: Workload, workdir: Path) -> dict[str, float]:
+def store_run(name: str, w: Workload, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the store's round, the round of plain parallel reads of its files)."""
     path = workdir / name
-    max_bytes = 2 * len(w.items) * record_size(w.payload_bytes)
+    max_bytes = 2 * w.records * record_size(w.payload_bytes)
     open_store = BACKENDS[name]
     store = open_store(path, max_bytes)
     try:
-        t0 = time.perf_counter()
-        for batch in w.batches(w.items):
-            if not all(store.put_many(batch)):
-                raise RuntimeError(f"{name}: a fresh store reported an existing record")
-        write_s = time.perf_counter() - t0
+        def write_all() -> None:
+            for r in w.batches():
+                if not all(store.put_many(w.items[r.start:r.stop])):
+                    raise RuntimeError(f"{name}: a fresh store reported an existing record")
+
+        write_s = timed(write_all)
     finally:
         store.close()
 
-    outs = [np.empty(w.payload_bytes, np.uint8) for _ in range(w.batch)]
-
-    def read_all(store: BlockStore) -> float:
-        t = time.perf_counter()
-        for keys in w.batches(w.keys):
-            metas = store.get_many(keys, outs[:len(keys)])
-            if any(m is None for m in metas):
-                raise RuntimeError(f"{name}: a stored record was a miss")
-        return time.perf_counter() - t
-
-    drop_cache(path)
-    last = w.batches(list(range(len(w.keys))))[-1]  # the outs hold the last batch after a pass
-    store = open_store(path, max_bytes)
-    try:
-        cold_s = read_all(store)
-        np.testing.assert_array_equal(outs[0], w.payloads[last[0]])
-    finally:
-        store.close()
-    def hot_read_all() -> float:
+    def read_all() -> float:
+        w.dest.fill(0)
         store = open_store(path, max_bytes)  # a fresh handle per pass
         try:
-            for o in outs:
-                o.fill(0)
-            seconds = read_all(store)
-            np.testing.assert_array_equal(outs[0], w.payloads[last[0]])
-            return seconds
+            def get_all() -> None:
+                for r in w.batches():
+                    metas = store.get_many(w.keys[r.start:r.stop], list(w.dest[r.start:r.stop]))
+                    if any(m is None for m in metas):
+                        raise RuntimeError(f"{name}: a stored record was a miss")
+
+            seconds = timed(get_all)
         finally:
             store.close()
+        check_equal(w.dest, w.payloads, name)
+        return seconds
 
-    hot_s = hot_pass(path, hot_read_all)
+    figures = round_figures(w.total, write_s, cold_pass(path, read_all), hot_pass(path, read_all))
+    files = files_run(path)
     shutil.rmtree(path)
-    return {"write_gbps": gbps(w.total, write_s), "cold_read_gbps": gbps(w.total, cold_s),
-            "hot_read_gbps": gbps(w.total, hot_s)}
+    return figures, files
 
 
-# ------------------------------------------------------------------ driver
-METRICS = ("write_gbps", "cold_read_gbps", "hot_read_gbps")
-#: issue #10's reference figures (GB/s, 2026-11-30, same machine type; not re-measured here)
-REFERENCE = {
-    "vllm_fs_tier": {"write_gbps": 0.885, "cold_read_gbps": 1.80, "hot_read_gbps": 1.72,
-                     "note": "vLLM 0.33 FS tier, O_DIRECT, 1 job, no fsync, no checksum"},
-    "lmcache_local_disk": {"write_gbps": 0.382, "cold_read_gbps": 1.49, "hot_read_gbps": 4.50,
-                           "note": "LMCache 0.5.6 local disk, buffered, 4 I/O threads, no fsync, no checksum"},
-}
-#: issue #10's targets for LMDB, GB/s: 1.2x vLLM write and cold read, LMCache's hot read
-TARGETS = {"write_gbps": 1.05, "cold_read_gbps": 2.15, "hot_read_gbps": 4.5}
+def files_run(path: Path) -> dict[str, Any]:
+    """Parallel buffered preads of every file under ``path`` into one array of their size,
+    cold and hot (GB/s of the files' bytes)."""
+    files = files_under(path)
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    out = destination((total,))
+    want = np.concatenate([np.fromfile(f, np.uint8) for f in files])
+
+    def read_all() -> float:
+        out.fill(0)
+        fds = [os.open(f, os.O_RDONLY) for f in files]
+        try:
+            pieces, at = [], 0
+            for fd, size in zip(fds, sizes):
+                pieces += [(fd, off, at + off, min(PIECE, size - off)) for off in range(0, size, PIECE)]
+                at += size
+            seconds = timed(lambda: parallel_pread(pieces, out))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        check_equal(out, want, f"{path.name} files")
+        return seconds
+
+    cold, hot = cold_pass(path, read_all), hot_pass(path, read_all)
+    return {"write_gbps": None, "cold_read_gbps": total / cold[0] / 1e9, "hot_read_gbps": total / hot[0] / 1e9,
+            "cold_cached_before": cold[1], "hot_passes": hot[1], "bytes": total}
 
 
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {m: statistics.median(r[m] for r in runs) for m in METRICS}
+# ------------------------------------------------------------------ one run
+def median_of(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    return {m: None if runs[0][m] is None else statistics.median(r[m] for r in runs) for m in METRICS}
 
 
-def run(records: int, batch: int, repeats: int, workdir: Path) -> dict[str, Any]:
-    w = Workload(records, batch, flash_block_bytes())
-    warm = Workload(min(records, 2 * batch), batch, w.payload_bytes)
-    raw_run(warm, workdir)  # untimed: first-use costs (imports, allocator, thread pools)
-    ceiling_run(warm, workdir)
-    for name in BACKENDS:
-        store_run(name, warm, workdir)
-    runs: dict[str, list[dict[str, float]]] = {"raw": [], "ceiling": [], **{b: [] for b in BACKENDS}}
-    for _ in range(repeats):  # interleaved, so that drifts of the disk hit everyone alike
-        runs["raw"].append(raw_run(w, workdir))
-        runs["ceiling"].append(ceiling_run(w, workdir))
-        for name in BACKENDS:
-            runs[name].append(store_run(name, w, workdir))
-    baseline = median_of(runs["raw"])
-    ceiling = median_of(runs["ceiling"])
-    backends: dict[str, dict[str, float]] = {}
-    for name in BACKENDS:
-        med = median_of(runs[name])
-        for m in METRICS:
-            med[m.replace("_gbps", "_ratio")] = med[m] / baseline[m]
-            med[m.replace("_gbps", "_of_ceiling")] = med[m] / ceiling[m]
-        backends[name] = med
+def run(records: int, batch: int, repeats: int, workdir: Path, *, payload_bytes: int | None = None,
+        peers: dict[str, Path] | None = None) -> dict[str, Any]:
+    """Every contender, ``repeats`` interleaved rounds after one warm-up. ``peers``: name ->
+    the interpreter of its venv (default: each peer of peer_launch.PEERS under the checkout)."""
+    if records <= 0 or batch <= 0 or repeats <= 0:
+        raise ValueError(f"records, batch, repeats: expected positive, got {records}, {batch}, {repeats}")
+    payload_bytes = payload_bytes or flash_block_bytes()
+    pythons = {p.name: p.python() for p in PEERS} if peers is None else peers
+    procs = [PeerProcess(p, pythons[p.name], records=records, payload_bytes=payload_bytes, batch=batch,
+                         workdir=workdir / p.name) for p in PEERS if p.name in pythons]
+    try:
+        w = Workload(records, batch, payload_bytes)
+        ceiling = Ceiling(w)
+        runs: dict[str, list[dict[str, Any]]] = {"raw": [], "ceiling": [],
+                                                 **{k: [] for b in BACKENDS for k in (b, f"{b}_files")}}
+        for r in range(repeats + 1):  # round 0: the untimed warm-up (first-use costs)
+            got = {"raw": raw_run(w, workdir), "ceiling": ceiling.run(w, workdir)}
+            for name in BACKENDS:
+                got[name], got[f"{name}_files"] = store_run(name, w, workdir)
+            for proc in procs:
+                proc.round(keep=r > 0)
+            if r > 0:
+                for k, v in got.items():
+                    runs[k].append(v)
+    finally:
+        for proc in procs:
+            proc.close()
+    return results(w, repeats, workdir, runs, procs)
+
+
+def results(w: Workload, repeats: int, workdir: Path, runs: dict[str, list[dict[str, Any]]],
+            procs: list[PeerProcess]) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {}
+    for name in ("raw", "ceiling"):
+        rows[name] = {"label": LABELS[name], "kind": "baseline", "durability": DURABILITY[name]}
+    for b in BACKENDS:
+        rows[f"{b}_files"] = {"label": f"{b} store's files, {THREADS}-thread pread", "kind": "baseline",
+                              "durability": DURABILITY["files"]}
+    for proc in procs:
+        info = proc.info or {}
+        rows[proc.peer.name] = {"label": info.get("label", proc.peer.label), "kind": "peer",
+                                "durability": info.get("durability"), "settings": info.get("settings"),
+                                "note": info.get("note")}
+        if proc.not_run is not None:
+            rows[proc.peer.name]["not_run"] = proc.not_run
+        else:
+            runs[proc.peer.name] = proc.runs
+    for b in BACKENDS:
+        rows[b] = {"label": LABELS[b], "kind": "ours", "durability": DURABILITY["store"]}
+    for name, row in rows.items():
+        if "not_run" not in row:
+            row["median"] = median_of(runs[name])
+            row["runs"] = runs[name]
     return {
         "config": {"payload_bytes": w.payload_bytes, "record_bytes": record_size(w.payload_bytes),
-                   "records": records, "batch": batch, "repeats": repeats, "total_bytes": w.total,
-                   "workdir": str(workdir), "statistic": "median"},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count()},
-        "baseline": baseline,
-        "ceiling": ceiling,
-        "backends": backends,
-        "reference": REFERENCE,
-        "targets": {"lmdb": TARGETS},
-        "runs": runs,
+                   "records": w.records, "batch": w.batch, "repeats": repeats, "total_bytes": w.total,
+                   "workdir": str(workdir), "statistic": "median", "warmup_rounds": 1,
+                   "destination": "the size of the data, pages faulted in, zeroed before each pass"},
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "rows": rows,
+        "ratios": {b: ratios(rows, b) for b in BACKENDS},
+        "targets": targets(rows),
     }
+
+
+def ratios(rows: dict[str, dict[str, Any]], ours: str) -> dict[str, dict[str, float | None] | str]:
+    """``ours`` over each other contender, per metric (None where either was not measured),
+    or "not run: ..." for a peer that did not run."""
+    mine = rows[ours]["median"]
+    out: dict[str, dict[str, float | None] | str] = {}
+    for name, row in rows.items():
+        if row["kind"] == "ours" or (name.endswith("_files") and name != f"{ours}_files"):
+            continue
+        if "not_run" in row:
+            out[name] = f"not run: {row['not_run']}"
+            continue
+        out[name] = {m: None if mine[m] is None or row["median"][m] is None else mine[m] / row["median"][m]
+                     for m in METRICS}
+    return out
+
+
+#: issue 15's hot-read targets for the LMDB store: x LMCache's hot read, x its files' pread
+TARGETS = {"lmcache_disk": 1.0, "lmdb_files": 0.8}
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for other, target in TARGETS.items():
+        row = rows.get(other)
+        if row is None or "not_run" in row:
+            out[other] = {"target": target, "ratio": None, "verdict": "not measured"}
+            continue
+        ratio = rows["lmdb"]["median"]["hot_read_gbps"] / row["median"]["hot_read_gbps"]
+        out[other] = {"target": target, "ratio": ratio, "verdict": "meets" if ratio >= target else "misses"}
+    return out
+
+
+# ------------------------------------------------------------------ output
+def _cell(x: float | None, width: int, fmt: str = ".2f") -> str:
+    return f"{'-' if x is None else format(x, fmt):>{width}}"
 
 
 def table(res: dict[str, Any]) -> str:
     c = res["config"]
-    lines = [f"disk tier: {c['records']} records x {c['payload_bytes']:,} B payload "
-             f"({c['total_bytes'] / 1e6:.0f} MB), batches of {c['batch']}, median of {c['repeats']}",
-             "GB/s, then x raw (durable baseline) / x ceiling (parallel O_DIRECT), same run",
-             f"{'':<10}" + "".join(f"{h:>26}" for h in ("write (fsync-durable)", "cold read", "hot read"))]
-    b, ce = res["baseline"], res["ceiling"]
-    lines.append(f"{'raw':<10}" + "".join(f"{b[m]:>11.3f}{'1.00':>7}{ce and b[m] / ce[m]:>8.2f}" for m in METRICS))
-    lines.append(f"{'ceiling':<10}" + "".join(f"{ce[m]:>11.3f}{ce[m] / b[m]:>7.2f}{'1.00':>8}" for m in METRICS))
-    for name, r in res["backends"].items():
-        lines.append(f"{name:<10}" + "".join(
-            f"{r[m]:>11.3f}{r[m.replace('_gbps', '_ratio')]:>7.2f}{r[m.replace('_gbps', '_of_ceiling')]:>8.2f}"
-            for m in METRICS))
-    for name, ref in res["reference"].items():
-        lines.append(f"{name:<10}" + "".join(f"{ref[m]:>11.3f}{'':>15}" for m in METRICS)
-                     + f"  (issue #10's figure: {ref['note']})")
-    lmdb = res["backends"]["lmdb"]
-    verdict = [f"{m.replace('_gbps', '')} {lmdb[m]:.2f} ({'meets' if lmdb[m] >= t else 'misses'} >= {t})"
-               for m, t in res["targets"]["lmdb"].items()]
-    lines.append("lmdb targets (GB/s, issue #10): " + ", ".join(verdict))
+    lines = [f"disk tier: {c['records']} blocks x {c['payload_bytes']:,} B ({c['total_bytes'] / 1e6:.0f} MB), "
+             f"batches of {c['batch']}, median of {c['repeats']} rounds after a warm-up; every read lands in "
+             f"a destination the size of the data",
+             f"{'GB/s of payload':<44}{'write':>8}{'cold':>8}{'hot':>8}   what a write guarantees / reads check"]
+    for name, row in res["rows"].items():
+        if "not_run" in row:
+            lines.append(f"{row['label']:<44}{'not run: ' + row['not_run']}")
+            continue
+        m = row["median"]
+        lines.append(f"{row['label']:<44}" + "".join(_cell(m[k], 8, ".3f") for k in METRICS)
+                     + f"   {row['durability'] or ''}")
+    for ours, rs in res["ratios"].items():
+        lines.append(f"{LABELS[ours] + ' / each (same run)':<44}{'write':>8}{'cold':>8}{'hot':>8}")
+        for name, r in rs.items():
+            label = res["rows"][name]["label"]
+            if isinstance(r, str):
+                lines.append(f"  / {label:<40}{r}")
+            else:
+                lines.append(f"  / {label:<40}" + "".join(_cell(r[k], 8) for k in METRICS))
+    peer_labels = {p.name: p.label for p in PEERS}    # a peer left out of this run has no row
+    verdicts = [f"x {res['rows'].get(k, {}).get('label', peer_labels.get(k, k))} "
+                + (f"{t['ratio']:.2f} ({t['verdict']} >= {t['target']})"
+                   if t["ratio"] is not None else f"not measured (>= {t['target']})")
+                for k, t in res["targets"].items()]
+    lines.append("LMDB hot-read targets (issue 15): " + "; ".join(verdicts))
+    lines += [f"note, {row['label']}: {row['note']}" for row in res["rows"].values()
+              if row.get("note") and "not_run" not in row]
     return "\n".join(lines)
 
 
@@ -372,26 +445,24 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["raw", "ceiling", *res["backends"]]
-    rows = [res["baseline"], res["ceiling"], *res["backends"].values()]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(names)
-    for i, (name, row) in enumerate(zip(names, rows)):
+    rows = {k: r for k, r in res["rows"].items() if "not_run" not in r}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(rows)
+    for i, (name, row) in enumerate(rows.items()):
         xs = [j + i * width for j in range(len(METRICS))]
-        bars = ax.bar(xs, [row[m] for m in METRICS], width, label=name)
-        if name not in ("raw", "ceiling"):
-            ratios = [row[m.replace("_gbps", "_ratio")] for m in METRICS]
-            ax.bar_label(bars, labels=[f"{r:.2f}x" for r in ratios], fontsize=7)
-    for j, m in enumerate(METRICS):
-        t = res["targets"]["lmdb"][m]
-        ax.hlines(t, j - width / 2, j + width * (len(names) - 0.5), colors="k", linestyles="dotted", linewidth=1)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(METRICS))],
-                  ["write + fsync", "cold read", "hot read"])
+        vals = [row["median"][m] or 0.0 for m in METRICS]
+        hatch = "//" if row["kind"] == "peer" else None
+        ax.bar(xs, vals, width, label=row["label"], hatch=hatch)
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(METRICS))],
+                  ["write", "cold read", "hot read"])
     ax.set_ylabel("GB/s (payload)")
     c = res["config"]
-    ax.set_title(f"disk tier, {c['records']} x {c['payload_bytes']:,} B records (median of {c['repeats']}; "
-                 f"labels: x raw; dotted: issue #10 targets)", fontsize=9)
-    ax.legend(fontsize=8)
+    missing = [r["label"] for r in res["rows"].values() if "not_run" in r]
+    note = res["machine"].get("note")
+    ax.set_title(f"disk tier, {c['records']} x {c['payload_bytes']:,} B blocks, median of {c['repeats']}, "
+                 f"same run" + (f" (not run: {', '.join(missing)})" if missing else "")
+                 + (f"\n{note}" if note else ""), fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -399,21 +470,36 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small run (< 1 min), JSON only")
-    ap.add_argument("--records", type=int, help="records per run (default 128 quick, 512 full)")
-    ap.add_argument("--batch", type=int, default=16, help="records per put_many / fsync (default 16)")
-    ap.add_argument("--repeats", type=int, help="runs per measurement (default 5 quick, 7 full)")
+    ap.add_argument("--quick", action="store_true", help="128 blocks, 2 rounds, JSON only")
+    ap.add_argument("--records", type=int, help="blocks (default 128 quick, 512 full)")
+    ap.add_argument("--payload-bytes", type=int, default=None,
+                    help=f"bytes per block (default the Flash block, {FLASH_BLOCK_BYTES:,})")
+    ap.add_argument("--batch", type=int, default=16, help="blocks per put_many / get_many / peer call (default 16)")
+    ap.add_argument("--repeats", type=int, help="timed rounds (default 2 quick, 5 full)")
+    ap.add_argument("--peer-python", action="append", default=[], metavar="NAME=PATH",
+                    help="the interpreter of a peer's venv (names: "
+                         + ", ".join(p.name for p in PEERS) + "; default <checkout>/<venv>/bin/python)")
+    ap.add_argument("--no-peers", action="store_true", help="measure our stores and the baselines only")
+    ap.add_argument("--note", default=None, help="recorded in the JSON, e.g. 'shared machine'")
     ap.add_argument("--dir", type=Path, default=None, help="filesystem to measure (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     records = args.records or (128 if args.quick else 512)
-    repeats = args.repeats or (5 if args.quick else 7)
+    repeats = args.repeats or (2 if args.quick else 5)
+    peers = {} if args.no_peers else {p.name: p.python() for p in PEERS}
+    for spec in args.peer_python:
+        name, sep, path = spec.partition("=")
+        if not sep or name not in {p.name for p in PEERS}:
+            ap.error(f"--peer-python: expected NAME=PATH with NAME one of {[p.name for p in PEERS]}, got {spec!r}")
+        peers[name] = Path(path)
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tkv-disk-bench-", dir=args.dir))
     try:
-        res = run(records, args.batch, repeats, workdir)
+        res = run(records, args.batch, repeats, workdir, payload_bytes=args.payload_bytes, peers=peers)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.note:
+        res["machine"]["note"] = args.note
     print(table(res))
     (args.out / "disk.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out / 'disk.json'}")

@@ -32,6 +32,12 @@ Layout: DeepSeek-V4-Flash, fp8 entries (block record 492,832 B; CSA entry 584 B)
    loop it replaced (the pre-batching ``HiSparseBuffers.swap_in``, kept below as the
    baseline).
 
+4. Host cost of building one batched swap-in launch: ``cuda_ops.hisparse_swap_in`` with a
+   launcher that launches nothing (``cuda_ops.launcher``), B = 32, k = 512, N = 2048: the
+   arguments converted for CuPy each call (``miss``: the conversion cache emptied first)
+   and found in the cache keyed on all of their values (``hit``: a decode loop passing the
+   same tensors). Runs on the CPU too (``--only launch``).
+
 Every number is the median of ``--repeats`` timed calls after warm-up; wall-clock medians
 are reported beside the event times. Results are checked (records, buffer rows) once per
 configuration.
@@ -42,6 +48,8 @@ configuration.
                                                  # (small sizes, torch impl only)
     python bench/gpu_bench.py --device cpu --quick --only batched
                                                  # CPU: batched torch impl vs the old loop
+    python bench/gpu_bench.py --device cpu --only launch
+                                                 # host cost of the launch's arguments
 """
 
 from __future__ import annotations
@@ -447,6 +455,46 @@ def bench_decode_step(mirror: Mirror, device: torch.device, B: int, repeats: int
             "graph_event_us": replay["event_s"] * 1e6, "graph_wall_us": replay["wall_s"] * 1e6}
 
 
+# ------------------------------------------------ 4. launch argument building (host)
+def bench_launch_host(device: torch.device, repeats: int, calls: int = 2000) -> dict[str, Any]:
+    """Microseconds of host time per ``cuda_ops.hisparse_swap_in`` call, kernel not launched."""
+    B, C, N, k = 32, 1, BUFFER_ENTRIES, TOP_K
+    S = B
+    tables = kernels.HiSparseTables(
+        buffer_rows=torch.empty(S * C * N + 1, ENTRY_BYTES, dtype=torch.uint8, device=device),
+        entry_of_slot=torch.full((S, C, N), -1, dtype=torch.int64, device=device),
+        last_used=torch.full((S, C, N), -1, dtype=torch.int64, device=device),
+        lru=torch.arange(N, device=device).repeat(S, C, 1), step=torch.zeros(S, C, dtype=torch.int64, device=device),
+        host_block=torch.zeros(S, 64, dtype=torch.int64, device=device),
+        counters=torch.zeros(2, dtype=torch.int64, device=device), entries_per_block=LAYOUT.csa_entries_per_block)
+    host = torch.empty(64, C * LAYOUT.csa_entries_per_block, ENTRY_BYTES, dtype=torch.uint8, device=device)
+    slots = torch.arange(B, device=device)
+    ids = torch.zeros(B, k, dtype=torch.int64, device=device)
+    out = torch.empty(B, k, dtype=torch.int64, device=device)
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    def call() -> None:
+        cuda_ops.hisparse_swap_in(tables, slots, 0, ids, host, None, out)
+
+    def per_call(empty_cache: bool) -> float:
+        runs = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                if empty_cache:
+                    cuda_ops._HISPARSE_ARGS.clear()
+                call()
+            if i:  # the first round warms up
+                runs.append((time.perf_counter() - t0) / calls)
+        return statistics.median(runs) * 1e6
+
+    with cuda_ops.launcher(nothing):
+        miss, hit = per_call(True), per_call(False)
+    return {"B": B, "k": k, "N": N, "calls": calls, "miss_us": miss, "hit_us": hit, "hit_over_miss": hit / miss}
+
+
 def plot(result: dict[str, Any], path: Path) -> str:
     """PNG of the batched swap-in (us per CSA layer vs B); returns what was written or why not."""
     try:
@@ -537,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (what `make bench` runs)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu.json, else "
                         "bench/results/gpu.json; --device cpu: bench/results/gpu_cpu.json); a PNG beside it")
-    parser.add_argument("--only", choices=["all", "batched"], default="all",
-                        help="batched = only section 3 (the batched swap-in)")
+    parser.add_argument("--only", choices=["all", "batched", "launch"], default="all",
+                        help="batched = only section 3 (the batched swap-in); launch = only section 4")
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 5 if args.quick else 20
@@ -564,6 +612,16 @@ def main(argv: list[str] | None = None) -> int:
         skipped["cuda"] = "no CUDA device (dry run)" if dry else \
             "cupy is not importable (install cupy-cuda12x / cupy-cuda13x to measure impl='cuda')"
 
+    launch = bench_launch_host(device, args.repeats)
+    print(f"launch host cost (B={launch['B']}, k={launch['k']}, N={launch['N']}): arguments converted "
+          f"{launch['miss_us']:.2f} us/call (baseline), found in the keyed cache {launch['hit_us']:.2f} us/call "
+          f"(ratio {launch['hit_over_miss']:.2f})")
+    if args.only == "launch":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if args.out is not None or not dry:
+            out.write_text(json.dumps({"benchmark": "gpu", "launch_host": launch}, indent=2) + "\n")
+            print(f"wrote {out}")
+        return 0
     t0 = time.perf_counter()
     pool_blocks, batches = (64, [1, 8, 32]) if dry else (1024, [8, 64, 256, 1024])
     copy_rows = [] if args.only == "batched" else bench_copy_engine(device, pool_blocks, batches, args.repeats)
@@ -608,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         "hisparse_e2e": e2e_rows,
         "batched": batched_rows,
         "decode_step": decode,
+        "launch_host": launch,
         "elapsed_s": {"copy_engine": t_copy, "total": elapsed},
     }
     print(f"{result['device']}, torch {torch.__version__} (CUDA {torch.version.cuda}), cupy {result['cupy']}")

@@ -7,28 +7,34 @@
 #   1. environment: GPU, torch/CUDA, and which Python packages are missing (nothing is
 #      installed: a missing one is reported with what it costs)
 #   2. the gpu-marked tests:  python -m pytest -m gpu -q tests/
-#   3. bench/gpu_bench.py: copy engine vs one large memcpy (GB/s, ratio), HiSparse
+#   3. the emulator's traces on the real kernels: tests/cuda_emu/traces.py --device cuda runs
+#      the very traces CI runs on the CPU emulator (make test-cuda-emu), every kernels/*.cu
+#      against its torch twin, launched by CuPy through cuda_ops (a table per kernel family)
+#   4. bench/gpu_bench.py: copy engine vs one large memcpy (GB/s, ratio), HiSparse
 #      swap-in latency (kernels.swap_in torch / cuda, HiSparseBuffers.swap_in end to end),
-#      and the batched swap-in per CSA layer (B = 1..64, eager and CUDA-graph replayed;
-#      one whole Flash decode step's 21 layers) with a PNG beside the JSON
-#   4. bench/write_path.py --device cuda --quick: host time per Flash block on the write path
+#      the batched swap-in per CSA layer (B = 1..64, eager and CUDA-graph replayed;
+#      one whole Flash decode step's 21 layers) with a PNG beside the JSON, and the host
+#      cost of building one launch
+#   5. bench/write_path.py --device cuda --quick: host time per Flash block on the write path
 # With .whl/ present (bash bench/device_wheels.sh here, then carry .whl), lmdb and zarr are
 # installed into a temporary --target folder first, so the disk-backed gpu tests run too:
 #   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# JSON goes to $OUT/gpu.json when OUT is set (the test log to $OUT/gpu_tests.log), else to
-# bench/results/gpu.json. Without CUDA the script says so and exits 0.
+# JSON goes to $OUT/gpu.json when OUT is set (the test log to $OUT/gpu_tests.log, the trace
+# table to $OUT/gpu_traces.json), else to bench/results/gpu.json. Without CUDA the script
+# says so and exits 0.
 #
 # Environment: PYTHON (interpreter; default .venv/bin/python if present, else python3),
 # GPU_CHECK_SHIM=1 (import tiered_kv from this checkout even if a copy is installed),
-# T_ENV / T_TESTS / T_BENCH (step timeouts in seconds: 30 per environment probe / 220 /
-# 180; all steps together stay under 8 minutes).
+# T_ENV / T_TESTS / T_TRACES / T_BENCH (step timeouts in seconds: 30 per environment probe /
+# 180 / 90 / 150, + 45 for step 5; all steps together stay under 8 minutes).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 T_ENV=${T_ENV:-30}
-T_TESTS=${T_TESTS:-220}
-T_BENCH=${T_BENCH:-180}  # + 60 s for step 4: all steps stay under 8 minutes
+T_TESTS=${T_TESTS:-180}
+T_TRACES=${T_TRACES:-90}
+T_BENCH=${T_BENCH:-150}  # + 45 s for step 5: all steps stay under 8 minutes
 if [[ -n "${PYTHON:-}" ]]; then
     PY=$PYTHON
 elif [[ -x .venv/bin/python ]]; then
@@ -45,6 +51,8 @@ JSON=${OUT_DIR:+$OUT_DIR/gpu.json}
 JSON=${JSON:-$ROOT/bench/results/gpu.json}
 TEST_LOG=${OUT_DIR:+$OUT_DIR/gpu_tests.log}
 TEST_LOG=${TEST_LOG:-/dev/null}
+TRACES_JSON=${OUT_DIR:+$OUT_DIR/gpu_traces.json}
+TRACES_JSON=${TRACES_JSON:-$ROOT/bench/results/gpu_traces.json}
 if [[ -n "$OUT_DIR" ]]; then
     mkdir -p "$OUT_DIR"
 fi
@@ -181,27 +189,39 @@ run_limited "$T_TESTS" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${targ
 tests_rc=${PIPESTATUS[0]}
 set -e
 
-# ------------------------------------------------------------------ 3. benchmarks
-step "3. GPU benchmarks (timeout ${T_BENCH}s) -> $JSON"
+# --------------------------------------------- 3. the emulator's traces on the GPU
+step "3. the CI traces (tests/cuda_emu) on the real kernels (timeout ${T_TRACES}s) -> $TRACES_JSON"
+set +e
+run_limited "$T_TRACES" "$PY" tests/cuda_emu/traces.py --device cuda --json "$TRACES_JSON"
+traces_rc=$?
+set -e
+if [[ $traces_rc -eq 3 ]]; then
+    traces_rc=0
+    traces_note="skipped (see above: the CUDA kernels cannot run here)"
+fi
+
+# ------------------------------------------------------------------ 4. benchmarks
+step "4. GPU benchmarks (timeout ${T_BENCH}s) -> $JSON"
 set +e
 run_limited "$T_BENCH" "$PY" bench/gpu_bench.py --out "$JSON"
 bench_rc=$?
 set -e
 
-step "4. write path on CUDA (host time per Flash block; timeout 60s)"
+step "5. write path on CUDA (host time per Flash block; timeout 45s)"
 set +e
-run_limited 60 "$PY" bench/write_path.py --device cuda --quick
+run_limited 45 "$PY" bench/write_path.py --device cuda --quick
 write_rc=$?
 set -e
 
 step "summary"
 describe() { case $1 in 0) echo ok ;; 124 | 137) echo "TIMED OUT (rc $1)" ;; *) echo "FAILED (rc $1)" ;; esac; }
 echo "gpu tests:  $(describe "$tests_rc")"
+echo "traces:     ${traces_note:-$(describe "$traces_rc")}"
 echo "benchmarks: $(describe "$bench_rc")"
 echo "write path: $(describe "$write_rc")"
 if [[ -f "$JSON" ]]; then
     echo "results:    $JSON"
 fi
-if [[ $tests_rc -ne 0 || $bench_rc -ne 0 || $write_rc -ne 0 ]]; then
+if [[ $tests_rc -ne 0 || $traces_rc -ne 0 || $bench_rc -ne 0 || $write_rc -ne 0 ]]; then
     exit 1
 fi

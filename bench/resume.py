@@ -12,11 +12,14 @@ the last two boundaries. Then, each in a NEW process (median over ``--repeats``)
             open() per-block   the same with batches of 1 and no read-ahead (~ the old path)
             open() staging     batched, read into a staging ring then copied into the pools
                         (resume_read_into_pools=False: the path before scatter reads)
-            plain read  read() of every file of the store into one buffer (8 MiB calls)
+            plain read  read() of every file of the store (8 MiB calls)
             py-lmdb     a cursor over every record, each value copied out (shown when the
                         values are the records; a store keeping payloads in other files
                         has only its index in LMDB)
             get_many    the store's own verified reads of the resumed records, 8 per call
+          Every baseline reads into a destination the size of what it reads (each byte to
+          its own place, pages faulted in beforehand, as the cache's pools are), never into
+          a few buffers that stay in the CPU's cache while open() fills pools of 256 MB.
     cold  posix_fadvise(DONTNEED) on every file of the store (and /proc/sys/vm/drop_caches
           when writable) before each process, then:
             open()      as above
@@ -125,29 +128,43 @@ def drop_cache(path: Path) -> bool:
 
 
 # ------------------------------------------------------------------ baselines (in the child)
+def destination(nbytes: int) -> np.ndarray:
+    """``[nbytes] uint8``, its pages faulted in (as the cache's zeroed pools are): where a
+    baseline's reads land."""
+    out = np.empty(nbytes, np.uint8)
+    out.fill(0)
+    return out
+
+
 def plain_read(path: Path, buf: np.ndarray) -> tuple[int, float]:
-    """read() every file of the store into ``buf`` (8 MiB calls): (bytes, seconds)."""
+    """read() every file of the store (8 MiB calls), each byte to its own place in ``buf``
+    (at least the files' size): (bytes, seconds)."""
     total = 0
+    view = memoryview(buf)
     t = time.perf_counter()
     for f in store_files(path):
         with open(f, "rb", buffering=0) as fh:
-            while n := fh.readinto(memoryview(buf)[:CHUNK]):
+            while n := fh.readinto(view[total:total + CHUNK]):
                 total += n
     return total, time.perf_counter() - t
 
 
-def parallel_read(path: Path, threads: int = 4) -> tuple[int, float]:
-    """pread every file of the store in 8 MiB pieces, ``threads`` at once: (bytes, seconds)."""
-    pieces = [(f, off, min(CHUNK, f.stat().st_size - off)) for f in store_files(path)
-              for off in range(0, f.stat().st_size, CHUNK)]
+def parallel_read(path: Path, buf: np.ndarray, threads: int = 4) -> tuple[int, float]:
+    """pread every file of the store in 8 MiB pieces, ``threads`` at once, each piece to its
+    own place in ``buf`` (at least the files' size): (bytes, seconds)."""
+    pieces, at = [], 0
+    for f in store_files(path):
+        size = f.stat().st_size
+        pieces += [(f, off, at + off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
+        at += size
     done = [0] * threads
+    view = memoryview(buf)
 
     def work(i: int) -> None:
-        buf = bytearray(CHUNK)
-        for f, off, n in pieces[i::threads]:
+        for f, off, dst, n in pieces[i::threads]:
             fd = os.open(f, os.O_RDONLY)
             try:
-                done[i] += os.preadv(fd, [memoryview(buf)[:n]], off)
+                done[i] += os.preadv(fd, [view[dst:dst + n]], off)
             finally:
                 os.close(fd)
 
@@ -161,7 +178,8 @@ def parallel_read(path: Path, threads: int = 4) -> tuple[int, float]:
 
 
 def lmdb_iterate(path: Path, buf: np.ndarray) -> tuple[int, float]:
-    """Plain py-lmdb: every record of the records sub-db copied out: (bytes, seconds)."""
+    """Plain py-lmdb: every record of the records sub-db copied out, one after the other
+    into ``buf``: (bytes, seconds)."""
     import lmdb
 
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4, subdir=True)
@@ -175,28 +193,29 @@ def lmdb_iterate(path: Path, buf: np.ndarray) -> tuple[int, float]:
         with env.begin(buffers=True) as txn:
             for _, v in txn.cursor(db=db):
                 n = len(v)
-                buf[:n] = np.frombuffer(v, dtype=np.uint8)
+                buf[total:total + n] = np.frombuffer(v, dtype=np.uint8)
                 total += n
         return total, time.perf_counter() - t
     finally:
         env.close()
 
 
-def store_get_many(path: Path, layout, tokens: list[int], nblocks: int) -> tuple[int, float]:
-    """The store's verified ``get_many`` of the resumed block records, 8 per call."""
+def store_get_many(path: Path, layout, tokens: list[int], nblocks: int, buf: np.ndarray) -> tuple[int, float]:
+    """The store's verified ``get_many`` of the resumed block records, 8 per call, each
+    block to its own row of ``buf`` (at least ``nblocks * block_bytes``)."""
     from tiered_kv.prefix import PrefixHasher, token_digest
     from tiered_kv.storage import LmdbStore, RecordKey
 
     hashes = PrefixHasher(layout).block_hashes(tokens[:nblocks * layout.block_tokens])
     bt = layout.block_tokens
-    outs = [np.empty(layout.block_bytes, np.uint8) for _ in range(8)]
+    rows = buf[:nblocks * layout.block_bytes].reshape(nblocks, layout.block_bytes)
     store = LmdbStore(path, layout_fingerprint=layout.fingerprint, readonly=True)
     try:
         t = time.perf_counter()
         for a in range(0, nblocks, 8):
             keys = [RecordKey.block(h) for h in hashes[a:a + 8]]
             digests = [token_digest(tokens[i * bt:(i + 1) * bt]) for i in range(a, a + len(keys))]
-            metas = store.get_many(keys, outs[:len(keys)], token_digests=digests)
+            metas = store.get_many(keys, list(rows[a:a + len(keys)]), token_digests=digests)
             if any(m is None for m in metas):
                 raise RuntimeError("get_many: a stored record was a miss")
         return nblocks * layout.block_bytes, time.perf_counter() - t
@@ -241,14 +260,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.child == "cold-open":
         return timed_open(path, args.tokens, args.device, args.batch, args.depth)
     if args.child == "cold-read":
-        n, dt = plain_read(path, np.empty(CHUNK, np.uint8))
+        n, dt = plain_read(path, destination(files_bytes))
         out = {"cold_plain_gbps": n / dt / 1e9}
         return out
     if args.child == "cold-parallel":
-        n, dt = parallel_read(path)
+        n, dt = parallel_read(path, destination(files_bytes))
         return {"cold_parallel_gbps": n / dt / 1e9}
     # hot: warm the page cache, then the open() first (one LMDB handle per process), then the baselines
-    buf = np.empty(max(CHUNK, 8 << 20), np.uint8)
+    buf = destination(files_bytes)
     plain_read(path, buf)
     out = timed_open(path, args.tokens, args.device, args.batch, args.depth, bool(args.staging))
     if args.batch is not None or args.staging:
@@ -258,7 +277,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     plain = [plain_read(path, buf) for _ in range(3)]
     lm = [lmdb_iterate(path, buf) for _ in range(3)]
     lmdb_holds_records = lm[0][0] >= nblocks * layout.block_bytes
-    gm = [store_get_many(path, layout, prompt_tokens(args.tokens), nblocks) for _ in range(3)]
+    gm = [store_get_many(path, layout, prompt_tokens(args.tokens), nblocks, buf) for _ in range(3)]
     out.update({
         "files_bytes": files_bytes,
         "plain_gbps": statistics.median(n / dt / 1e9 for n, dt in plain),

@@ -350,6 +350,37 @@ class HiSparseTables:
     counters: torch.Tensor
     entries_per_block: int
 
+    def __post_init__(self) -> None:
+        """Check, once, the layout both implementations address the tables by: contiguous
+        int64 tables on one device (the kernel indexes ``(s * C + c) * N + slot``), uint8
+        buffer rows with unit stride in the bytes (their row stride may exceed the entry
+        size: a padded row is copied for its entry size only)."""
+        eos = _check_tensor("entry_of_slot", self.entry_of_slot, dtype=torch.int64, ndim=3, shape_doc="[S, C, N]")
+        S, C, N = eos.shape
+        device = eos.device
+        for name, t, shape in [("entry_of_slot", eos, (S, C, N)), ("last_used", self.last_used, (S, C, N)),
+                               ("lru", self.lru, (S, C, N)), ("step", self.step, (S, C)),
+                               ("host_block", self.host_block, (S, None)), ("counters", self.counters, (2,))]:
+            _check_tensor(name, t, dtype=torch.int64, ndim=len(shape), shape_doc=str(list(shape)))
+            if any(want is not None and got != want for got, want in zip(t.shape, shape)) or t.device != device:
+                raise ValueError(f"{name}: expected shape {list(shape)} (None: any) on {device} like entry_of_slot, "
+                                 f"got {list(t.shape)} on {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        rows = _check_tensor("buffer_rows", self.buffer_rows, dtype=torch.uint8, ndim=2,
+                             shape_doc="[S * C * N + 1, entry_bytes]")
+        if rows.shape[0] != S * C * N + 1 or rows.device != device:
+            raise ValueError(f"buffer_rows: expected [S * C * N + 1 = {S * C * N + 1}, entry_bytes] on {device}, "
+                             f"got {list(rows.shape)} on {rows.device}")
+        if rows.shape[1] > 1 and rows.stride(1) != 1:
+            raise ValueError(f"buffer_rows: expected unit stride in the bytes dim, got strides {rows.stride()}")
+        if rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]:
+            raise ValueError(f"buffer_rows: expected rows that do not overlap (row stride >= {rows.shape[1]} "
+                             f"entry bytes), got strides {rows.stride()}")
+        if isinstance(self.entries_per_block, bool) or not isinstance(self.entries_per_block, int) or \
+                self.entries_per_block < 1:
+            raise ValueError(f"entries_per_block: expected an int >= 1, got {self.entries_per_block!r}")
+
 
 def hisparse_swap_in(
     tables: HiSparseTables,
@@ -412,9 +443,11 @@ def hisparse_swap_in(
         raise ValueError(f"out: expected a contiguous int64 [B={B}, k={k}] tensor on {device}")
     ids, state_slots = ids.contiguous(), state_slots.contiguous()  # no-ops when already so
     host_rows = None if host_rows is None else host_rows.contiguous()
+    if _host_checkable(ids) and ids.numel() and int(ids.min()) < -1:
+        raise ValueError(f"ids: expected entry ids >= 0 or -1 (padding), got {int(ids.min())}")
     if debug_checks():
         _debug_check_swap(tables, state_slots, part, ids, host, host_rows)
-    chosen = _select(impl, None if impl is Impl.TORCH else _swap_unsupported(tables, host, N, k))
+    chosen = _select(impl, None if impl is Impl.TORCH else _swap_unsupported(tables, host))
     if B == 0 or k == 0:
         return out
     if chosen is Impl.CUDA:
@@ -424,17 +457,17 @@ def hisparse_swap_in(
     return out
 
 
-def _swap_unsupported(tables: HiSparseTables, host: torch.Tensor, n: int, k: int) -> str | None:
+def _swap_unsupported(tables: HiSparseTables, host: torch.Tensor) -> str | None:
     """:func:`cuda_ops.unsupported_reason` for the batched swap-in, remembered per (buffer,
-    host, k): asking whether ``host`` is pinned is a CUDA call, made once (eagerly) rather
-    than on every decode step or inside a graph capture."""
-    key = (tables.buffer_rows.data_ptr(), tables.buffer_rows.device, host.data_ptr(), host.device,
-           tuple(host.shape), host.stride(), n, k)
+    host): asking whether ``host`` is pinned is a CUDA call, made once (eagerly) rather
+    than on every decode step or inside a graph capture. Any N and k run on the GPU (the
+    kernel's work area moves to global memory past shared memory)."""
+    key = (tables.buffer_rows.data_ptr(), tables.buffer_rows.device, tables.buffer_rows.stride(),
+           host.data_ptr(), host.device, tuple(host.shape), host.stride())
     if key not in _SWAP_REASONS:
         if len(_SWAP_REASONS) >= 256:
             _SWAP_REASONS.clear()
-        _SWAP_REASONS[key] = cuda_ops.unsupported_reason(host=host, buffer=tables.buffer_rows, hisparse_n=n,
-                                                         hisparse_k=k)
+        _SWAP_REASONS[key] = cuda_ops.unsupported_reason(host=host, buffer=tables.buffer_rows)
     return _SWAP_REASONS[key]
 
 
@@ -443,14 +476,28 @@ _SWAP_REASONS: dict[tuple, str | None] = {}
 
 def _debug_check_swap(t: HiSparseTables, state_slots: torch.Tensor, part: int, ids: torch.Tensor,
                       host: torch.Tensor, host_rows: torch.Tensor | None) -> None:
-    """``TIERED_KV_DEBUG=1``: the checks that need device values (each a host sync)."""
-    S = t.entry_of_slot.shape[0]
+    """``TIERED_KV_DEBUG=1``: the checks that need device values (each a host sync), among
+    them the invariants of the tables both implementations rely on: each row of ``lru`` is
+    a permutation of the N slots, and an entry sits in at most one slot of its row."""
+    S, _, N = t.entry_of_slot.shape
     _check_range("state_slots", state_slots, S, "State slots")
     _check_unique("state_slots", state_slots, "one row per request")
     if ids.numel() == 0:
         return
     if int(ids.min()) < -1:
         raise ValueError(f"ids: expected entry ids >= 0 or -1 (padding), got {int(ids.min())}")
+    lru = t.lru[state_slots, part]  # [B, N]
+    not_perm = (lru.sort(dim=1).values != torch.arange(N, device=lru.device)).any(dim=1)
+    if bool(not_perm.any()):
+        b = int(not_perm.nonzero()[0, 0])
+        raise ValueError(f"tables.lru[{int(state_slots[b])}, {part}]: expected a permutation of the {N} slots "
+                         f"(the LRU order), got {lru[b].tolist()[:16]}{' ...' if N > 16 else ''}")
+    eos = t.entry_of_slot[state_slots, part].sort(dim=1).values  # [B, N]
+    twice = (eos[:, 1:] == eos[:, :-1]) & (eos[:, 1:] >= 0)
+    if bool(twice.any()):
+        b, j = (int(x) for x in twice.nonzero()[0])
+        raise ValueError(f"tables.entry_of_slot[{int(state_slots[b])}, {part}]: expected each entry in at most "
+                         f"one slot, got entry {int(eos[b, j])} in two")
     valid = ids >= 0
     if host_rows is not None:
         _check_range("host_rows", host_rows[valid], host.shape[0] * host.shape[1], "rows of host")

@@ -6,6 +6,11 @@ The CUDA C sources (:data:`CUDA_SOURCES`) are compiled at run time by NVRTC thro
 the surrounding torch work exactly like a torch op would be. ``cupy`` is imported
 lazily, only on this path: importing this module never needs it.
 
+Every launch goes through one seam, :func:`launcher`: CuPy on torch's current stream in
+production; the CPU emulator of ``tests/cuda_emu`` in CI, which runs the unmodified
+``.cu`` sources on CPU tensors (their addresses stand in for device addresses), so the
+argument building below is exercised on every commit.
+
 Everything here is *below* the public API (:mod:`tiered_kv.kernels`): callers pass
 validated tensors that all live on one CUDA device, block ids that are in range and,
 for scatter / swap-in, free of duplicates. What is still checked here is what only
@@ -27,11 +32,12 @@ How a pool part becomes kernel segments (see ``gather_scatter.cu``)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,10 +47,13 @@ from .torch_ops import ids_to
 __all__ = [
     "CUDA_SOURCES",
     "KERNEL_NAMES",
+    "Launcher",
     "cupy_available",
     "gather_blocks",
     "hisparse_shared_bytes",
     "hisparse_swap_in",
+    "hisparse_work_bytes",
+    "launcher",
     "scatter_blocks",
     "segment_table",
     "swap_in",
@@ -60,14 +69,15 @@ CUDA_SOURCES: list[Path] = [_HERE / "gather_scatter.cu", _HERE / "hisparse_swap_
 KERNEL_NAMES: dict[str, tuple[str, ...]] = {
     "gather_scatter.cu": ("tkv_gather_blocks", "tkv_scatter_blocks"),
     "swap_in.cu": ("tkv_swap_in",),
-    "hisparse_swap_in.cu": ("tkv_hisparse_swap_in",),
+    "hisparse_swap_in.cu": ("tkv_hisparse_swap_in", "tkv_hisparse_swap_in_global"),
 }
 
 _THREADS_GATHER = 256
 _THREADS_SWAP = 256  # 8 warps, one row per warp
 _THREADS_HISPARSE = 1024  # one block per request row: 32 warps copy its misses (__launch_bounds__)
 #: Dynamic shared memory a block may opt into on sm_80 / sm_90 (A100: 163 KiB, H100: 227 KiB);
-#: the batched swap-in needs 16*H + 20*N + 12*k bytes (H = pow2 >= 2k).
+#: the batched swap-in keeps its work area (16*H + 20*N + 12*k + 128 bytes, H = pow2 >= 2k)
+#: there up to this size, in a global-memory scratch beyond it.
 _MAX_SHARED_BYTES = 160 * 1024
 _DEFAULT_SHARED_BYTES = 48 * 1024
 _MAX_GRID_Y = 65535
@@ -112,28 +122,59 @@ def _kernel(source_name: str, name: str, device_index: int) -> Any:  # cupy.RawK
         return module.get_function(name)
 
 
-def _launch(device: torch.device, source_name: str, name: str, grid: tuple[int, ...],
-            block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0) -> None:
-    """Launch ``name`` from ``source_name`` on torch's current stream of ``device``.
+class Launcher(Protocol):
+    """Runs one kernel launch whose grid, block, shared memory and arguments this module built.
+
+    ``args`` are numpy scalars as CuPy takes them: ``np.uint64`` device addresses,
+    ``np.int64`` / ``np.int32`` integers, in the kernel's parameter order.
+    """
+
+    def __call__(self, device: torch.device, source_name: str, kernel_name: str, grid: tuple[int, ...],
+                 block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int) -> None: ...
+
+
+def _cupy_launch(device: torch.device, source_name: str, kernel_name: str, grid: tuple[int, ...],
+                 block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int) -> None:
+    """Launch ``kernel_name`` from ``source_name`` on torch's current stream of ``device``.
 
     Hot path: the kernel is compiled once per device, the CuPy stream wrapper is cached
     per torch stream (no ``ExternalStream`` built per call), and the device context is
     entered only when CuPy's current device differs.
     """
     cupy = _require_cupy()
-    kernel = _kernel(source_name, name, device.index)
+    kernel = _kernel(source_name, kernel_name, device.index)
     handle = torch.cuda.current_stream(device).cuda_stream
     stream = _STREAMS.get((device.index, handle))
     if stream is None:
         stream = _STREAMS[(device.index, handle)] = cupy.cuda.ExternalStream(handle, device.index)
-    if shared_mem > _DEFAULT_SHARED_BYTES and _OPTED_IN.get((source_name, name, device.index), 0) < shared_mem:
+    if shared_mem > _DEFAULT_SHARED_BYTES and _OPTED_IN.get((source_name, kernel_name, device.index), 0) < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
-        _OPTED_IN[(source_name, name, device.index)] = shared_mem
+        _OPTED_IN[(source_name, kernel_name, device.index)] = shared_mem
     if cupy.cuda.runtime.getDevice() == device.index:
         kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
     else:
         with cupy.cuda.Device(device.index):
             kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+_LAUNCHER: Launcher = _cupy_launch
+
+
+@contextlib.contextmanager
+def launcher(launch: Launcher) -> Iterator[None]:
+    """Route every launch of this module through ``launch`` while the block runs (tests: the
+    CPU emulator of ``tests/cuda_emu``, or a recorder of the arguments). Not thread-safe."""
+    global _LAUNCHER
+    previous, _LAUNCHER = _LAUNCHER, launch
+    try:
+        yield
+    finally:
+        _LAUNCHER = previous
+
+
+def _launch(device: torch.device, source_name: str, name: str, grid: tuple[int, ...],
+            block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0) -> None:
+    _LAUNCHER(device, source_name, name, grid, block, args, shared_mem)
 
 
 #: (device index, torch stream handle) -> cupy.cuda.ExternalStream
@@ -200,8 +241,6 @@ def unsupported_reason(
     records: torch.Tensor | None = None,
     host: torch.Tensor | None = None,
     buffer: torch.Tensor | None = None,
-    hisparse_n: int | None = None,
-    hisparse_k: int | None = None,
 ) -> str | None:
     """Why the CUDA kernels cannot run on these (validated) tensors, or ``None`` if they can.
 
@@ -221,11 +260,6 @@ def unsupported_reason(
             return "host is unpinned CPU memory, expected pinned memory or a cuda tensor"
         if host.shape[-1] > 1 and host.stride(-1) != 1:
             return f"host has strides {host.stride()}, expected unit stride in the last dim"
-    if hisparse_n is not None and hisparse_k is not None:
-        need = hisparse_shared_bytes(hisparse_n, hisparse_k)
-        if need > _MAX_SHARED_BYTES:
-            return (f"the batched swap-in needs {need} B of shared memory per request for N = {hisparse_n}, "
-                    f"k = {hisparse_k}, more than {_MAX_SHARED_BYTES}")
     if not cupy_available():  # last: never import cupy for tensors it could not take
         return "cupy is not importable"
     return None
@@ -267,7 +301,8 @@ def _block_copy(kernel_name: str, parts: Sequence[torch.Tensor], block_ids: torc
     # `ids` was allocated on this stream, so the caching allocator reuses it only after
     # the kernel. The cached `seg` may be evicted while a kernel on another stream still
     # reads it: tell the allocator about every stream that uses it.
-    seg.record_stream(torch.cuda.current_stream(device))
+    if device.type == "cuda":
+        seg.record_stream(torch.cuda.current_stream(device))
 
 
 def gather_blocks(parts: Sequence[torch.Tensor], block_ids: torch.Tensor,
@@ -283,8 +318,9 @@ def scatter_blocks(records: torch.Tensor, block_ids: torch.Tensor,
 
 
 def _device_address(host: torch.Tensor, device: torch.device) -> int:
-    """Address under which ``device`` reads ``host`` (pinned CPU memory or device memory)."""
-    if host.device.type == "cuda":
+    """Address under which ``device`` reads ``host`` (pinned CPU memory or device memory;
+    in the emulator, where the kernel runs on CPU tensors, the CPU address itself)."""
+    if host.device.type == "cuda" or host.device == device:
         return host.data_ptr()
     return _mapped_address(host.data_ptr(), device.index)
 
@@ -335,44 +371,78 @@ def _hash_size(k: int) -> int:
     return 1 << max(1, (2 * max(k, 1) - 1).bit_length())
 
 
-def hisparse_shared_bytes(n: int, k: int) -> int:
-    """Dynamic shared memory of one block of ``tkv_hisparse_swap_in`` (see its header)."""
+def hisparse_work_bytes(n: int, k: int) -> int:
+    """Bytes of one block's work area in ``tkv_hisparse_swap_in`` (see its header):
+    ``16*H + 20*N + 12*k + 128`` for ``N`` buffer slots, ``k`` ids, ``H = pow2 >= 2k``."""
     return 16 * _hash_size(k) + 20 * n + 12 * k + 128
+
+
+def hisparse_shared_bytes(n: int, k: int) -> int:
+    """Dynamic shared memory of one block of the swap-in: its work area while that fits
+    (:data:`_MAX_SHARED_BYTES`), else 0 (the global-memory variant runs)."""
+    need = hisparse_work_bytes(n, k)
+    return need if need <= _MAX_SHARED_BYTES else 0
+
+
+def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The global-memory work areas of one launch (uninitialised: the kernel writes every
+    byte it reads). Stream-ordered like any torch allocation, so capturable in a graph."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def hisparse_swap_in(t: Any, state_slots: torch.Tensor, part: int, ids: torch.Tensor,
                      host: torch.Tensor, host_rows: torch.Tensor | None, out: torch.Tensor) -> None:
-    """One launch of ``tkv_hisparse_swap_in`` for the whole batch (``t``: HiSparseTables).
+    """One launch of the batched swap-in for the whole batch (``t``: HiSparseTables, whose
+    constructor checked the layout the kernel assumes: contiguous int64 tables, unit-stride
+    buffer rows). ``ids``, ``state_slots``, ``host_rows`` and ``out`` have unit stride in
+    their last dim (the public op makes them contiguous).
 
-    Every argument is a device address or a shape: nothing is read back, so the launch is
+    Every argument is read from the tensors of THIS call; only their conversion to numpy
+    scalars is cached, keyed on all of their values, so a cached launch cannot go stale.
+    Each is a device address, a shape or a stride, nothing is read back, so the launch is
     capturable by ``torch.cuda.graph`` (replays reuse these very addresses).
+    Buffer rows pass their stride and their entry size separately: a padded row is copied
+    for its entry size and its padding is never written.
+
+    Work area: in shared memory while it fits (``tkv_hisparse_swap_in``), else in a global
+    scratch of one area per request (``tkv_hisparse_swap_in_global``): any N runs on the GPU.
     """
     B, k = ids.shape
+    S, C, N = t.entry_of_slot.shape
     device = ids.device
-    H = _hash_size(k)
-    key = (t.buffer_rows.data_ptr(), t.entry_of_slot.data_ptr(), t.host_block.data_ptr(), host.data_ptr(),
-           host.shape, host.stride())
-    static = _HISPARSE_ARGS.get(key)
-    if static is None:  # everything but the per-call tensors, converted once per (tables, host)
-        S, C, N = t.entry_of_slot.shape
-        hb = t.host_block
-        static = (_i64(C), _i64(N),
-                  _ptr(t.entry_of_slot), _ptr(t.last_used), _ptr(t.lru), _ptr(t.step), _ptr(t.counters),
-                  _ptr(t.buffer_rows), _i64(t.buffer_rows.stride(0)),
-                  np.uint64(_device_address(host, device)), _i64(host.stride(0)), _i64(host.shape[1]),
-                  _i64(host.stride(1)), _i64(host.shape[0]),
-                  _ptr(hb), _i64(hb.shape[1]), _i64(t.entries_per_block))
-        if len(_HISPARSE_ARGS) >= 64:
+    rows, hb = t.buffer_rows, t.host_block
+    values = (ids.data_ptr(), k, ids.stride(0), state_slots.data_ptr(), part, C, N,
+              t.entry_of_slot.data_ptr(), t.last_used.data_ptr(), t.lru.data_ptr(), t.step.data_ptr(),
+              t.counters.data_ptr(),
+              rows.data_ptr(), rows.stride(0), rows.shape[1],
+              _device_address(host, device), host.stride(0), host.shape[1], host.stride(1), host.shape[0],
+              hb.data_ptr(), hb.shape[1], t.entries_per_block,
+              0 if host_rows is None else host_rows.data_ptr(), 0 if host_rows is None else host_rows.stride(0),
+              out.data_ptr(), out.stride(0), _hash_size(k))
+    args = _HISPARSE_ARGS.get(values)
+    if args is None:  # keyed on the arguments themselves: a hit IS these arguments
+        if len(_HISPARSE_ARGS) >= 256:
             _HISPARSE_ARGS.clear()
-        _HISPARSE_ARGS[key] = static
-    N = int(static[1])
-    args = ((_ptr(ids), _i64(k), _i64(ids.stride(0)), _ptr(state_slots), _i64(part)) + static
-            + (np.uint64(0) if host_rows is None else _ptr(host_rows),
-               _i64(0 if host_rows is None else host_rows.stride(0)),
-               _ptr(out), _i64(out.stride(0)), np.int32(H)))
-    _launch(device, "hisparse_swap_in.cu", "tkv_hisparse_swap_in", (B,), (_THREADS_HISPARSE,), args,
-            hisparse_shared_bytes(N, k))
+        args = _HISPARSE_ARGS[values] = tuple(dtype(v) for dtype, v in zip(_HISPARSE_TYPES, values, strict=True))
+    shared = hisparse_shared_bytes(N, k)
+    if shared:
+        _launch(device, "hisparse_swap_in.cu", "tkv_hisparse_swap_in", (B,), (_THREADS_HISPARSE,), args, shared)
+        return
+    stride = -(-hisparse_work_bytes(N, k) // 16) * 16
+    scratch = _scratch(B * stride, device)
+    _launch(device, "hisparse_swap_in.cu", "tkv_hisparse_swap_in_global", (B,), (_THREADS_HISPARSE,),
+            args + (_ptr(scratch), _i64(stride)))
 
 
-#: (tables and host addresses, host shape/strides) -> the launch's static arguments
-_HISPARSE_ARGS: dict[tuple, tuple[Any, ...]] = {}
+#: numpy type of each argument of tkv_hisparse_swap_in, in order (uint64: an address)
+_HISPARSE_TYPES: tuple[type, ...] = (
+    np.uint64, np.int64, np.int64, np.uint64, np.int64, np.int64, np.int64,  # ids, k, ids_stride, state_slots, part, C, N
+    np.uint64, np.uint64, np.uint64, np.uint64, np.uint64,  # entry_of_slot, last_used, lru, step, counters
+    np.uint64, np.int64, np.int64,  # buffer rows, their stride, entry bytes
+    np.uint64, np.int64, np.int64, np.int64, np.int64,  # host, block stride, rows per block, row stride, blocks
+    np.uint64, np.int64, np.int64,  # host_block, max_blocks, entries_per_block
+    np.uint64, np.int64, np.uint64, np.int64,  # host_rows (0: none), its row stride, out, its row stride
+    np.int32)  # hash size
+#: the launch's integer arguments -> the same as numpy scalars (converting costs more than
+#: building the key: it is every value the kernel receives, so a hit cannot be stale)
+_HISPARSE_ARGS: dict[tuple[int, ...], tuple[Any, ...]] = {}

@@ -4,12 +4,13 @@
 // launch can be captured in a CUDA graph and replayed.
 //
 // Compiled at run time by NVRTC (cupy.RawModule, see cuda_ops.py) and standalone by
-// `nvcc -c` in tests/test_cuda_compile.py: no #include, extern "C" entry point.
+// `nvcc -c` in tests/test_cuda_compile.py: no #include, extern "C" entry points. Executed on
+// the CPU, unmodified, by the emulator of tests/cuda_emu (make test-cuda-emu).
 // The algorithm is the one of kernels/torch_ops.py::hisparse_swap_in (CPU CI proves it;
 // the gpu tests compare the two).
 //
 // Grid: one block of 1024 threads per request row b (State slot s = state_slots[b]); the row's
-// tables live at base = (s * C + part) * N. Dynamic shared memory, per block:
+// tables live at base = (s * C + part) * N. Per block, a work area of
 //
 //   hkey  [H] u64   open-addressing hash of the row's ids (H = pow2 >= 2k), empty = ~0
 //   hpos  [H] i32   first position of each id (its owner)
@@ -24,6 +25,11 @@
 //   mlist [k] i32   mlist[r] = position of the r-th miss
 //   wsum  [32] i32  scan scratch
 //
+// i.e. 16*H + 20*N + 12*k + 128 bytes (cuda_ops.hisparse_work_bytes). Two entry points
+// share the algorithm: tkv_hisparse_swap_in keeps the work area in dynamic shared memory
+// (the fast one, while it fits: N up to ~7,000 at k = 512), tkv_hisparse_swap_in_global in
+// a global-memory scratch of one area per block (any N whose tables fit the device).
+//
 //   1. insert ids into the hash (atomicCAS; atomicMin keeps the first position)
 //   2. scan the row's N resident entries, look each up: a hit records its slot
 //   3. misses = owner positions without a slot; m = their count (block scan)
@@ -32,6 +38,9 @@
 //   6. warps copy the m missed rows host -> buffer; every position gets its slot (-1 pad)
 //   7. new LRU order = unused slots in old order, then used slots by slot index;
 //      last_used = step; step += 1; counters += (hits, misses)
+//
+// Buffer row r (= (s*C + part)*N + slot) starts at buffer + r * buffer_row_stride and holds
+// entry_bytes bytes; the two differ when rows are padded (the padding is never written).
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -121,24 +130,22 @@ __device__ int tkv_block_scan(int* a, int n, int* wsum) {
     return total;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in(
-    const i64* __restrict__ ids, i64 k, i64 ids_stride,            // [B, k]
-    const i64* __restrict__ state_slots,                           // [B]
-    i64 part, i64 num_parts, i64 N,
-    i64* __restrict__ entry_of_slot, i64* __restrict__ last_used,   // [S, C, N]
-    i64* __restrict__ lru_g, i64* __restrict__ step,               // [S, C, N], [S, C]
-    u64* __restrict__ counters,                                    // [2]: hits, misses
-    unsigned char* __restrict__ buffer, i64 entry_bytes,           // rows (s*C + c)*N + slot
-    const unsigned char* __restrict__ host, i64 host_block_stride,  // [HB, rows_per_block, EB]
+// The whole swap-in of request row blockIdx.x, with its work area at `work` (16-byte aligned).
+__device__ __forceinline__ void tkv_hisparse_swap_in_row(
+    unsigned char* __restrict__ work,
+    const i64* __restrict__ ids, i64 k, i64 ids_stride,
+    const i64* __restrict__ state_slots, i64 part, i64 num_parts, i64 N,
+    i64* __restrict__ entry_of_slot, i64* __restrict__ last_used, i64* __restrict__ lru_g,
+    i64* __restrict__ step, u64* __restrict__ counters,
+    unsigned char* __restrict__ buffer, i64 buffer_row_stride, i64 entry_bytes,
+    const unsigned char* __restrict__ host, i64 host_block_stride,
     i64 rows_per_block, i64 host_row_stride, i64 num_host_blocks,
-    const i64* __restrict__ host_block, i64 max_blocks, i64 entries_per_block,  // [S, MB]
-    const i64* __restrict__ host_rows, i64 host_rows_stride,       // [B, k] or null
-    i64* __restrict__ out, i64 out_stride,                         // [B, k]
-    int hash_size) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    const i64* __restrict__ host_block, i64 max_blocks, i64 entries_per_block,
+    const i64* __restrict__ host_rows, i64 host_rows_stride,
+    i64* __restrict__ out, i64 out_stride, int hash_size) {
     const int H = hash_size, mask = H - 1;
     const int n = (int)N, kk = (int)k;
-    u64* hkey = reinterpret_cast<u64*>(smem);
+    u64* hkey = reinterpret_cast<u64*>(work);
     int* hpos = reinterpret_cast<int*>(hkey + H);
     int* hslot = hpos + H;
     int* lru = hslot + H;
@@ -164,6 +171,7 @@ extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in(
     for (int i = t; i < kk; i += nt) {
         const i64 id = row_ids[i];
         int at = -1;
+        if (id < -1) __trap();  // -1 is padding; below it a broken id (checked on the host on CPU)
         if (id >= 0) {
             unsigned h = tkv_hash((u64)id, mask);
             for (int probe = 0; probe <= mask; ++probe) {
@@ -237,9 +245,9 @@ extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in(
             row = part * entries_per_block + id % entries_per_block;
         }
         // The caller maps every id to a sealed block (checked under TIERED_KV_DEBUG=1).
-        if (blk < 0 || blk >= num_host_blocks || row >= rows_per_block) __trap();
+        if (blk < 0 || blk >= num_host_blocks || row < 0 || row >= rows_per_block) __trap();
         const unsigned char* src = host + blk * host_block_stride + row * host_row_stride;
-        tkv_copy_run(buffer + (base + hslot[hof[i]]) * entry_bytes, src, entry_bytes, lane, 32);
+        tkv_copy_run(buffer + (base + hslot[hof[i]]) * buffer_row_stride, src, entry_bytes, lane, 32);
     }
     for (int i = t; i < kk; i += nt) {
         const int h = hof[i];
@@ -264,4 +272,39 @@ extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in(
         step[s * num_parts + part] = step_new;
         if (m) atomicAdd(&counters[1], (u64)m);
     }
+}
+
+#define TKV_SWAP_IN_PARAMS                                                                          \
+    const i64* __restrict__ ids, i64 k, i64 ids_stride,                /* [B, k] */                  \
+    const i64* __restrict__ state_slots,                              /* [B] */                     \
+    i64 part, i64 num_parts, i64 N,                                                                 \
+    i64* __restrict__ entry_of_slot, i64* __restrict__ last_used,      /* [S, C, N] */               \
+    i64* __restrict__ lru_g, i64* __restrict__ step,                  /* [S, C, N], [S, C] */       \
+    u64* __restrict__ counters,                                       /* [2]: hits, misses */       \
+    unsigned char* __restrict__ buffer, i64 buffer_row_stride,        /* rows (s*C + c)*N + slot */ \
+    i64 entry_bytes,                                                                                \
+    const unsigned char* __restrict__ host, i64 host_block_stride,    /* [HB, rows_per_block, EB] */\
+    i64 rows_per_block, i64 host_row_stride, i64 num_host_blocks,                                   \
+    const i64* __restrict__ host_block, i64 max_blocks,               /* [S, MB] */                 \
+    i64 entries_per_block,                                                                          \
+    const i64* __restrict__ host_rows, i64 host_rows_stride,          /* [B, k] or null */          \
+    i64* __restrict__ out, i64 out_stride,                            /* [B, k] */                  \
+    int hash_size
+#define TKV_SWAP_IN_ARGS                                                                             \
+    ids, k, ids_stride, state_slots, part, num_parts, N, entry_of_slot, last_used, lru_g, step,      \
+    counters, buffer, buffer_row_stride, entry_bytes, host, host_block_stride, rows_per_block,       \
+    host_row_stride, num_host_blocks, host_block, max_blocks, entries_per_block, host_rows,          \
+    host_rows_stride, out, out_stride, hash_size
+
+// The work area in dynamic shared memory (hisparse_work_bytes(N, k) of it per block).
+extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in(TKV_SWAP_IN_PARAMS) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    tkv_hisparse_swap_in_row(smem, TKV_SWAP_IN_ARGS);
+}
+
+// The work area in global memory: block b uses scratch + b * scratch_stride (16-byte aligned,
+// scratch_stride >= hisparse_work_bytes(N, k)), for rows whose tables exceed shared memory.
+extern "C" __global__ void __launch_bounds__(1024) tkv_hisparse_swap_in_global(
+    TKV_SWAP_IN_PARAMS, unsigned char* __restrict__ scratch, i64 scratch_stride) {
+    tkv_hisparse_swap_in_row(scratch + blockIdx.x * scratch_stride, TKV_SWAP_IN_ARGS);
 }

@@ -173,6 +173,9 @@ def hisparse_swap_in(t: HiSparseTables, state_slots: torch.Tensor, part: int, id
     else:
         r = torch.where(valid, host_rows, 0)
         blk, row = r // rpb, r % rpb
+    # An id below -1 is no padding: index out of range, so it raises (a device assert on a
+    # GPU) like the kernel's trap, without reading it back.
+    blk = torch.where(ids < -1, host.shape[0], blk)
     # Moved as 8/4/2-byte words where the layout allows: torch's CPU index kernels work
     # element by element, so a 584-byte entry as 73 int64 words copies ~8x faster.
     host_w, flat = _as_words(host, t.buffer_rows)  # flat: [S * C * N + 1, words]

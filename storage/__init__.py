@@ -26,6 +26,8 @@ Any level can seal its records for one tenant (AES-256-GCM, :class:`EncryptedSto
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +38,7 @@ from .crypto import EncryptionConfig, KeyFileError, Keyring
 from .encrypted import EncryptedStore
 from .errors import (
     CorruptRecordError,
+    IndexDamagedError,
     LayoutMismatchError,
     RecordCheck,
     StoreError,
@@ -63,6 +66,7 @@ __all__ = [
     "EncryptedStore",
     "EncryptionConfig",
     "FORMAT_VERSION",
+    "IndexDamagedError",
     "KeyFileError",
     "LayoutMismatchError",
     "LmdbStore",
@@ -109,7 +113,10 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
     ``options`` go to the backend (e.g. ``max_bytes``, ``timeout_s``), except
     ``encryption``: an :class:`EncryptionConfig` or its dict (``{"key_files": [current,
     older...], "tenant": "..."}``) seals every record under the tenant's key
-    (:class:`EncryptedStore` around the backend; see docs/shared-store.md).
+    (:class:`EncryptedStore` around the backend; see docs/shared-store.md). An unknown
+    option is a :class:`TypeError` that lists the backend's. ``timeout_s`` bounds calls to
+    an object store; a local store (LMDB, a Zarr directory) makes none and accepts it
+    without effect, so one set of options serves a local store and a chain alike.
 
     ``layout_fingerprint``: the layout the records are written in; the store is created
     with it, and an existing store of another raises :class:`LayoutMismatchError`. None:
@@ -140,7 +147,7 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
     if not isinstance(s, str):
         raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
     if "://" not in s:
-        return LmdbStore(s, layout_fingerprint=layout_fingerprint, **options)
+        return _open_local(LmdbStore, s, layout_fingerprint, options)
     scheme, _, rest = s.partition("://")
     remote = OBJECT_STORE_SCHEMES.get(scheme)
     if remote is not None:
@@ -154,7 +161,30 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
     if not rest.startswith("/"):
         raise ValueError(f"url: expected an absolute path after {scheme}:// (e.g. {scheme}:///abs/path), "
                          f"got {s!r}")
-    return backend(rest, layout_fingerprint=layout_fingerprint, **options)
+    return _open_local(backend, rest, layout_fingerprint, options)
+
+
+#: options that bound calls to an object store: accepted by a local store, without effect
+_REMOTE_ONLY_OPTIONS = ("timeout_s",)
+
+
+def _open_local(backend: type[BlockStore], path: str, layout_fingerprint: str | None,
+                options: dict[str, Any]) -> BlockStore:
+    """``backend(path, ...)`` for a local store, its options checked by name first."""
+    options = dict(options)
+    for name in _REMOTE_ONLY_OPTIONS:
+        value = options.pop(name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+    params = inspect.signature(backend).parameters
+    valid = sorted(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+                   and n != "layout_fingerprint")
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"{backend.__name__} at {path}: unknown option(s) {unknown}; expected some of "
+                        f"{sorted([*valid, *_REMOTE_ONLY_OPTIONS, 'encryption'])}")
+    return backend(path, layout_fingerprint=layout_fingerprint, **options)
 
 
 def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,

@@ -14,6 +14,7 @@ import enum
 
 __all__ = [
     "CorruptRecordError",
+    "IndexDamagedError",
     "LayoutMismatchError",
     "RecordCheck",
     "StoreError",
@@ -41,6 +42,23 @@ class StoreLockedError(StoreError):
     LMDB forbids a second environment handle on the same files in one process (closing
     one would drop the other's locks); share the open store object instead.
     """
+
+
+class IndexDamagedError(StoreError):
+    """An LMDB store's index (``data.mdb``) is damaged: truncated, zeroed, empty or gone
+    while segment files hold records. ``problem`` says what was found (one line).
+
+    The records are intact in the segment files, which are the store's write-ahead log:
+    ``tiered-kv verify --repair --store PATH`` (or a writable open, when no other process
+    has the store open) rebuilds the index from them.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: the index (data.mdb) is damaged: {problem}. The records are intact in "
+                         f"the segment files; rebuild the index from them with `tiered-kv verify --repair "
+                         f"--store {path}`")
 
 
 class LayoutMismatchError(StoreError, ValueError):

@@ -5,6 +5,8 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
 
     data.mdb, lock.mdb        the LMDB environment (the index)
     segments/00000001.seg     records, appended in 4 KiB-aligned batches
+    index.reserve             disk held for the index's deletes on a full disk (see below)
+    damaged-index-<time>/     a damaged data.mdb, moved aside by a rebuild (see below)
 
     sub-db    key                                 value
     -------   ---------------------------------   -----------------------------------------
@@ -39,8 +41,9 @@ index transaction stores ``segment_end`` of the segment it indexed into, so:
 - recovery (:meth:`LmdbStore._recover`, on a writable open and before ``gc`` /
   ``verify(repair=True)`` reclaim space) scans each segment no writer holds from its
   ``segment_end`` to its end and indexes every record that verifies (header, xxh3-128
-  checksum, fingerprint) and whose key is not indexed; torn or failing records never are
-  (a segment whose id allocation the index lost is scanned from 0; ids are never reused);
+  checksum, fingerprint) and whose key is not indexed; torn or failing records never are,
+  and the scan resumes at the next record magic (a segment whose id allocation the index
+  lost is scanned from 0; ids are never reused);
 - a crash before ``put_many`` returns leaves each record of the batch indexed (and
   durable), recovered, or a miss; the index never points at segment bytes that were not
   synced, and every read verifies anyway;
@@ -67,10 +70,32 @@ those queued hints, never a record.
 
 Full disk: segment space is reserved with ``posix_fallocate`` before a batch is written,
 so a full disk raises :class:`StoreFullError` with nothing appended (never SIGBUS: nothing
-is written through a mapping; ``writemap`` stays off). The map starts at
+is written through a mapping of ``data.mdb``, ``writemap`` stays off; ``lock.mdb``, which
+LMDB does write through a mapping, has its blocks allocated before LMDB maps it, and a
+new store on a disk without room for them is a StoreFullError). The index is
+copy-on-write, so even a delete needs new pages: a writable open holds ``index.reserve``
+(``index_reserve_bytes``: allocated, never written), which ``gc`` on a full disk gives to
+its deletes, in transactions of a few records each followed by its punched holes, and
+takes back once there is room. The map starts at
 ``initial_map_size`` (default ``min(map limit, 1 GiB)``) and doubles on ``MDB_MAP_FULL``
 up to the map limit, ``map_size`` if given, else ``1.5 * max_bytes + 64 MiB``; at the
 limit ``put_many`` raises :class:`StoreFullError` and the transaction is aborted.
+
+Index damage. LMDB maps ``data.mdb`` and follows page numbers through the mapping: a
+truncated file is a SIGBUS, a zeroed page an assertion abort or garbage. So every open
+checks the meta pages and walks every page of the snapshot it pins with ``pread`` before
+LMDB touches one (:mod:`.lmdb_file`), and checks the ``meta`` entries' lengths; a value of
+the wrong length read later is :class:`IndexDamagedError` too, never a struct.error. A
+damaged index (or a missing / empty ``data.mdb`` beside segment files) is
+:class:`IndexDamagedError` on a readonly open; a writable open rebuilds it from the
+segments (:mod:`.lmdb_rebuild`: LMDB's exclusive lock, every verified record indexed,
+the damaged file moved aside) unless ``repair_index=False``. ``verify`` walks the index
+again and checks every entry of every sub-database.
+
+A readonly open writes nothing: where ``lock.mdb`` cannot be written (a read-only mount,
+a directory this user may not write) it opens without LMDB's lock file (``lock_free``).
+Readers keep at most ``max_open_segments`` segment descriptors open (LRU; one in use is
+never closed).
 
 Stores of format version 1 (records inside LMDB, before segment files) are refused with
 an error that says what to do: the disk tier is a cache, so remove the directory (or use
@@ -80,12 +105,14 @@ another path) and it refills as prompts are served. There is no in-place migrati
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -104,13 +131,23 @@ from .base import (
     payload_of_record,
     select_victims,
 )
-from .errors import CorruptRecordError, LayoutMismatchError, RecordCheck, StoreError, StoreFullError
+from .errors import (
+    CorruptRecordError,
+    IndexDamagedError,
+    LayoutMismatchError,
+    RecordCheck,
+    StoreError,
+    StoreFullError,
+)
+from .lmdb_file import DataFileState, IndexDamage, IndexWalk, check_data_file, walk_index
 from .record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
     HEADER_BYTES,
-    RecordKey,
+    KEY_BYTES,
+    MAGIC,
     PartsVerifier,
+    RecordKey,
     RecordMeta,
     as_byte_array,
     as_out_segments,
@@ -119,9 +156,10 @@ from .record import (
     fingerprint_field,
     parse_header,
     record_size,
+    verify_record_parts,
     write_segments,
 )
-from .segments import ALIGN, Location, ReadTask, SegmentFiles
+from .segments import ALIGN, DEFAULT_MAX_OPEN_SEGMENTS, Location, ReadTask, SegmentFiles, allocate_blocks
 from .writer import StoreWriter, parse_recorded
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
@@ -134,6 +172,14 @@ DEFAULT_IO_THREADS = 8  # transfers in flight per call (1 MiB extents: 8 MiB dee
 DEFAULT_MAX_BYTES = 64 << 30
 _MiB = 1 << 20
 _DEFAULT_INITIAL_MAP = 1 << 30
+#: ``index.reserve``: disk held for the index's deletes on a full disk (see gc)
+_RESERVE_NAME = "index.reserve"
+_DEFAULT_RESERVE = 4 * _MiB  # or 1/64 of the filesystem if that is less, but at least:
+_MIN_RESERVE = 256 << 10
+#: disk blocks allocated for ``lock.mdb`` (LMDB's reader table: 8 KiB for 126 readers)
+_LOCK_FILE_BYTES = 64 << 10
+#: records per eviction transaction once the disk is full (each one's holes punched before the next)
+_GC_FULL_DISK_BATCH = 4
 _ACCESS_QUEUE_MAX = 4096
 
 _U16 = struct.Struct("<H")
@@ -161,6 +207,7 @@ _U32BE = struct.Struct(">I")
 
 _REGISTRY = OpenRegistry()
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _close_env(env: lmdb.Environment, ident: tuple[int, int]) -> None:
@@ -181,32 +228,61 @@ def _align_up(x: int) -> int:
 def _scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
                   ) -> list[tuple[bytes, Location, bytes]]:
     """The verified records of ``[start, size)`` of segment ``seg``: (key bytes, location,
-    checksum), in file order. Batches start 4 KiB-aligned and hold records back to back;
-    a record whose header parses but that fails a check is skipped (the next one follows
-    it), anything else (padding, a torn write, garbage) is skipped to the next 4 KiB."""
+    checksum), in file order. Records lie back to back within 4 KiB-aligned batches; a
+    record that fails a check, a punched hole (a deleted or evicted record: zeros), the
+    padding of a batch, a torn write or garbage are skipped to the next record magic
+    (so the records after a hole in the middle of a batch are found)."""
     out: list[tuple[bytes, Location, bytes]] = []
     pos = start
     while pos + HEADER_BYTES + CHECKSUM_BYTES <= size:
         head = os.pread(fd, HEADER_BYTES, pos)
         try:
+            if head[:len(MAGIC)] != MAGIC:
+                raise CorruptRecordError(RecordCheck.MAGIC, "")
             n = record_size(_PAYLOAD_BYTES.unpack_from(head, HEADER_BYTES - 8)[0])
             parse_header(head, n)
+            if pos + n > size:
+                raise CorruptRecordError(RecordCheck.TRUNCATED, "")
+            buf = np.frombuffer(os.pread(fd, n, pos), np.uint8)
+            if buf.nbytes != n:
+                raise CorruptRecordError(RecordCheck.TRUNCATED, "")
+            parsed = parse_header(buf, n)
+            key = RecordKey(parsed.kind, parsed.block_hash)
+            verify_record_parts(buf[:HEADER_BYTES], buf[HEADER_BYTES:n - CHECKSUM_BYTES], buf[n - CHECKSUM_BYTES:],
+                                parsed=parsed, expect_key=key, expect_fingerprint=fingerprint)
         except (CorruptRecordError, struct.error):
-            n = 0
-        if n == 0 or pos + n > size:
-            pos = _align_up(pos + 1)
+            pos = _next_magic(fd, pos + 1, size)
             continue
-        buf = np.frombuffer(os.pread(fd, n, pos), np.uint8)
-        if buf.nbytes == n:
-            try:
-                parsed = parse_header(buf, n)
-                key = RecordKey(parsed.kind, parsed.block_hash)
-                decode_record(buf, expect_key=key, expect_fingerprint=fingerprint)
-                out.append((key.to_bytes(), Location(seg, pos, n), buf[-CHECKSUM_BYTES:].tobytes()))
-            except CorruptRecordError:
-                pass
+        out.append((key.to_bytes(), Location(seg, pos, n), buf[-CHECKSUM_BYTES:].tobytes()))
         pos += n
     return out
+
+
+def _next_magic(fd: int, pos: int, size: int) -> int:
+    """Offset of the next record magic at or after ``pos`` in the file (``size`` if none)."""
+    while pos < size:
+        buf = os.pread(fd, min(1 << 20, size - pos), pos)
+        if not buf:
+            return size
+        at = buf.find(MAGIC)
+        if at >= 0:
+            return pos + at
+        if pos + len(buf) >= size:
+            return size
+        pos += len(buf) - (len(MAGIC) - 1)  # a magic across the chunk boundary is found next time
+    return size
+
+
+@dataclass(slots=True)
+class _EntryProblem:
+    """A kind of malformed or inconsistent index entry: how many, and the first key."""
+
+    kind: str
+    count: int
+    first_key: bytes
+
+    def line(self) -> str:
+        return f"{self.kind}: {self.count} (first key {self.first_key.hex()[:80]})"
 
 
 def pack_entry(loc: Location, checksum: bytes) -> bytes:
@@ -236,6 +312,12 @@ class LmdbStore(BlockStore):
     writable open of a store that has none (see :mod:`~.writer`). ``segment_bytes``: a writer starts a new segment
     file past this size. ``direct_io``: O_DIRECT segment writes and cold reads (None: where
     the filesystem accepts it). ``io_threads``: parallel transfers of one call.
+    ``repair_index``: a writable open that finds the index damaged rebuilds it from the
+    segments when no other process has the store open (see "Index damage" in the module
+    docstring); False raises :class:`IndexDamagedError` instead, as a readonly open does.
+    ``index_reserve_bytes``: disk held back for a gc on a full disk (default 4 MiB, or
+    1/64 of a smaller filesystem; see "Full disk"). ``max_open_segments``: read
+    descriptors of segment files kept open at most (least recently used closed first).
     """
 
     supports_multiprocess = True
@@ -248,14 +330,17 @@ class LmdbStore(BlockStore):
                  max_bytes: int = DEFAULT_MAX_BYTES, map_size: int | None = None, readonly: bool = False,
                  initial_map_size: int | None = None, access_flush_s: float = 5.0,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
-                 io_threads: int = DEFAULT_IO_THREADS, writer: StoreWriter | None = None) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS, writer: StoreWriter | None = None,
+                 repair_index: bool = True, index_reserve_bytes: int | None = None,
+                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS) -> None:
         if layout_fingerprint is not None:
             fingerprint_field(layout_fingerprint)
         if writer is not None and not isinstance(writer, StoreWriter):
             raise TypeError(f"writer: expected a StoreWriter or None, got {type(writer).__name__}")
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size),
                             ("initial_map_size", initial_map_size), ("segment_bytes", segment_bytes),
-                            ("io_threads", io_threads)):
+                            ("io_threads", io_threads), ("index_reserve_bytes", index_reserve_bytes),
+                            ("max_open_segments", max_open_segments)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.path = Path(os.path.abspath(path))
@@ -279,21 +364,23 @@ class LmdbStore(BlockStore):
         if (self.path / "zarr.json").exists():
             raise StoreError(f"{self.path}: this directory holds a Zarr block store; open it with "
                              f"ZarrStore or a zarr:// URL")
-        if readonly or self.maintenance:
-            if not (self.path / "data.mdb").is_file():
+        if readonly or self.maintenance:  # only an existing store (one whose index is gone: see _open_index)
+            if not (self.path / "data.mdb").is_file() and not self._has_segments():
                 why = "readonly" if readonly else "without a layout fingerprint"
                 raise FileNotFoundError(f"{self.path}: no LMDB store here (no data.mdb) to open {why}")
         else:
             mkdir_private(self.path)
-            for name in ("data.mdb", "lock.mdb"):  # owner-only before LMDB opens them
-                fd = create_private_file(self.path / name)
-                if fd is not None:
-                    os.close(fd)
+            fd = create_private_file(self.path / "lock.mdb")  # owner-only before LMDB opens it
+            if fd is not None:
+                os.close(fd)
+        #: what a rebuild of a damaged index at this open did (see lmdb_rebuild), else None
+        self.index_rebuild: dict[str, Any] | None = None
+        self._repair_index = repair_index
+        self._io_threads = io_threads
+        self._reserve_option = index_reserve_bytes
         ident = _REGISTRY.claim(self.path)
         try:
-            self._env = lmdb.open(str(self.path), map_size=initial, subdir=True, readonly=readonly,
-                                  create=not readonly, max_dbs=4, mode=0o600, sync=True, metasync=False,
-                                  writemap=False, map_async=False, readahead=True, meminit=True, lock=True)
+            self._env = self._open_index(initial)
         except BaseException:
             _REGISTRY.release(ident)
             raise
@@ -307,7 +394,8 @@ class LmdbStore(BlockStore):
             raise
         self._segments = SegmentFiles(self.path / "segments", new_segment_id=self._new_segment_id,
                                       segment_bytes=segment_bytes, direct_io=direct_io,
-                                      io_threads=io_threads, readonly=readonly)
+                                      io_threads=io_threads, readonly=readonly,
+                                      max_open_segments=max_open_segments)
         self._closed = False
         self._recovered = 0
         if not readonly:
@@ -318,6 +406,7 @@ class LmdbStore(BlockStore):
             except BaseException:
                 self.close()
                 raise
+            self._keep_reserve()
 
     # ------------------------------------------------------------------ opening
     def _open_dbs(self) -> None:
@@ -348,7 +437,7 @@ class LmdbStore(BlockStore):
             txn.put(_M_NEXT_SEGMENT, _U32.pack(1), db=self._meta)
             self._record_writer(txn)
             return
-        (version,) = _U16.unpack(bytes(stored_version))
+        version = self._field(_U16, stored_version, "meta format_version")[0]
         if version == 1:
             raise StoreError(f"{self.path}: store format version 1 (records inside LMDB); this code "
                              f"reads version {STORE_FORMAT_VERSION} (records in segment files). The disk "
@@ -369,6 +458,125 @@ class LmdbStore(BlockStore):
         if self._writer is not None:
             txn.put(_M_WRITER, self._writer.to_json(), db=self._meta)
 
+    # ------------------------------------------------------------------ index health
+    def _open_index(self, map_size: int) -> lmdb.Environment:
+        """The LMDB environment, opened only once the index checked whole. A damaged
+        index is rebuilt from the segments (a writable open with ``repair_index``: the
+        rebuild refuses while another process has the store open), else
+        IndexDamagedError."""
+        try:
+            return self._open_checked_env(map_size)
+        except IndexDamage as e:
+            problem = str(e)
+        if self.readonly or not self._repair_index:
+            raise IndexDamagedError(str(self.path), problem)
+        from .lmdb_rebuild import rebuild_claimed
+
+        self.index_rebuild = rebuild_claimed(self.path, self.layout_fingerprint, io_threads=self._io_threads,
+                                             problem=problem)
+        log.warning("%s: the index was damaged (%s); rebuilt it from the segment files: %d records, the "
+                    "damaged index moved to %s", self.path, problem, self.index_rebuild["records"],
+                    self.index_rebuild["moved_to"])
+        try:
+            return self._open_checked_env(map_size)
+        except IndexDamage as e:
+            raise IndexDamagedError(str(self.path), f"{e} (right after a rebuild)") from None
+
+    def _open_checked_env(self, map_size: int) -> lmdb.Environment:
+        """Check ``data.mdb`` (meta pages, roots inside the file), open LMDB, then walk
+        the snapshot it sees (every reachable page, see lmdb_file): before this, nothing
+        of LMDB reads a page it could fault on. Raises IndexDamage."""
+        data = self.path / "data.mdb"
+        state = check_data_file(data)
+        if state != DataFileState.VALID and self._has_segments():
+            raise IndexDamage("data.mdb is missing" if state == DataFileState.MISSING
+                              else "data.mdb is empty (0 bytes)")
+        existing_only = self.readonly or self.maintenance
+        if existing_only and state == DataFileState.MISSING:
+            why = "readonly" if self.readonly else "without a layout fingerprint"
+            raise FileNotFoundError(f"{self.path}: no LMDB store here (no data.mdb) to open {why}")
+        if existing_only and state == DataFileState.EMPTY:
+            raise IndexDamage("data.mdb is empty (0 bytes): the store was never initialized")
+        if state == DataFileState.MISSING:
+            fd = create_private_file(data)  # owner-only before LMDB opens it
+            if fd is not None:
+                os.close(fd)
+        env = self._lmdb_open(map_size, lock=self._prepare_lock_file())
+        try:
+            self._walk_snapshot(env)
+            self._check_meta_entries(env)
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    def _check_meta_entries(self, env: lmdb.Environment) -> None:
+        """IndexDamage if a ``meta`` entry (a few per segment) has not its format: the
+        store could not account, allocate segments or recover with it. (Bad lifetime
+        counters are only reported by verify: they read as zeros.)"""
+        with env.begin() as txn:
+            try:
+                meta = env.open_db(b"meta", txn=txn, create=False)
+            except lmdb.NotFoundError:
+                return  # a new store (or not ours: _open_dbs says so)
+            for kb, value in txn.cursor(db=meta):
+                want = self._meta_value_bytes(bytes(kb))
+                if want is not None and want >= 0 and len(value) != want and bytes(kb) != _M_COUNTERS:
+                    raise IndexDamage(f"meta entry {bytes(kb)[:32]!r} is {len(value)} bytes, expected {want}")
+
+    def _lmdb_open(self, map_size: int, *, lock: bool) -> lmdb.Environment:
+        """lmdb.open with the store's flags. A readonly open where ``lock.mdb`` cannot be
+        written (a read-only mount: LMDB skips the lock itself on EROFS; a directory this
+        user may not write: EACCES; a full disk: see _prepare_lock_file) opens without
+        the lock: there is no reader slot, so a writer in another process could reuse
+        pages under this reader (every record read is still verified). ``self.lock_free``
+        says which."""
+        self.lock_free = not lock
+        options = dict(map_size=map_size, subdir=True, readonly=self.readonly, create=not self.readonly,
+                       max_dbs=4, mode=0o600, sync=True, metasync=False, writemap=False, map_async=False,
+                       readahead=True, meminit=True)
+        try:
+            return lmdb.open(str(self.path), lock=lock, **options)
+        except lmdb.Error as e:
+            denied = isinstance(e, (lmdb.ReadonlyError, PermissionError)) or \
+                getattr(e, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
+            if not (self.readonly and denied):
+                raise
+        self.lock_free = True
+        return lmdb.open(str(self.path), lock=False, **options)
+
+    def _walk_snapshot(self, env: lmdb.Environment) -> IndexWalk:
+        """Walk the pages of the snapshot a read transaction pins (a newer transaction
+        cannot reuse them meanwhile). Raises IndexDamage."""
+        for _ in range(8):
+            with env.begin() as txn:
+                try:
+                    return walk_index(self.path / "data.mdb", txnid=txn.id())
+                except LookupError:
+                    continue  # writers committed twice since: its meta page was rewritten; retry
+        raise IndexDamage("no meta page matches the current transaction (the meta pages keep changing)")
+
+    def _field(self, st: struct.Struct, raw: Any, what: str) -> tuple[Any, ...]:
+        """``st.unpack(raw)`` of a value read from the index; IndexDamagedError (never a
+        struct.error) when its length is not the format's."""
+        if len(raw) != st.size:
+            raise IndexDamagedError(str(self.path), f"{what} is {len(raw)} bytes, expected {st.size}")
+        return st.unpack(bytes(raw))
+
+    def _lru_ns(self, key: Any) -> int:
+        """The access time of an ``lru`` key (u64 BE ns + record key)."""
+        if len(key) != _LRU_NS.size + KEY_BYTES:
+            raise IndexDamagedError(str(self.path), f"an LRU entry's key is {len(key)} bytes, expected "
+                                                    f"{_LRU_NS.size + KEY_BYTES}")
+        return _LRU_NS.unpack(bytes(key[:_LRU_NS.size]))[0]
+
+    def _has_segments(self) -> bool:
+        """Whether the store has segment files (records an index must point at)."""
+        try:
+            return any(name.endswith(".seg") for name in os.listdir(self.path / "segments"))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
     # ------------------------------------------------------------------ transactions
     def _run(self, fn: Callable[[lmdb.Transaction], T], *, write: bool, need: int = 0) -> T:
         """Run ``fn`` in a transaction (committed if ``fn`` returns), adapting the map size.
@@ -386,6 +594,8 @@ class LmdbStore(BlockStore):
                     self._env.set_mapsize(0)
             except lmdb.MapFullError:
                 self._grow_map()
+            except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError) as e:
+                raise IndexDamagedError(str(self.path), f"LMDB reports {e}") from None
             except lmdb.DiskError as e:
                 raise StoreFullError(f"{self.path}: disk full ({e}); nothing was written by this call, "
                                      f"stored records are intact") from e
@@ -415,12 +625,12 @@ class LmdbStore(BlockStore):
     def _total(self) -> int:
         with self._env.begin(buffers=True) as txn:
             raw = txn.get(_M_TOTAL, db=self._meta)
-            return _U64.unpack(bytes(raw))[0] if raw is not None else 0
+            return self._field(_U64, raw, "meta record_bytes")[0] if raw is not None else 0
 
     def _new_segment_id(self) -> int:
         def take(txn: lmdb.Transaction) -> int:
             raw = txn.get(_M_NEXT_SEGMENT, db=self._meta)
-            seg = _U32.unpack(bytes(raw))[0] if raw is not None else 1
+            seg = self._field(_U32, raw, "meta next_segment")[0] if raw is not None else 1
             txn.put(_M_NEXT_SEGMENT, _U32.pack(seg + 1), db=self._meta)
             txn.put(_segment_end_key(seg), _U64.pack(0), db=self._meta)
             return seg
@@ -441,7 +651,7 @@ class LmdbStore(BlockStore):
         """Set ``kb``'s last access to ``ns`` (``size``: its record bytes when just written)."""
         old = txn.get(kb, db=self._atime)
         if old is not None:
-            old_ns, old_size = _ATIME.unpack(old)
+            old_ns, old_size = self._field(_ATIME, old, "an access-time entry")
             txn.delete(_LRU_NS.pack(old_ns) + kb, db=self._lru)
             if size is None:
                 size = old_size
@@ -459,7 +669,7 @@ class LmdbStore(BlockStore):
         size = 0
         old = txn.get(kb, db=self._atime)
         if old is not None:
-            old_ns, size = _ATIME.unpack(old)
+            old_ns, size = self._field(_ATIME, old, "an access-time entry")
             txn.delete(_LRU_NS.pack(old_ns) + kb, db=self._lru)
             txn.delete(kb, db=self._atime)
         txn.delete(kb, db=self._records)
@@ -467,7 +677,7 @@ class LmdbStore(BlockStore):
 
     def _get_total(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(_M_TOTAL, db=self._meta)
-        return _U64.unpack(raw)[0] if raw is not None else 0
+        return self._field(_U64, raw, "meta record_bytes")[0] if raw is not None else 0
 
     def _evict_for(self, txn: lmdb.Transaction, total: int, need: int, freed: list[Location], *,
                    limit: int | None = None, max_records: int | None = None) -> tuple[int, int]:
@@ -875,7 +1085,13 @@ class LmdbStore(BlockStore):
         def keys(txn: lmdb.Transaction) -> list[bytes]:
             return [bytes(k) for k in txn.cursor(db=self._records).iternext(keys=True, values=False)]
 
-        return iter([RecordKey.from_bytes(kb) for kb in self._run(keys, write=False)])
+        out = []
+        for kb in self._run(keys, write=False):
+            try:
+                out.append(RecordKey.from_bytes(kb))
+            except ValueError:
+                continue  # not a record key: verify reports it, verify --repair removes it
+        return iter(out)
 
     def __len__(self) -> int:
         return self._run(lambda txn: txn.stat(self._records)["entries"], write=False)
@@ -886,8 +1102,8 @@ class LmdbStore(BlockStore):
 
         def read(txn: lmdb.Transaction) -> dict[str, Any]:
             cur = txn.cursor(db=self._lru)
-            oldest = _LRU_NS.unpack(bytes(cur.key()[:8]))[0] if cur.first() else None
-            newest = _LRU_NS.unpack(bytes(cur.key()[:8]))[0] if cur.last() else None
+            oldest = self._lru_ns(cur.key()) if cur.first() else None
+            newest = self._lru_ns(cur.key()) if cur.last() else None
             lifetime = {f"lifetime_{k}": v for k, v in self._get_counters(txn).items()}
             writer = txn.get(_M_WRITER, db=self._meta)
             return {"records": txn.stat(self._records)["entries"], "bytes": self._get_total(txn),
@@ -902,6 +1118,7 @@ class LmdbStore(BlockStore):
         out["map_limit"] = self.map_limit
         out["segments"] = len(self._segments.segment_ids())
         out["segment_disk_bytes"] = self._segments.disk_bytes()
+        out["open_segment_files"] = self._segments.open_files
         out["direct_io"] = self._segments.direct_io
         out["recovered_records"] = self._recovered
         return out
@@ -919,13 +1136,29 @@ class LmdbStore(BlockStore):
         its entry is still the one that failed). Also reports ``accounted_bytes`` (the
         store's running total) and ``actual_bytes`` (the sizes of the indexed records);
         ``repair`` sets the total to the actual bytes and gives back unindexed segment
-        space (as :meth:`gc` does)."""
+        space (as :meth:`gc` does).
+
+        The index itself is checked whole first: every page of every sub-database is
+        walked (see lmdb_file), then every entry of ``meta``, ``atime`` and ``lru`` is
+        checked against its format and against ``records`` (``index_problems``: one line
+        per kind of problem; ``repair`` fixes them). An index whose pages are damaged
+        raises IndexDamagedError (never a count of 0 corrupt); a writable open rebuilds
+        it from the segments (``index_rebuilt``: what that rebuild did, else None)."""
         check_open(self._closed, str(self.path))
         if repair:
             self._check_writable()
+        with self._rw.shared():
+            check_open(self._closed, str(self.path))
+            try:
+                self._walk_snapshot(self._env)
+            except IndexDamage as e:
+                raise IndexDamagedError(str(self.path), str(e)) from None
+        index_problems = self._run(lambda txn: [p.line() for p in self._index_entry_problems(txn)], write=False)
 
-        def scan(txn: lmdb.Transaction) -> tuple[list[tuple[bytes, bytes]], int]:
-            return ([(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._records)], self._get_total(txn))
+        def scan(txn: lmdb.Transaction) -> tuple[list[tuple[bytes, bytes]], int | None]:
+            raw = txn.get(_M_TOTAL, db=self._meta)
+            total = _U64.unpack(bytes(raw))[0] if raw is not None and len(raw) == _U64.size else None
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._records)], total
 
         entries, accounted = self._run(scan, write=False)
         actual = 0
@@ -956,6 +1189,8 @@ class LmdbStore(BlockStore):
             run_batch()
         removed = 0
         if repair:
+            if index_problems:
+                self._run(self._repair_index_entries, write=True)
             removed = self._remove_if_corrupt(bad)
             freed: list[Location] = []
 
@@ -978,7 +1213,90 @@ class LmdbStore(BlockStore):
             self._reclaim()
         return {"checked": len(entries), "corrupt": len(bad), "removed": removed,
                 "corrupt_keys": [kb.hex() for kb, _ in bad], "accounted_bytes": accounted,
-                "actual_bytes": actual}
+                "actual_bytes": actual, "index_problems": index_problems, "index_rebuilt": self.index_rebuild}
+
+    def _index_entry_problems(self, txn: lmdb.Transaction) -> list[_EntryProblem]:
+        """The entries of ``meta``, ``atime`` and ``lru`` that do not have their format or
+        disagree with each other or with ``records``, and records without an access
+        entry (a record's own entry is checked by reading the record). Grouped by kind."""
+        found: dict[str, _EntryProblem] = {}
+
+        def note(kind: str, key: bytes) -> None:
+            found.setdefault(kind, _EntryProblem(kind, 0, key)).count += 1
+
+        for kb, value in txn.cursor(db=self._meta):  # (keys this code does not know are left alone)
+            kb = bytes(kb)
+            want = self._meta_value_bytes(kb)
+            if want is not None and want >= 0 and len(value) != want:
+                note("meta: a value of the wrong length", kb)
+        nxt = txn.get(_M_NEXT_SEGMENT, db=self._meta)
+        on_disk = self._segments.segment_ids()
+        if nxt is not None and len(nxt) == _U32.size and on_disk and _U32.unpack(bytes(nxt))[0] <= on_disk[-1]:
+            note("meta: next_segment not past the last segment file", _M_NEXT_SEGMENT)
+        for kb, value in txn.cursor(db=self._atime):
+            kb = bytes(kb)
+            if len(kb) != KEY_BYTES or len(value) != _ATIME.size:
+                note("atime: an entry of the wrong length", kb)
+            elif txn.get(kb, db=self._records) is None:
+                note("atime: an entry of a record that is not indexed", kb)
+            elif txn.get(_LRU_NS.pack(_ATIME.unpack(bytes(value))[0]) + kb, db=self._lru) is None:
+                note("atime: an entry with no lru entry", kb)
+        for kb, value in txn.cursor(db=self._lru):
+            kb = bytes(kb)
+            if len(kb) != _LRU_NS.size + KEY_BYTES or len(value) != 0:
+                note("lru: an entry of the wrong length", kb)
+                continue
+            at = txn.get(kb[_LRU_NS.size:], db=self._atime)
+            if at is None or len(at) != _ATIME.size or _ATIME.unpack(bytes(at))[0] != _LRU_NS.unpack(kb[:8])[0]:
+                note("lru: an entry that disagrees with atime", kb)
+        for kb in txn.cursor(db=self._records).iternext(keys=True, values=False):
+            if txn.get(kb, db=self._atime) is None:
+                note("records: a record with no access entry", bytes(kb))
+        return list(found.values())
+
+    @staticmethod
+    def _meta_value_bytes(kb: bytes) -> int | None:
+        """The length a ``meta`` value of key ``kb`` must have (-1: any), None for a key
+        this code does not write (a newer version's: never a problem)."""
+        if kb.startswith(_M_SEGMENT_END):
+            return _U64.size if len(kb) == len(_M_SEGMENT_END) + _U32BE.size else None
+        return {_M_FORMAT: _U16.size, _M_RECORD_FORMAT: _U16.size, _M_FINGERPRINT: -1, _M_TOTAL: _U64.size,
+                _M_NEXT_SEGMENT: _U32.size, _M_COUNTERS: _U64.size * len(StoreStats.NAMES)}.get(kb)
+
+    def _repair_index_entries(self, txn: lmdb.Transaction) -> None:
+        """Fix what :meth:`_index_entry_problems` finds: access entries of the wrong
+        length or of records not indexed are deleted (``verify``'s repair then gives each
+        record without one a fresh access time), a bad ``segment_end`` is set to 0 (the
+        next recovery scans the segment whole; indexed keys are skipped), bad counters
+        are reset, ``next_segment`` moves past the last segment file."""
+        stale_atime = [bytes(k) for k, v in txn.cursor(db=self._atime)
+                       if len(k) != KEY_BYTES or len(v) != _ATIME.size or txn.get(k, db=self._records) is None]
+        for kb in stale_atime:
+            txn.delete(kb, db=self._atime)
+        stale_lru = []
+        for kb in txn.cursor(db=self._lru).iternext(keys=True, values=False):
+            kb = bytes(kb)
+            at = txn.get(kb[_LRU_NS.size:], db=self._atime) if len(kb) == _LRU_NS.size + KEY_BYTES else None
+            if at is None or _ATIME.unpack(bytes(at))[0] != _LRU_NS.unpack(kb[:8])[0]:
+                stale_lru.append(kb)
+        for kb in stale_lru:
+            txn.delete(kb, db=self._lru)
+        for kb in [bytes(k) for k in txn.cursor(db=self._atime).iternext(keys=True, values=False)]:
+            ns = _ATIME.unpack(bytes(txn.get(kb, db=self._atime)))[0]
+            if txn.get(_LRU_NS.pack(ns) + kb, db=self._lru) is None:
+                txn.delete(kb, db=self._atime)  # re-touched by verify's repair
+        for kb, value in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._meta)]:
+            want = self._meta_value_bytes(kb)
+            if want is None or want < 0 or len(value) == want:
+                continue
+            if kb.startswith(_M_SEGMENT_END):
+                txn.put(kb, _U64.pack(0), db=self._meta)
+            elif kb in (_M_COUNTERS, _M_TOTAL):
+                txn.delete(kb, db=self._meta)  # counters restart; the total is recomputed
+        on_disk = self._segments.segment_ids()
+        nxt = txn.get(_M_NEXT_SEGMENT, db=self._meta)
+        if on_disk and (nxt is None or len(nxt) != _U32.size or _U32.unpack(bytes(nxt))[0] <= on_disk[-1]):
+            txn.put(_M_NEXT_SEGMENT, _U32.pack(on_disk[-1] + 1), db=self._meta)
 
     def _recover(self) -> int:
         """Index the records that writers which died (kill -9, OS crash) appended past
@@ -1013,9 +1331,9 @@ class LmdbStore(BlockStore):
         it); None for a segment of a store written before segment ends were kept."""
         raw = txn.get(_segment_end_key(seg), db=self._meta)
         if raw is not None:
-            return _U64.unpack(bytes(raw))[0]
+            return self._field(_U64, raw, "meta segment_end")[0]
         nxt = txn.get(_M_NEXT_SEGMENT, db=self._meta)
-        return 0 if nxt is not None and seg >= _U32.unpack(bytes(nxt))[0] else None
+        return 0 if nxt is not None and seg >= self._field(_U32, nxt, "meta next_segment")[0] else None
 
     def _index_recovered(self, txn: lmdb.Transaction, seg: int, found: list[tuple[bytes, Location, bytes]],
                          size: int) -> tuple[int, list[Location]]:
@@ -1062,25 +1380,40 @@ class LmdbStore(BlockStore):
         exact. Evicts in transactions of at most 4096 records. Then gives back segment
         space that no record uses (bytes of crashed writers, of removed records): sealed
         segments with nothing indexed are unlinked, the rest get holes punched.
-        Also returns ``segments_removed`` and ``punched_bytes``."""
+        Also returns ``segments_removed`` and ``punched_bytes``.
+
+        On a full disk (the copy-on-write index needs new pages even to delete) the
+        index reserve is given to the deletes and transactions shrink to a few records,
+        each followed by its punched holes, until there is room again; then the reserve
+        is taken back (see "Full disk" in the module docstring); ``full_disk`` says
+        whether it came to that."""
         check_open(self._closed, str(self.path))
         self._check_writable()
         self._check_gc_bound(max_bytes)
         evicted = freed_bytes = 0
+        batch, full = _ACCESS_QUEUE_MAX, False
         while True:
-            taken = self._take_access()
+            taken = {} if full else self._take_access()  # (a full disk: no page to spare for hints)
             freed: list[Location] = []
 
             def evict(txn: lmdb.Transaction, taken: dict[bytes, int] = taken,
-                      freed: list[Location] = freed) -> tuple[int, int, int]:
+                      freed: list[Location] = freed, batch: int = batch) -> tuple[int, int, int]:
                 self._apply_access(txn, taken)
                 total = self._get_total(txn)
-                left, n = self._evict_for(txn, total, 0, freed, limit=max_bytes, max_records=_ACCESS_QUEUE_MAX)
+                left, n = self._evict_for(txn, total, 0, freed, limit=max_bytes, max_records=batch)
                 txn.put(_M_TOTAL, _U64.pack(left), db=self._meta)
                 return n, total - left, left
 
             try:
                 n, gone, left = self._run(evict, write=True)
+            except StoreFullError:
+                self._restore_access(taken)
+                if full and batch == _GC_FULL_DISK_BATCH:
+                    raise
+                full = True
+                self._release_reserve()
+                batch = max(_GC_FULL_DISK_BATCH, batch // 64)
+                continue
             except BaseException:
                 self._restore_access(taken)
                 raise
@@ -1091,8 +1424,79 @@ class LmdbStore(BlockStore):
                 break
         self._stats.add(evictions=evicted)
         records = self._run(lambda txn: txn.stat(self._records)["entries"], write=False)
-        return {"evicted": evicted, "freed_bytes": freed_bytes, "bytes": left, "records": records,
-                **self._reclaim()}
+        out = {"evicted": evicted, "freed_bytes": freed_bytes, "bytes": left, "records": records,
+               **self._reclaim(), "full_disk": full}
+        self._keep_reserve()
+        return out
+
+    # ------------------------------------------------------------------ full disk: the index reserve
+    @property
+    def _reserve_file(self) -> Path:
+        return self.path / _RESERVE_NAME
+
+    def _keep_reserve(self) -> bool:
+        """Hold ``index_reserve_bytes`` of disk in ``index.reserve`` (allocated, never
+        written), for the deletes of a gc on a full disk: LMDB copies every page it
+        changes, so even a delete needs new pages. Best effort: False where there is no
+        room now (the next writable open or gc tries again). A reserve already there is
+        kept as it is (its size is the store's)."""
+        path = self._reserve_file
+        if path.exists():
+            return True
+        st = os.statvfs(self.path)
+        want = self._reserve_option or min(_DEFAULT_RESERVE, max(_MIN_RESERVE, st.f_blocks * st.f_frsize // 64))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)  # whatever the umask
+                os.posix_fallocate(fd, 0, want)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            return True
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+
+    def _prepare_lock_file(self) -> bool:
+        """Allocate the disk blocks of ``lock.mdb`` before LMDB maps it: LMDB writes its
+        reader table through a shared mapping, and on a full disk the first write to a
+        page the filesystem cannot allocate is a SIGBUS, not an error. Returns whether
+        LMDB may use the lock file; False (a readonly open only) when it can be neither
+        written nor allocated: that open goes on without it (see _lmdb_open). A writable
+        open on a disk too full for it raises StoreFullError.
+
+        Only before this process opens the environment: closing any descriptor of
+        ``lock.mdb`` drops every LMDB lock the process holds on it."""
+        try:
+            fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            if self.readonly:
+                return False  # a read-only mount or directory (LMDB would skip it on EROFS too)
+            raise
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0 and not self.readonly:
+                os.fchmod(fd, 0o600)  # created here (or by create_private_file): owner-only
+            err = allocate_blocks(fd, 0, max(st.st_size, _LOCK_FILE_BYTES))
+            if err in (0, errno.EOPNOTSUPP, errno.ENOSYS) or \
+                    (st.st_size and os.fstat(fd).st_blocks * 512 >= st.st_size):
+                return True  # allocated (or the filesystem cannot say: as before)
+        finally:
+            os.close(fd)
+        if self.readonly:
+            return False
+        raise StoreFullError(f"{self.path}: disk full: no room for the store's lock file (lock.mdb, "
+                             f"{_LOCK_FILE_BYTES} bytes); free some space first")
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's disk space back (to the transaction about to retry)."""
+        try:
+            self._reserve_file.unlink()
+            return True
+        except FileNotFoundError:
+            return False
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

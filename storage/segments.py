@@ -26,10 +26,10 @@ not verify stays unindexed and ``gc`` gives it back.
 Reads: records whose pages are (3/4 or more) in the page cache (``cachestat``, Linux >=
 6.5; one call per segment when all of the span read is cached) are read one ``preadv``
 each straight into the caller's buffers and hashed in the same call
-(:func:`~tiered_kv.storage.fastread.read_and_hash`), spread over one thread per CPU in
-shards of >= 1 MiB: copies and hashing release the GIL, so they run in parallel. Other
-extents (records adjacent in one segment) are read with ``O_DIRECT`` into an aligned
-bounce buffer (parallel, several extents in flight), or with buffered ``preadv`` after
+(:mod:`~tiered_kv.storage.fastread`), in shards of >= 1 MiB drained by one thread per
+CPU: copies and hashing release the GIL, so they run in parallel. Other extents (records
+adjacent in one segment) are read with ``O_DIRECT`` into an aligned bounce buffer
+(parallel, several extents in flight), or with buffered ``preadv`` after
 ``POSIX_FADV_WILLNEED`` when direct I/O is off.
 Deleting or evicting a record punches a hole over it (``fallocate(PUNCH_HOLE)``), so the
 disk space follows the live records without rewriting segments.
@@ -45,7 +45,7 @@ import mmap
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -58,7 +58,7 @@ import numpy as np
 from . import fastread
 from .base import fsync_dir, mkdir_private
 
-__all__ = ["ALIGN", "Location", "SegmentFiles", "punch_hole"]
+__all__ = ["ALIGN", "Location", "SegmentFiles", "allocate_blocks", "punch_hole"]
 
 T = TypeVar("T")
 
@@ -139,6 +139,16 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     return _LIBC.punch(fd, offset, length)
 
 
+def allocate_blocks(fd: int, offset: int, length: int) -> int:
+    """Allocate the disk blocks of ``[offset, offset+length)`` without changing the file's
+    size (``fallocate(FALLOC_FL_KEEP_SIZE)``): a later write there, or a file grown over
+    them, needs no new block. Returns 0, or the errno (ENOSPC: no room; EOPNOTSUPP: the
+    filesystem cannot)."""
+    if _LIBC.lib.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """A page-aligned ``[nbytes] uint8`` array (anonymous mmap), for O_DIRECT transfers."""
     mm = mmap.mmap(-1, max(ALIGN, _align_up(nbytes)))
@@ -202,6 +212,108 @@ class _DirectUnsupported(Exception):
     pass
 
 
+#: Read descriptors of segment files kept open at most (idle ones; see _OpenSegments).
+DEFAULT_MAX_OPEN_SEGMENTS = 128
+
+
+class _OpenFd:
+    __slots__ = ("fd", "users", "alive")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.users, self.alive = fd, 0, True
+
+
+class _OpenSegments:
+    """Read descriptors of segment files, shared by the threads of one store: at most
+    ``limit`` kept open, the least recently used idle one closed first (a 2 TiB store of
+    256 MiB segments would otherwise hold about 16,000 descriptors, two per segment).
+
+    A descriptor is closed only once no caller uses it: a number closed under a reader
+    could be handed to another file meanwhile. So the bound is exceeded only while more
+    than ``limit`` descriptors are in use at once (a read holds one per extent in flight:
+    at most its I/O threads)."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder = folder
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[tuple[int, bool], _OpenFd] = OrderedDict()  # (segment, O_DIRECT) -> fd
+
+    @contextmanager
+    def use(self, seg: int, *, direct: bool) -> Iterator[int]:
+        """A read fd of segment ``seg`` for the ``with`` block (FileNotFoundError once gc
+        unlinked it; _DirectUnsupported where the filesystem refuses O_DIRECT)."""
+        entry = self._acquire(seg, direct)
+        try:
+            yield entry.fd
+        finally:
+            self._release(entry)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _acquire(self, seg: int, direct: bool) -> _OpenFd:
+        key = (seg, direct)
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:
+                entry.users += 1
+                self._lru.move_to_end(key)
+                return entry
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(self.folder / segment_name(seg), flags)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _DirectUnsupported() from e
+            raise
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:  # another thread opened it meanwhile
+                os.close(fd)
+            else:
+                entry = self._lru[key] = _OpenFd(fd)
+                self._trim()
+            entry.users += 1
+            self._lru.move_to_end(key)
+            return entry
+
+    def _release(self, entry: _OpenFd) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.users == 0:
+                if not entry.alive:
+                    os.close(entry.fd)
+                elif len(self._lru) > self.limit:
+                    self._trim()
+
+    def _trim(self) -> None:
+        """Close idle descriptors, least recently used first, down to the limit (under
+        the lock)."""
+        over = len(self._lru) - self.limit
+        for key in [k for k, e in self._lru.items() if e.users == 0][:max(over, 0)]:
+            os.close(self._lru.pop(key).fd)
+
+    def forget_removed(self) -> None:
+        """Close the descriptors of segments that were unlinked (by gc in any process),
+        so that their disk space is released (those in use: when the last user is done)."""
+        with self._lock:
+            for key, entry in list(self._lru.items()):
+                if os.fstat(entry.fd).st_nlink == 0:
+                    self._drop(key)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._lru):
+                self._drop(key)
+
+    def _drop(self, key: tuple[int, bool]) -> None:
+        entry = self._lru.pop(key)
+        entry.alive = False
+        if entry.users == 0:
+            os.close(entry.fd)
+
+
 class SegmentFiles:
     """The segment directory of one open store: this process's active segment and the
     read side (an fd cache, the I/O thread pool).
@@ -211,7 +323,8 @@ class SegmentFiles:
     """
 
     def __init__(self, path: Path, *, new_segment_id: Callable[[], int], segment_bytes: int,
-                 direct_io: bool | None, io_threads: int, readonly: bool) -> None:
+                 direct_io: bool | None, io_threads: int, readonly: bool,
+                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS) -> None:
         self.path = path
         self._new_id = new_segment_id
         self.segment_bytes = segment_bytes
@@ -220,10 +333,9 @@ class SegmentFiles:
         self.readonly = readonly
         if not readonly:
             mkdir_private(path)
-        self._lock = threading.Lock()          # fd cache
+        self._lock = threading.Lock()          # the I/O pool
         self._write_lock = threading.Lock()    # the active segment (one batch at a time)
-        self._fds: dict[int, int] = {}          # segment -> buffered O_RDONLY fd
-        self._direct_fds: dict[int, int] = {}   # segment -> O_DIRECT O_RDONLY fd
+        self._files = _OpenSegments(path, max_open_segments)  # read fds, LRU-bounded
         self._active: int | None = None
         self._active_fd = -1
         self._active_end = 0
@@ -251,35 +363,15 @@ class SegmentFiles:
             return []
         return sorted(i for i in map(parse_segment_name, names) if i is not None)
 
-    def _fd(self, seg: int, *, direct: bool) -> int:
-        """A cached read fd of segment ``seg`` (FileNotFoundError once it was reclaimed)."""
-        cache = self._direct_fds if direct else self._fds
-        fd = cache.get(seg)
-        if fd is not None:
-            return fd
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-        try:
-            fd = os.open(self.file(seg), flags)
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                raise _DirectUnsupported() from e
-            raise
-        with self._lock:
-            if seg in cache:
-                os.close(fd)
-                return cache[seg]
-            cache[seg] = fd
-        return fd
-
     def forget_removed(self) -> None:
         """Close cached fds of segments that were unlinked (by gc in any process), so that
         their disk space is released."""
-        with self._lock:
-            for cache in (self._fds, self._direct_fds):
-                for seg, fd in list(cache.items()):
-                    if os.fstat(fd).st_nlink == 0:
-                        os.close(fd)
-                        del cache[seg]
+        self._files.forget_removed()
+
+    @property
+    def open_files(self) -> int:
+        """Read descriptors of segment files open now."""
+        return len(self._files)
 
     # ------------------------------------------------------------------ writes
     def _open_active(self) -> None:
@@ -448,13 +540,12 @@ class SegmentFiles:
             self._swept = time.monotonic()
             self.forget_removed()
         hot, cold = self._hot_and_cold(_extents(tasks))
-        jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, fd, then)
-                                          for ext, fd in cold]
+        jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, then) for ext in cold]
         shards = deque(self._shards(hot))
         if shards:
             # Readers take the next shard as they finish one: a thread that runs late (a
             # busy CPU) holds up the call by one shard, not by a fixed share.
-            drain = functools.partial(_drain, shards, then)
+            drain = functools.partial(self._drain, shards, then)
             jobs = [drain] * min(self.hot_threads, len(shards)) + jobs
         if len(jobs) <= 1 or self.io_threads <= 1:
             for job in jobs:
@@ -468,14 +559,13 @@ class SegmentFiles:
             for f in futures:
                 f.result()
 
-    def _hot_and_cold(self, extents: list[list[ReadTask]]
-                      ) -> tuple[list[tuple[ReadTask, int]], list[tuple[list[ReadTask], int]]]:
-        """The records of ``extents`` (file order) the page cache holds, each with its
-        segment's buffered fd, and the extents it does not. One ``cachestat`` per segment
-        when all of the span read there is cached (the common hot case), else one per
-        extent. Extents of a segment that is gone are left out (misses)."""
-        hot: list[tuple[ReadTask, int]] = []
-        cold: list[tuple[list[ReadTask], int]] = []
+    def _hot_and_cold(self, extents: list[list[ReadTask]]) -> tuple[list[ReadTask], list[list[ReadTask]]]:
+        """The records of ``extents`` (file order) the page cache holds, and the extents it
+        does not. One ``cachestat`` per segment when all of the span read there is cached
+        (the common hot case), else one per extent. Extents of a segment that is gone are
+        left out (misses)."""
+        hot: list[ReadTask] = []
+        cold: list[list[ReadTask]] = []
         i = 0
         while i < len(extents):
             seg = extents[i][0].loc.segment
@@ -484,17 +574,17 @@ class SegmentFiles:
                 j += 1
             group, i = extents[i:j], j
             try:
-                fd = self._fd(seg, direct=False)
+                with self._files.use(seg, direct=False) as fd:
+                    first, end = group[0][0].loc.offset, group[-1][-1].loc.end
+                    whole = _LIBC.cached_pages(fd, first, end - first)
+                    all_hot = whole is None or whole[0] >= whole[1]  # (unknown: read buffered)
+                    for ext in group:
+                        if all_hot or self._cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
+                            hot.extend(ext)
+                        else:
+                            cold.append(ext)
             except OSError:
                 continue  # reclaimed by gc (or unreadable): every record of it is a miss
-            first, end = group[0][0].loc.offset, group[-1][-1].loc.end
-            whole = _LIBC.cached_pages(fd, first, end - first)
-            all_hot = whole is None or whole[0] >= whole[1]  # (unknown: read buffered)
-            for ext in group:
-                if all_hot or self._cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
-                    hot.extend((t, fd) for t in ext)
-                else:
-                    cold.append((ext, fd))
         return hot, cold
 
     @property
@@ -503,25 +593,54 @@ class SegmentFiles:
         at most one per CPU this process may run on (more only take turns)."""
         return max(1, min(self.io_threads, _cpus()))
 
-    def _shards(self, hot: list[tuple[ReadTask, int]]) -> list[list[tuple[ReadTask, int]]]:
+    def _shards(self, hot: list[ReadTask]) -> list[list[ReadTask]]:
         """``hot`` in file order, cut into runs of about equal bytes: two per
         :attr:`hot_threads` when there are several (one when there is one), each at least
         ``_MIN_SHARD`` (a smaller one costs more to hand to a thread than it saves)."""
         if not hot:
             return []
-        total = sum(t.loc.length for t, _ in hot)
+        total = sum(t.loc.length for t in hot)
         per_thread = 2 if self.hot_threads > 1 else 1
         n = max(1, min(per_thread * self.hot_threads, len(hot), total // _MIN_SHARD))
         if n == 1:
             return [hot]
-        shards: list[list[tuple[ReadTask, int]]] = [[] for _ in range(n)]
+        shards: list[list[ReadTask]] = [[] for _ in range(n)]
         done = 0
-        for item in hot:
-            shards[min(n - 1, done * n // total)].append(item)
-            done += item[0].loc.length
+        for t in hot:
+            shards[min(n - 1, done * n // total)].append(t)
+            done += t.loc.length
         return [s for s in shards if s]
 
-    def _read_cold(self, ext: list[ReadTask], fd: int, then: Callable[[ReadTask], None] | None) -> None:
+    def _drain(self, shards: deque[list[ReadTask]], then: Callable[[ReadTask], None] | None) -> None:
+        """Read shards from ``shards`` until none is left (several threads drain one deque)."""
+        while True:
+            try:
+                shard = shards.popleft()
+            except IndexError:
+                return
+            self._read_records(shard, then)
+
+    def _read_records(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+        """Read each of ``tasks`` (file order) from the page cache, segment by segment: one
+        :func:`~tiered_kv.storage.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
+        then ``then(task)``; or, natively when every task has ``expect``, read and check a
+        segment's tasks in one :func:`~tiered_kv.storage.fastread.read_verify_many` call
+        (sets ``ok`` and ``verified``; ``then`` is not called). An error (EIO; a segment gc
+        unlinked; no descriptor to spare) is a miss of the records not read."""
+        i = 0
+        while i < len(tasks):
+            seg = tasks[i].loc.segment
+            j = i + 1
+            while j < len(tasks) and tasks[j].loc.segment == seg:
+                j += 1
+            group, i = tasks[i:j], j
+            try:
+                with self._files.use(seg, direct=False) as fd:
+                    _read_group(fd, group, then)
+            except OSError:
+                continue
+
+    def _read_cold(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
         """Read an extent the page cache does not hold: ``O_DIRECT`` into a bounce buffer
         (then copied into the parts), or buffered after ``POSIX_FADV_WILLNEED`` when
         direct I/O is off."""
@@ -536,19 +655,22 @@ class SegmentFiles:
                 except FileNotFoundError:
                     return
             if len(ext) > 1:
-                os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
+                with self._files.use(ext[0].loc.segment, direct=False) as fd:
+                    os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
         except OSError:
-            # EIO, or the fd of a segment gc unlinked was closed under us (only records no
-            # longer indexed live there): what was not read is a miss
+            # EIO, the segment was unlinked by gc (only records no longer indexed lived
+            # there), or no descriptor to spare (EMFILE): what was not read is a miss
             return
-        _read_records([(t, fd) for t in ext], then)
+        self._read_records(ext, then)
 
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` lies within its segment file as it is now (False: the file is
         gone, or an index entry claims bytes past its end, e.g. an absurd length)."""
+        if loc.offset < 0 or loc.length < 0:
+            return False
         try:
-            return loc.offset >= 0 and loc.length >= 0 and \
-                loc.end <= os.fstat(self._fd(loc.segment, direct=False)).st_size
+            with self._files.use(loc.segment, direct=False) as fd:
+                return loc.end <= os.fstat(fd).st_size
         except OSError:
             return False
 
@@ -566,10 +688,10 @@ class SegmentFiles:
 
     def _read_direct(self, ext: list[ReadTask], first: int, end: int,
                      then: Callable[[ReadTask], None] | None) -> None:
-        fd = self._fd(ext[0].loc.segment, direct=True)
         lo, hi = _align_down(first), _align_up(end)
         buf = self._bounce(hi - lo)
-        got = _preadv_all(fd, [buf[:hi - lo]], lo)
+        with self._files.use(ext[0].loc.segment, direct=True) as fd:
+            got = _preadv_all(fd, [buf[:hi - lo]], lo)
         for t in ext:
             a = t.loc.offset - lo
             if a + t.loc.length > got:
@@ -674,11 +796,7 @@ class SegmentFiles:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        with self._lock:
-            for cache in (self._fds, self._direct_fds):
-                for fd in cache.values():
-                    os.close(fd)
-                cache.clear()
+        self._files.close()
 
 
 #: Buffers one ``preadv`` takes at most (the kernel's UIO_MAXIOV).
@@ -728,22 +846,17 @@ def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None =
     return min(got, want)
 
 
-def _read_records(shard: list[tuple[ReadTask, int]], then: Callable[[ReadTask], None] | None) -> None:
-    """Read each record of ``shard`` (task, buffered fd) into its parts and hash it, one
-    :func:`~tiered_kv.storage.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
-    then ``then(task)``; or, natively when every task has ``expect``, read and check them
-    all in one :func:`~tiered_kv.storage.fastread.read_verify_many` call (sets ``ok`` and
-    ``verified``; ``then`` is not called). An error (EIO; a segment gc unlinked) is that
-    record's miss."""
+def _read_group(fd: int, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+    """Read ``tasks`` of the segment open as ``fd`` (see SegmentFiles._read_records)."""
     many = fastread.read_verify_many
-    if many is not None and all(t.expect is not None for t, _ in shard):
-        statuses = many([(fd, t.loc.offset, [t.header, *t.payload, t.tail], t.expect) for t, fd in shard])
-        for (t, _), status in zip(shard, statuses):
+    if many is not None and all(t.expect is not None for t in tasks):
+        statuses = many([(fd, t.loc.offset, [t.header, *t.payload, t.tail], t.expect) for t in tasks])
+        for t, status in zip(tasks, statuses):
             t.ok = status != fastread.SHORT
             t.verified = status == fastread.VERIFIED
         return
     read = fastread.read_and_hash
-    for t, fd in shard:
+    for t in tasks:
         try:
             got, t.digest = read(fd, t.loc.offset, [t.header, *t.payload, t.tail])
         except OSError:
@@ -751,16 +864,6 @@ def _read_records(shard: list[tuple[ReadTask, int]], then: Callable[[ReadTask], 
         t.ok = got == t.loc.length
         if t.ok and then is not None:
             then(t)
-
-
-def _drain(shards: deque[list[tuple[ReadTask, int]]], then: Callable[[ReadTask], None] | None) -> None:
-    """Read shards from ``shards`` until none is left (several threads drain one deque)."""
-    while True:
-        try:
-            shard = shards.popleft()
-        except IndexError:
-            return
-        _read_records(shard, then)
 
 
 def _cpus() -> int:

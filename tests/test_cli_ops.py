@@ -257,6 +257,13 @@ BAD_ARGS = [
     (["stats"], "--store"),
     (["warm-start", "--store", "{store}", "--prompts", "{prompts}", "--max-bytes", "0"], "positive size"),
     (["warm-start", "--store", "{store}", "--prompts", "{prompts}", "--device", "tpu"], "--device"),
+    # the OS takes no infinite timeout: a finite one, named in the message
+    (["warm-start", "--endpoint", "http://127.0.0.1:1", "--prompts", "{prompts}", "--timeout", "inf"],
+     "--timeout: expected a finite number of seconds > 0"),
+    (["sync", "--store", "{store}", "--shared", "{store}-shared", "--timeout", "inf"],
+     "--timeout: expected a finite number of seconds > 0"),
+    (["sync", "--store", "{store}", "--shared", "{store}-shared", "--timeout", "nan"], "--timeout"),
+    (["sync", "--store", "{store}", "--shared", "{store}-shared", "--timeout", "-1"], "--timeout"),
 ]
 
 
@@ -267,6 +274,20 @@ def test_bad_arguments_exit_2(argv: list[str], message: str, filled: tuple[Path,
     code, out, err = run_cli(capsys, *argv)
     assert code == ExitCode.USAGE and out == ""
     assert message in err
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "x", "text": "\\ud800"}', "text: expected valid Unicode text, got a lone surrogate U+D800"),
+    ('{"id": "x", "tokens": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deeply"),
+])
+def test_ls_bad_prompt_text_exits_2(line: str, message: str, filled: tuple[Path, Path, dict], tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(line + "\n")
+    code, out, err = run_cli(capsys, "ls", "--store", str(filled[0]), "--prompts", str(prompts))
+    assert code == ExitCode.USAGE and out == ""
+    assert err == f"tiered-kv ls: error: --prompts {prompts} line 1: {err.split(' line 1: ', 1)[1]}"
+    assert message in err and err.count("\n") == 1  # one line, no traceback
 
 
 def test_commands_are_registered_and_have_help(capsys: pytest.CaptureFixture[str]) -> None:

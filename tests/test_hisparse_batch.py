@@ -10,6 +10,7 @@ shapes) and, where there is a GPU, with the CUDA kernel.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tiered_kv.debug import HostSyncError, SyncDetector
 from tiered_kv.hisparse import HiSparseBuffers, HiSparseConfig
 from tiered_kv.kernels import cuda_ops
 
-from _util import FLASH_MINI, random_tokens
+from _util import FLASH_MINI, cache_tensors, random_tokens
 
 HOST = 1 << 20
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -153,6 +154,16 @@ def test_sync_detector_fires_on_syncing_ops() -> None:
         other.tolist()
 
 
+def device_state(cache: TieredKVCache) -> list[torch.Tensor]:
+    """What lives on the GPU in a deployment, HiSparse tables included: on a CPU the
+    detector flags reads of these (and of values computed from them), while the checks of
+    the caller's ids (on the CPU a ValueError, e.g. for an id below -1; on a GPU skipped
+    unless TIERED_KV_DEBUG=1) go free."""
+    hs = cache.hisparse
+    assert hs is not None
+    return cache_tensors(cache) + [hs.entry_of_slot, hs.last_used, hs.lru, hs.step, hs.host_block, hs.counters]
+
+
 def _fill_through_engine_interface(cache: TieredKVCache, n_req: int, num_blocks: int) -> list:
     """Requests with ``num_blocks`` sealed blocks of random entries, written as an engine
     would (device tensors through reserve / write_csa / write_hca / advance)."""
@@ -184,7 +195,7 @@ def test_swap_in_batch_is_sync_free_on_cpu(tiny_layout, tiny_model) -> None:
     reqs = _fill_through_engine_interface(cache, 3, 2)
     layer = tiny_layout.csa_layers[0]
     ids = torch.tensor([[0, 5, 9, 63, -1, 5, 31, 2], [1, 2, 3, 4, 5, 6, 7, 8], [60, 61, -1, -1, 0, 1, 2, 40]])
-    with SyncDetector(cache.device) as d:
+    with SyncDetector(cache.device, owned=device_state(cache)) as d:
         for _ in range(3):
             slots = cache.swap_in_batch(reqs, layer, ids)
     assert d.fired == []
@@ -350,7 +361,7 @@ def test_swap_in_batch_sync_free_engine_interface(tiny_layout, device: str) -> N
     layer = L.csa_layers[1]
     cache.swap_in_batch(reqs, layer, ids)  # first call builds the (static) slot tensor
     cuda = device == "cuda"
-    with SyncDetector(cache.device) as d:
+    with SyncDetector(cache.device, owned=None if cuda else device_state(cache)) as d:
         if cuda:
             torch.cuda.set_sync_debug_mode("error")
         try:
@@ -384,10 +395,152 @@ def test_launch_state_is_cached_per_pool() -> None:
     assert seg1.tolist() == [list(r) for r in cuda_ops.segment_table(parts)]
 
 
-def test_batched_kernel_shared_memory_bound() -> None:
-    assert cuda_ops.hisparse_shared_bytes(2048, 512) < 64 * 1024  # Flash, N = 4 x top-k
-    why = cuda_ops.unsupported_reason(hisparse_n=1 << 16, hisparse_k=1024)
-    assert why is not None and "shared memory" in why
+class Recorder:
+    """A ``cuda_ops`` launcher that records each launch instead of running it (the launch
+    contract without a GPU; tests/test_cuda_emu.py runs the kernels themselves)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, device, source, name, grid, block, args, shared_mem) -> None:
+        self.calls.append((name, grid, block, args, shared_mem))
+
+
+def _tables(S: int = 3, C: int = 2, N: int = 16, EB: int = 12, *, row_pad: int = 0) -> kernels.HiSparseTables:
+    rows = torch.zeros((S * C * N + 1) * (EB + row_pad), dtype=torch.uint8).view(S * C * N + 1, EB + row_pad)
+    return kernels.HiSparseTables(
+        buffer_rows=rows[:, :EB], entry_of_slot=torch.full((S, C, N), -1), last_used=torch.full((S, C, N), -1),
+        lru=torch.arange(N).repeat(S, C, 1), step=torch.zeros(S, C, dtype=torch.int64),
+        host_block=torch.zeros(S, 8, dtype=torch.int64), counters=torch.zeros(2, dtype=torch.int64),
+        entries_per_block=4)
+
+
+def _record(t: kernels.HiSparseTables, k: int = 4, host: torch.Tensor | None = None) -> tuple:
+    C, EB = t.entry_of_slot.shape[1], t.buffer_rows.shape[1]
+    host = torch.zeros(5, C * 4, EB, dtype=torch.uint8) if host is None else host
+    rec = Recorder()
+    with cuda_ops.launcher(rec):
+        cuda_ops.hisparse_swap_in(t, torch.tensor([1]), 0, torch.zeros(1, k, dtype=torch.int64), host, None,
+                                  torch.empty(1, k, dtype=torch.int64))
+    (call,) = rec.calls
+    return call
+
+
+def test_batched_kernel_work_area_in_shared_or_global_memory() -> None:
+    """Any N runs the kernel: the work area sits in shared memory while it fits, else in a
+    global scratch (one 16-byte aligned area per request); never the syncing twin."""
+    assert cuda_ops.hisparse_work_bytes(2048, 512) < 64 * 1024  # Flash, N = 4 x top-k
+    name, grid, block, args, shared = _record(_tables(N=2048), k=512)
+    assert name == "tkv_hisparse_swap_in" and shared == cuda_ops.hisparse_work_bytes(2048, 512)
+    assert grid == (1,) and block == (1024,)
+    name, _, _, args, shared = _record(_tables(S=2, C=1, N=16384), k=512)
+    assert name == "tkv_hisparse_swap_in_global" and shared == 0
+    stride = int(args[-1])
+    assert stride >= cuda_ops.hisparse_work_bytes(16384, 512) and stride % 16 == 0
+    assert cuda_ops.unsupported_reason() == "cupy is not importable" or cuda_ops.cupy_available()
+
+
+def test_launch_arguments_are_those_of_the_call() -> None:
+    """Issue 14's stale cache: tables sharing buffer, entry_of_slot, host_block and host but
+    not lru / last_used / step / counters (or N) get their own addresses and sizes."""
+    a = _tables()
+    b = kernels.HiSparseTables(buffer_rows=a.buffer_rows, entry_of_slot=a.entry_of_slot, host_block=a.host_block,
+                               last_used=a.last_used.clone(), lru=a.lru.clone(), step=a.step.clone(),
+                               counters=a.counters.clone(), entries_per_block=a.entries_per_block)
+    host = torch.zeros(5, 8, 12, dtype=torch.uint8)
+    args_a, args_b = _record(a, host=host)[3], _record(b, host=host)[3]
+    order = ["last_used", "lru", "step", "counters"]  # arguments 8..11 (see tkv_hisparse_swap_in)
+    assert [int(x) for x in args_a[8:12]] == [getattr(a, n).data_ptr() for n in order]
+    assert [int(x) for x in args_b[8:12]] == [getattr(b, n).data_ptr() for n in order]
+    assert int(args_a[7]) == int(args_b[7]) == a.entry_of_slot.data_ptr()
+    c = _tables(S=3, C=2, N=24)  # another N, same everything else where it can be
+    assert int(_record(c, host=host)[3][6]) == 24
+
+
+def test_padded_buffer_rows_pass_stride_and_entry_size() -> None:
+    args = _record(_tables(row_pad=5))[3]
+    assert int(args[13]) == 17 and int(args[14]) == 12  # row stride, entry bytes (issue 14: one value for both)
+
+
+@pytest.mark.parametrize("case", ["lru_strided", "step_shape", "rows_count", "rows_bytes_stride", "rows_overlap",
+                                  "dtype", "entries_per_block"])
+def test_tables_refuse_a_layout_the_kernel_cannot_address(case: str) -> None:
+    t = _tables()
+    fields = {f: getattr(t, f) for f in ("buffer_rows", "entry_of_slot", "last_used", "lru", "step", "host_block",
+                                         "counters", "entries_per_block")}
+    S, C, N = t.entry_of_slot.shape
+    bad, match = {
+        "lru_strided": ({"lru": torch.arange(N).repeat(S, C, 2)[..., ::2]}, "lru: expected a contiguous tensor"),
+        "step_shape": ({"step": torch.zeros(S, C + 1, dtype=torch.int64)}, r"step: expected shape \[3, 2\]"),
+        "rows_count": ({"buffer_rows": torch.zeros(S * C * N, 12, dtype=torch.uint8)}, "S \\* C \\* N \\+ 1 = 97"),
+        "rows_bytes_stride": ({"buffer_rows": torch.zeros(S * C * N + 1, 24, dtype=torch.uint8)[:, ::2]},
+                              "unit stride in the bytes dim"),
+        "rows_overlap": ({"buffer_rows": torch.zeros(S * C * N * 4 + 20, dtype=torch.uint8).as_strided(
+            (S * C * N + 1, 12), (4, 1))}, "rows that do not overlap"),
+        "dtype": ({"last_used": torch.zeros(S, C, N, dtype=torch.int32)}, "last_used: expected dtype torch.int64"),
+        "entries_per_block": ({"entries_per_block": 0}, "entries_per_block: expected an int >= 1"),
+    }[case]
+    with pytest.raises(ValueError, match=match):
+        kernels.HiSparseTables(**{**fields, **bad})
+
+
+def test_ids_below_padding_raise_on_cpu(tiny_layout, tiny_model) -> None:
+    """-1 is padding; -5 is a broken id: the CPU refuses it naming what it expected (issue 16),
+    the kernel traps on it (tests/test_cuda_emu.py)."""
+    cache = TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=4, host_bytes=HOST,
+                          hisparse=HiSparseConfig(device_buffer_entries=16))
+    reqs = _fill_through_engine_interface(cache, 2, 2)
+    layer = tiny_layout.csa_layers[0]
+    with pytest.raises(ValueError, match=r"ids: expected entry ids >= 0 or -1 \(padding\), got -5"):
+        cache.swap_in_batch(reqs, layer, torch.tensor([[0, -5], [1, 2]]))
+    assert cache.hisparse.step.sum() == 0  # refused before anything ran
+    t = _tables()
+    for impl in ("torch", "auto"):
+        with pytest.raises(ValueError, match="got -2"):
+            kernels.hisparse_swap_in(t, torch.tensor([0]), 0, torch.tensor([[-2, 1]]),
+                                     torch.zeros(5, 8, 12, dtype=torch.uint8), impl=impl)
+
+
+def test_debug_checks_the_tables_invariants(monkeypatch) -> None:
+    """TIERED_KV_DEBUG=1: every LRU row of the batch is a permutation, and an entry sits in
+    at most one slot of its row (both implementations rely on it)."""
+    host = torch.zeros(5, 8, 12, dtype=torch.uint8)
+    ids = torch.tensor([[0, 1]])
+    monkeypatch.setenv("TIERED_KV_DEBUG", "1")
+    t = _tables()
+    kernels.hisparse_swap_in(t, torch.tensor([1]), 0, ids, host, impl="torch")  # valid tables pass
+    t.lru[1, 1, 3] = t.lru[1, 1, 4]
+    kernels.hisparse_swap_in(t, torch.tensor([1]), 0, ids, host, impl="torch")  # part 1: not this call's rows
+    with pytest.raises(ValueError, match=r"tables.lru\[1, 1\]: expected a permutation of the 16 slots"):
+        kernels.hisparse_swap_in(t, torch.tensor([1]), 1, ids, host, impl="torch")
+    t = _tables()
+    t.entry_of_slot[2, 0, 5] = t.entry_of_slot[2, 0, 9] = 77
+    with pytest.raises(ValueError, match=r"tables.entry_of_slot\[2, 0\]: expected each entry in at most one "
+                                         r"slot, got entry 77 in two"):
+        kernels.hisparse_swap_in(t, torch.tensor([0, 2]), 0, torch.tensor([[0, 1], [2, 3]]), host, impl="torch")
+    monkeypatch.delenv("TIERED_KV_DEBUG")
+    kernels.hisparse_swap_in(t, torch.tensor([0]), 0, ids, host, impl="torch")  # unchecked without it
+
+
+def test_warns_once_when_a_gpu_cannot_run_the_kernel(monkeypatch) -> None:
+    """A GPU without CuPy: the cache says so once, when built, not silently per step."""
+    from tiered_kv import hisparse
+
+    monkeypatch.setattr(cuda_ops, "cupy_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="synchronises the host with the device at every decode step"):
+        hisparse.warn_if_decode_syncs(torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_ops, "cupy_available", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hisparse.warn_if_decode_syncs(torch.device("cuda", 0))
+        hisparse.warn_if_decode_syncs(torch.device("cpu"))
+    seen: list[torch.device] = []
+    monkeypatch.setattr(hisparse, "warn_if_decode_syncs", seen.append)
+    hs = HiSparseBuffers(FLASH_MINI, HiSparseConfig(device_buffer_entries=8), 2, torch.device("cpu"))
+    hs.swap_in_batch(hs.slot_tensor((0,)), 0, torch.tensor([[0, 1]]), torch.zeros(3, 32, FLASH_MINI.entry_bytes,
+                                                                                   dtype=torch.uint8),
+                     host_rows=torch.tensor([[0, 1]]))
+    assert seen == [torch.device("cpu")]  # called by the constructor, once; never by a step
 
 
 @pytest.mark.gpu

@@ -58,8 +58,7 @@ class Server:
         return json.loads(raw)
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.httpd.stop()
         self.thread.join()
         self.engine.close()
 

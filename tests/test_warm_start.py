@@ -168,6 +168,11 @@ BAD_PROMPTS = [
     ('{"id": "x", "text": "a"}\n{"id": "x", "text": "b"}\n', "duplicate id"),
     ('{"id": true, "text": "a"}\n', "id: expected"),
     ("\n", "none"),
+    # JSON can spell text that is not Unicode, and nesting no parser follows
+    ('{"id": "x", "text": "ok \\ud800"}\n', "text: expected valid Unicode text, got a lone surrogate U+D800 at character 3"),
+    ('{"id": "\\udfff", "text": "a"}\n', "id: expected valid Unicode text"),
+    ('{"id": "x", "tokens": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "JSON nested too deeply"),
+    ('{"id": "x", "tokens": [' + "[" * 500 + "]" * 500 + "]}\n", "tokens[0]: expected an integer id"),
 ]
 
 

@@ -4,7 +4,7 @@ Full blocks and registered snapshots are written *behind* the request by one bac
 thread, so the request path never waits on disk; :meth:`DiskTier.flush` waits for every
 write submitted so far. A write that fails (full disk, full map, an I/O error) is
 counted and its message kept; the data stays in the GPU and host tiers and the cache
-keeps serving. Writes are bounded: past ``max_pending`` queued writes a submit waits
+keeps serving. A run of failures logs one warning, not one per record. Writes are bounded: past ``max_pending`` queued writes a submit waits
 for the oldest one (back-pressure, never a dropped record).
 
 Reads come in batches: :meth:`DiskTier.read_many` is one ``get_many`` (one transaction
@@ -92,6 +92,7 @@ class DiskTier:
         self.write_errors = 0
         self.write_bytes = 0
         self.last_write_error: str | None = None
+        self._failing = 0  # writes failed since the last one that succeeded
         self.reads = 0
         self.read_hits = 0
         self.read_bytes = 0
@@ -119,15 +120,28 @@ class DiskTier:
                 ready()
             written = self.store.put_many([item])[0]
         except Exception as exc:  # counted and surfaced in stats; the data is still cached above
-            with self._lock:
-                self.write_errors += 1
-                self.last_write_error = f"{type(exc).__name__}: {exc}"
-            log.warning("disk write of %r failed: %s", item.key, exc)
+            self._write_failed(exc)
             return
-        if written:
-            with self._lock:
+        with self._lock:
+            if written:
                 self.writes += 1
                 self.write_bytes += int(item.payload.numel())
+            failed, self._failing = self._failing, 0
+        if failed:
+            log.warning("disk writes succeed again, after %d failed (counted in disk_write_errors)", failed)
+
+    def _write_failed(self, exc: Exception) -> None:
+        """Count a failed write. One warning per run of failures (a full disk fails every
+        write until space is freed: one line, not one per record); the count and the last
+        error are in :meth:`stats`, and the next write that succeeds logs how many failed."""
+        with self._lock:
+            self.write_errors += 1
+            self.last_write_error = f"{type(exc).__name__}: {exc}"
+            first = self._failing == 0
+            self._failing += 1
+        if first:
+            log.warning("disk write failed: %s; the records stay in the GPU and host tiers; further failures "
+                        "are counted (disk_write_errors), not logged, until a write succeeds", exc)
 
     def flush(self, *, uploads: bool = False, timeout_s: float | None = None) -> bool:
         """Wait until every write submitted so far has finished (or failed and been counted).

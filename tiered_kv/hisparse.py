@@ -34,14 +34,16 @@ same order, logits with HiSparse are bit-identical to logits without it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from . import kernels
+from .kernels import cuda_ops
 from .layout import KVLayout
 
-__all__ = ["HiSparseBuffers", "HiSparseConfig"]
+__all__ = ["HiSparseBuffers", "HiSparseConfig", "warn_if_decode_syncs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +73,7 @@ class HiSparseBuffers:
     def __init__(self, layout: KVLayout, config: HiSparseConfig, num_slots: int, device: torch.device,
                  *, max_blocks: int = 1) -> None:
         config.validate(layout)
+        warn_if_decode_syncs(device)
         self.layout = layout
         self.capacity = N = config.device_buffer_entries
         S, C = num_slots, layout.num_csa_layers
@@ -189,3 +192,15 @@ class HiSparseBuffers:
         return {"hisparse_hits": hits, "hisparse_misses": misses + self._direct_misses,
                 "hisparse_bytes_moved": misses * self.layout.entry_bytes + self.direct_bytes,
                 "hisparse_direct_reads": self.direct_reads}
+
+
+def warn_if_decode_syncs(device: torch.device) -> None:
+    """Warn, once per cache built, when ``swap_in_batch`` on ``device`` cannot run its CUDA
+    kernel: without CuPy a GPU runs the torch implementation, whose copy from the pinned
+    host mirror synchronises the host with the device at every decode step (and cannot be
+    captured in a CUDA graph). Nothing is said per call."""
+    if torch.device(device).type == "cuda" and not cuda_ops.cupy_available():
+        warnings.warn(
+            "HiSparse on a CUDA device without CuPy: swap_in_batch runs the torch implementation, which "
+            "synchronises the host with the device at every decode step (pip install cupy-cuda13x, or "
+            "cupy-cuda12x on CUDA 12, for the one-launch kernel)", RuntimeWarning, stacklevel=3)

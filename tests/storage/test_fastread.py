@@ -100,11 +100,11 @@ def test_native_rejects_read_only_buffers_and_bad_tails(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ shards of a hot read
-def _tasks(lengths: list[int]) -> list[tuple[ReadTask, int]]:
+def _tasks(lengths: list[int]) -> list[ReadTask]:
     out, off = [], 0
     empty = np.zeros(0, np.uint8)
     for i, n in enumerate(lengths):
-        out.append((ReadTask(i, Location(1, off, n), empty, [empty], empty), 3))
+        out.append(ReadTask(i, Location(1, off, n), empty, [empty], empty))
         off += n
     return out
 
@@ -129,7 +129,7 @@ def test_shards_cover_every_record_once_in_order(monkeypatch: pytest.MonkeyPatch
     assert [t for shard in got for t in shard] == hot
     if len(got) > 1:
         # about equal bytes, on average at least _MIN_SHARD (cut at record boundaries)
-        sizes = [sum(t.loc.length for t, _ in s) for s in got]
+        sizes = [sum(t.loc.length for t in s) for s in got]
         assert sum(sizes) / len(sizes) >= segments._MIN_SHARD
         assert max(sizes) - min(sizes) <= 2 * max(lengths)
 

@@ -214,6 +214,29 @@ def test_open_store_bad_urls(tmp_path: Path) -> None:
         open_store(f"lmdb://{tmp_path}/a", layout_fingerprint=FP, max_bytes=0)
 
 
+@pytest.mark.parametrize("scheme", ["lmdb", "zarr"])
+def test_open_store_accepts_timeout_s_on_a_local_store(tmp_path: Path, scheme: str) -> None:
+    """``timeout_s`` bounds calls to an object store; a local store makes none and takes it
+    without effect, so one ``store_options`` serves a local store and a chain alike."""
+    url = f"{scheme}://{tmp_path}/s"
+    with open_store(url, layout_fingerprint=FP, timeout_s=2.0) as s:
+        assert s.put_many([item_for(make_key(1))]) == [True]
+    with open_store(url, layout_fingerprint=FP, timeout_s=2.0) as s:
+        assert verify_all(s) == 1
+    with pytest.raises(ValueError, match="timeout_s: expected a finite number of seconds > 0, got inf"):
+        open_store(url, layout_fingerprint=FP, timeout_s=float("inf"))
+
+
+@pytest.mark.parametrize(("scheme", "backend", "some_valid"), [("lmdb", "LmdbStore", ("max_bytes", "map_size")),
+                                                               ("zarr", "ZarrStore", ("max_bytes", "io_threads"))])
+def test_open_store_unknown_option_lists_the_valid_ones(tmp_path: Path, scheme: str, backend: str,
+                                                         some_valid: tuple[str, ...]) -> None:
+    with pytest.raises(TypeError, match=rf"{backend} at .*: unknown option\(s\) \['max_byte'\]; expected some of \[") as e:
+        open_store(f"{scheme}://{tmp_path}/s", layout_fingerprint=FP, max_byte=1 << 20)
+    assert all(f"'{name}'" in str(e.value) for name in (*some_valid, "timeout_s"))
+    assert not (tmp_path / "s").exists()  # refused before anything was created
+
+
 def test_backends_refuse_each_others_directories(tmp_path: Path) -> None:
     LmdbStore(tmp_path / "l", layout_fingerprint=FP).close()
     ZarrStore(tmp_path / "z", layout_fingerprint=FP).close()

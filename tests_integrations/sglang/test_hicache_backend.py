@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from tiered_kv.integrations.sglang import TieredKVHiCacheStorage
+from tiered_kv.integrations.sglang import ClearRefusedError, TieredKVHiCacheStorage
 from tiered_kv.storage import LayoutMismatchError, open_store
 
 HERE = Path(__file__).resolve().parent
@@ -83,6 +83,24 @@ def test_factory_wraps_it_in_sglangs_failure_injector_when_asked(store_url, back
     idx = pool.alloc(2 * PAGE)
     assert b.batch_set_v1(keys, idx) == [False, False]
     assert b.batch_exists(keys) == 0
+    # the injector forwards only HiCacheStorage's calls; of() reaches our counters behind it
+    assert not hasattr(b, "counters")
+    ours = TieredKVHiCacheStorage.of(b)
+    assert ours.counters()["pages_written"] == 0 and ours.counters()["store.records"] == 0  # failed before us
+
+
+def test_counters_are_reachable_behind_the_failure_injector(store_url, backends, monkeypatch):
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.0")  # wrapped, never failing
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool)
+    assert isinstance(b, HiCacheStorageFailureInjector)
+    written, read, _, _ = _store_and_reload(b, pool, 3)
+    assert read == written
+    c = TieredKVHiCacheStorage.of(b).counters()
+    assert (c["pages_written"], c["pages_read"], c["store.records"]) == (3, 3, 3)
+    assert TieredKVHiCacheStorage.of(TieredKVHiCacheStorage.of(b)) is TieredKVHiCacheStorage.of(b)
+    with pytest.raises(TypeError, match="expected a TieredKVHiCacheStorage, or SGLang's failure injector"):
+        TieredKVHiCacheStorage.of(object())
 
 
 def test_config_errors_name_what_was_expected(tmp_path):
@@ -91,6 +109,20 @@ def test_config_errors_name_what_was_expected(tmp_path):
         TieredKVHiCacheStorage(cfg, {})
     cfg = env.storage_config(f"lmdb://{tmp_path}/s", model=None)
     with pytest.raises(ValueError, match="model id"):
+        TieredKVHiCacheStorage(cfg, {})
+
+
+def test_store_options_timeout_is_harmless_on_a_local_store(store_url, backends):
+    """The chain example's ``store_options`` on a single LMDB store: accepted, no effect."""
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool, store_options={"timeout_s": 2.0, "max_bytes": 1 << 30})
+    written, read, _, _ = _store_and_reload(b, pool, 2)
+    assert read == written
+
+
+def test_an_unknown_store_option_lists_the_valid_ones(store_url):
+    cfg = env.storage_config(store_url, store_options={"max_byte": 1 << 30})
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['max_byte'\]; expected some of \[.*'max_bytes'"):
         TieredKVHiCacheStorage(cfg, {})
 
 
@@ -342,12 +374,30 @@ def test_a_bounded_store_evicts_old_pages_and_keeps_serving(tmp_path, backends):
     assert env.page_bytes(pool, dst) == env.page_bytes(pool, idx[2 * PAGE:])
 
 
-def test_clear_is_refused_on_a_shared_store(store_url, backends):
+def test_clear_is_refused_and_sglang_reports_the_failure(store_url, backends, caplog):
+    """SGLang 0.5.23's clear path (POST /hicache/storage-backend/clear): StorageAttachment.clear
+    -> HybridCacheController.clear_storage_backend -> backend.clear(). The controller ignores
+    a returned False and answers True ("cleared successfully"); our refusal raises, so
+    SGLang's own code logs the failure and reports False. Nothing is deleted."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+
     pool = env.mla_host_pool()
     b = _backend(backends, store_url, pool)
     _, _, keys, _ = _store_and_reload(b, pool, 2)
-    assert b.clear() is False
-    assert b.batch_exists(keys) == 2
+    controller_state = SimpleNamespace(enable_storage=True, storage_backend=b)  # what the method reads
+    controller = SimpleNamespace(clear_storage_backend=lambda: HybridCacheController.clear_storage_backend(
+        controller_state))
+    attachment = SimpleNamespace(_cache=SimpleNamespace(cache_controller=controller))
+    with caplog.at_level("ERROR"):
+        assert StorageAttachment.clear(attachment) is False
+    assert "Failed to clear hierarchical cache storage backend: tiered_kv HiCache storage refuses clear()" in \
+        caplog.text and "nothing was deleted (2 records)" in caplog.text
+    with pytest.raises(ClearRefusedError, match="may be shared"):
+        b.clear()
+    assert b.batch_exists(keys) == 2 and b.counters()["store.records"] == 2
 
 
 # ---------------------------------------------------------------------- v2: pools

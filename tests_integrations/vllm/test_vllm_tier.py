@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from tiered_kv.integrations.vllm import TieredKVTier, TieredKVTierInfo, TieredKVTierMetrics, VllmKeyMapper
-from tiered_kv.storage import LmdbStore, StoreChain, record_size
+from tiered_kv.storage import LayoutMismatchError, LmdbStore, StoreChain, record_size
 
 from _util import lmdb_raw_read, lmdb_raw_write  # tests/_util.py, put on sys.path by conftest
 from seaweedfs import SeaweedFS  # tests/seaweedfs.py, put on sys.path by conftest
@@ -208,8 +208,69 @@ def test_layout_mismatch_refuses_the_store(tmp_path: Path, engines: list[Engine]
     engines[0].close()
     config = offload_config({"store": store})
     config = type(config)(**{**config.__dict__, "worker_kv_bytes_per_block": 2 * 6144})
-    with pytest.raises(ValueError, match="layout fingerprint"):
+    with pytest.raises(LayoutMismatchError, match="layout fingerprint") as e:
         TieringOffloadingSpec(config).get_manager()
+    # the message says what this engine writes and why formats differ
+    assert f"{4 * 6144} bytes per chunk" in str(e.value) and "tensor-parallel size 1" in str(e.value)
+    assert "MLA models included" in str(e.value) and "of its own" in str(e.value)
+    assert e.value.stored == engines[0].tier.keys.layout_fingerprint != e.value.requested
+
+
+def test_another_tensor_parallel_size_is_refused_with_the_reason(tmp_path: Path, engines: list[Engine]) -> None:
+    """The same model at TP 2 (not parallelism-agnostic, as MLA is not) writes another chunk
+    format: it cannot share the TP-1 engine's store, and the error says why."""
+    store = f"lmdb://{tmp_path / 'store'}"
+    engines.append(Engine(store))
+    engines[0].close()
+    config = offload_config({"store": store})
+    parallel = type(config.parallel)(**{**config.parallel.__dict__, "tp_size": 2, "is_parallelism_agnostic": False})
+    config = type(config)(**{**config.__dict__, "parallel": parallel})
+    with pytest.raises(LayoutMismatchError, match="tensor-parallel size 2 \\(one copy per rank"):
+        TieringOffloadingSpec(config).get_manager()
+
+
+def test_an_unknown_tier_option_lists_the_valid_keys(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['timeout_s'\]; expected some of \[") as e:
+        Engine(f"lmdb://{tmp_path / 'store'}", timeout_s=2.0)   # belongs in store_options
+    for key in ("'store'", "'store_options'", "'tenant'", "'model_id'", "'type'", "'module_path'"):
+        assert key in str(e.value)
+    assert not (tmp_path / "store").exists()
+
+
+def test_store_options_timeout_is_harmless_on_a_local_store(tmp_path: Path, engines: list[Engine]) -> None:
+    """The chain example's ``store_options`` on a single LMDB store: accepted, no effect."""
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", store_options={"timeout_s": 2.0})
+    engines.append(engine)
+    keys = chunk_keys("timeout", 3)
+    engine.store(keys)
+    engine.wait_jobs()
+    assert isinstance(engine.tier.store, LmdbStore)
+    assert engine.tier.store.contains_many([engine.tier.keys.record_key(k) for k in keys]) == [True] * 3
+
+
+def test_model_id_defaults_to_the_model_path_so_set_it_on_every_node(tmp_path: Path, engines: list[Engine]) -> None:
+    """One model loaded from two paths: by default two namespaces; with one model_id, one."""
+    store = f"lmdb://{tmp_path / 'store'}"
+    keys = chunk_keys("same-model", 2)
+    here = Engine(store, model="/models/v4-flash")
+    engines.append(here)
+    assert here.tier.keys.model_id == "/models/v4-flash"
+    here.store(keys)
+    here.wait_jobs()
+    here.close()
+    there = Engine(store, model="/mnt/weights/v4-flash")
+    engines.append(there)
+    assert there.load(keys) == {k: None for k in keys}   # shares nothing
+    there.close()
+    for model in ("/models/v4-flash", "/mnt/weights/v4-flash"):
+        node = Engine(store, model=model, model_id="deepseek-v4-flash")
+        engines.append(node)
+        if model.startswith("/models"):
+            node.store(keys)
+            node.wait_jobs()
+        else:
+            assert node.load(keys) == {k: chunk_bytes(k) for k in keys}
+        node.close()
 
 
 @pytest.mark.slow  # ~15 s: the second process imports vLLM

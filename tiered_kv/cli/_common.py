@@ -26,7 +26,9 @@ import enum
 import functools
 import itertools
 import json
+import math
 import os
+import reprlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -100,6 +102,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (``--timeout``). ``inf`` and ``nan``
+    are refused: sockets and waits take no infinite timeout, so say a long one instead."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 (e.g. 86400 for a day), "
+                                         f"got {text!r}")
     return value
 
 
@@ -284,12 +299,22 @@ class StoreLocation:
     def exists(self) -> bool:
         """Whether a store of this backend is there (its marker file or object)."""
         if not self.backend.remote:
-            return (Path(self.path) / self.marker).is_file()
+            root = Path(self.path)
+            if self.backend is Backend.LMDB and _has_segment_files(root):
+                return True  # its index (data.mdb) may be gone: `verify --repair` rebuilds it
+            return (root / self.marker).is_file()
         from ..storage import s3
 
         with _object_store_errors(self):
             objects = s3.open_object_store(s3.parse_s3_url(self.given))
             return s3.exists(objects, self.marker)
+
+
+def _has_segment_files(root: Path) -> bool:
+    try:
+        return any(name.endswith(".seg") for name in os.listdir(root / "segments"))
+    except OSError:
+        return False
 
 
 def parse_store(text: str) -> StoreLocation:
@@ -355,6 +380,21 @@ def missing_store(loc: StoreLocation) -> CommandFailed:
         f"and fill one with `tiered-kv warm-start --store {loc.given} --prompts FILE`")
 
 
+def index_damaged_message(loc: StoreLocation, problem: str) -> str:
+    """One line: what is wrong with an LMDB store's index and the command that fixes it."""
+    return (f"{loc.path}: the index (data.mdb) is damaged: {problem}. The records are intact in the "
+            f"segment files; rebuild the index from them with `tiered-kv verify --repair --store {loc.given}`")
+
+
+def report_index_rebuild(loc: StoreLocation, store: Any) -> None:
+    """One line on stderr when opening ``store`` for writing rebuilt its damaged index."""
+    rebuilt = getattr(store, "index_rebuild", None)
+    if rebuilt:
+        print(f"{loc.path}: the index was damaged ({rebuilt['problem']}); rebuilt it from the segment "
+              f"files: {rebuilt['records']} records (the damaged index is kept at {rebuilt['moved_to']})",
+              file=sys.stderr)
+
+
 @contextmanager
 def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str = "") -> Iterator[None]:
     """Turn the errors of opening or using the store at ``loc`` into :class:`CommandFailed`
@@ -362,7 +402,7 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
     was, the fingerprint came from another store, which ``expected`` names)."""
     import lmdb
 
-    from ..storage import LayoutMismatchError, StoreError, StoreLockedError
+    from ..storage import IndexDamagedError, LayoutMismatchError, StoreError, StoreLockedError
     try:
         from ..storage.s3 import ObjectStoreError
     except ImportError:  # no obstore (the optional `s3` extra): nothing raises it
@@ -371,6 +411,8 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
     try:
         with _object_store_errors(loc):
             yield
+    except IndexDamagedError as exc:
+        raise CommandFailed(ExitCode.FAILURE, index_damaged_message(loc, exc.problem)) from None
     except ObjectStoreError as exc:
         raise CommandFailed(ExitCode.FAILURE, f"{loc.path}: object store error: {exc}") from None
     except LayoutMismatchError as exc:
@@ -498,12 +540,15 @@ def load_prompts(spec: str, *, vocab_size: int | None = None) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{where}: expected a JSON object, got invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise UsageError(f"{where}: expected a JSON object, got JSON nested too deeply to read") from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         pid = obj.get("id", f"#{n}")
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise UsageError(f"{where}: id: expected a string or integer, got {pid!r}")
+            raise UsageError(f"{where}: id: expected a string or integer, got {show(pid)}")
         pid = str(pid)
+        _check_unicode(f"{where}: id", pid)
         if pid in seen:
             raise UsageError(f"{where}: duplicate id {pid!r}")
         seen.add(pid)
@@ -514,6 +559,7 @@ def load_prompts(spec: str, *, vocab_size: int | None = None) -> list[Prompt]:
         if has_text:
             if not isinstance(obj["text"], str):
                 raise UsageError(f"{where}: text: expected a string, got {type(obj['text']).__name__}")
+            _check_unicode(f"{where}: text", obj["text"])
             tokens = encode(obj["text"])
         else:
             tokens = _check_tokens(where, obj["tokens"], vocab_size)
@@ -555,7 +601,42 @@ def _check_tokens(where: str, tokens: object, vocab_size: int | None) -> list[in
     return tokens
 
 
+def _check_unicode(where: str, text: str) -> None:
+    """UsageError if ``text`` cannot be UTF-8 (a lone surrogate such as ``"\\ud800"``, which
+    JSON escapes can spell): it could be neither tokenized nor printed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{where}: expected valid Unicode text, got a lone surrogate "
+                         f"U+{ord(text[exc.start]):04X} at character {exc.start}") from None
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
+def show(value: object) -> str:
+    """A short repr of a bad value for a message: bounded in length and nesting (a value
+    from a file may be megabytes long or nested thousands deep)."""
+    return _SHOW.repr(value)
+
+
 # ---------------------------------------------------------------- output
+@contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Drop the warnings of logger ``name`` meanwhile (a command that reports the same
+    failures in its own summary line)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
 

@@ -123,8 +123,8 @@ class OpenAIClient:
     def _read_json(self, resp: http.client.HTTPResponse, what: str) -> Any:
         raw = self._read(resp)
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _loads(raw)
+        except ValueError:
             raise EndpointError(f"{self.url}{what}: expected a JSON answer, got {_preview(raw)}") from None
 
     def _read(self, resp: http.client.HTTPResponse) -> bytes:
@@ -152,7 +152,7 @@ class OpenAIClient:
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
             raise EndpointError(f"{self.url}/models: expected {{\"data\": [{{\"id\": ...}}, ...]}}, got "
-                                f"{_preview(json.dumps(body).encode())}")
+                                f"{_show_json(body)}")
         return [m["id"] for m in data]
 
     def first_token(self, prompt: str | list[int], model: str) -> FirstToken:
@@ -215,8 +215,8 @@ class OpenAIClient:
             if data == b"[DONE]":
                 break
             try:
-                event = json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                event = _loads(data)
+            except ValueError:
                 raise EndpointError(f"{self.url}/completions: expected a JSON event in the stream, got "
                                     f"{_preview(data)}") from None
             if not isinstance(event, dict):
@@ -224,7 +224,12 @@ class OpenAIClient:
             if "error" in event:
                 raise EndpointError(f"{self.url}/completions: the stream reported an error: "
                                     f"{_error_message(data)}")
-            choices = event.get("choices") or []
+            choices = event.get("choices")
+            if choices is None:
+                choices = []
+            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                raise EndpointError(f"{self.url}/completions: expected an event with \"choices\": a list of "
+                                    f"objects, got {_preview(data)}")
             if choices and ttft is None:
                 ttft = time.perf_counter() - t0
             for c in choices:
@@ -240,7 +245,7 @@ class OpenAIClient:
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise EndpointError(f"{self.url}/completions: expected {{\"choices\": [{{\"text\": ...}}]}}, got "
-                                f"{_preview(json.dumps(answer).encode())}")
+                                f"{_show_json(answer)}")
         return FirstToken(ttft_s=ttft, total_s=total, mode=mode, text=str(choices[0].get("text") or ""),
                           **_usage_counts(answer.get("usage")))
 
@@ -263,8 +268,8 @@ def _usage_counts(usage: Any) -> dict[str, int | None]:
 def _error_message(raw: bytes) -> str:
     """The ``error.message`` (or ``message`` / ``detail``) of an error body, else a preview."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = _loads(raw)
+    except ValueError:
         return _preview(raw)
     if isinstance(body, dict):
         err = body.get("error", body)
@@ -275,6 +280,23 @@ def _error_message(raw: bytes) -> str:
         if isinstance(err, str):
             return err
     return _preview(raw)
+
+
+def _loads(raw: bytes) -> Any:
+    """``json.loads``; ValueError for anything that is not a JSON document it can read: bad
+    JSON, bad UTF-8 (both ValueErrors already) or nesting too deep for the parser."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _show_json(obj: Any) -> str:
+    """A preview of a decoded JSON answer for a message."""
+    try:
+        return _preview(json.dumps(obj).encode())
+    except (RecursionError, ValueError):
+        return "a JSON value nested too deeply to show"
 
 
 def _preview(raw: bytes, limit: int = 200) -> str:

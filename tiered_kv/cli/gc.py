@@ -64,6 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     locs = [_common.parse_store(text) for text in args.store]
     with _common.open_cli_store(locs, layout) as store:
         level0 = store.levels()[0] if isinstance(store, StoreChain) else store
+        _common.report_index_rebuild(locs[0], level0)
         with keep_owed_uploads(level0) as held:
             result = dict(store.gc(args.max_bytes))
         model = _common.model_of(layout, store.layout_fingerprint)

@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common.add_store_arg(p)
     p.add_argument("--shared", required=True, metavar="URL",
                    help="the shared store: zarr+s3://bucket/prefix?endpoint=..., or any store URL")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+    p.add_argument("--timeout", type=_common.seconds_arg, default=600.0, metavar="S",
                    help="seconds to wait for the uploads (default 600)")
     _common.add_layout_args(p, optional=True)
     _keys.add_key_args(p, what="the shared store")

@@ -104,19 +104,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     live.add_argument("--passes", type=_common.positive_int, default=1, metavar="N",
                       help="send the prompt set N times; the report compares the first pass (cold) with "
                            "the last (warm) (default %(default)s)")
-    live.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+    live.add_argument("--timeout", type=_common.seconds_arg, default=300.0, metavar="S",
                       help="seconds to wait to connect and for each answer (default %(default)s)")
     return p
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +153,8 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
     encryption = _keys.encryption_from_args(args, default_tenant=args.salt)
-    with _torch_threads(args.threads):
+    # The disk tier's own warning is dropped: the summary line below counts every failed write.
+    with _torch_threads(args.threads), _common.quiet_logger("tiered_kv.disk"):
         report = warm_start(layout, loc, prompts, device=str(device), salt=args.salt,
                             snapshot_interval=args.snapshot_interval, max_bytes=args.max_bytes,
                             verbose=not args.json, encryption=encryption)

@@ -46,7 +46,12 @@ that succeeded. Store failures (full, unreachable, closed) make the affected pag
 Metrics: :meth:`get_stats` returns SGLang's ``StorageMetrics`` (pages and GB/s per
 prefetch / backup batch; exported as ``sglang:`` histograms when the server runs
 with ``--enable-metrics``), and :meth:`counters` our own page counters
-plus the store's (hits, misses, corrupt, evictions, bytes).
+plus the store's (hits, misses, corrupt, evictions, bytes);
+:meth:`TieredKVHiCacheStorage.of` finds the backend behind SGLang's failure injector.
+
+``clear`` (SGLang's ``POST /hicache/storage-backend/clear``) is refused: the store may be
+shared. It raises, since SGLang 0.5.23's cache controller ignores a returned ``False``;
+SGLang's storage layer then logs the failure and reports it as ``False``.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -68,6 +73,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    HiCacheStorageFailureInjector,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
@@ -87,7 +93,7 @@ from ..storage import (
 )
 from ..storage.crypto import default_tenant
 
-__all__ = ["SGLANG_LAYOUT_FINGERPRINT", "TieredKVHiCacheStorage"]
+__all__ = ["SGLANG_LAYOUT_FINGERPRINT", "ClearRefusedError", "TieredKVHiCacheStorage"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,10 @@ logger = logging.getLogger(__name__)
 SGLANG_LAYOUT_FINGERPRINT = "sglang-hicache-v1"
 
 _ZERO_HASH = bytes(32)
+
+
+class ClearRefusedError(RuntimeError):
+    """``clear()`` deletes nothing: the store may be shared by other servers and tenants."""
 
 
 class _PageFormat(enum.Enum):
@@ -266,6 +276,21 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._store_ident, self.store = _STORES.acquire(store_url, store_options, writer)
         logger.info("tiered_kv HiCache storage: store %r, model %r, tenant %r, %s calls", store_url, model_id,
                     tenant, "zero-copy v1" if self.interface_v1 else "legacy")
+
+    @classmethod
+    def of(cls, backend: Any) -> TieredKVHiCacheStorage:
+        """The :class:`TieredKVHiCacheStorage` that SGLang's ``storage_backend`` is, or wraps.
+
+        With ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY`` / ``..._FAILURE`` set, SGLang wraps
+        its backend in ``HiCacheStorageFailureInjector``, which forwards only HiCacheStorage's
+        own calls; ``TieredKVHiCacheStorage.of(controller.storage_backend).counters()`` works
+        either way.
+        """
+        inner = backend._backend if isinstance(backend, HiCacheStorageFailureInjector) else backend
+        if not isinstance(inner, cls):
+            raise TypeError(f"backend: expected a TieredKVHiCacheStorage, or SGLang's failure injector around "
+                            f"one, got {type(backend).__name__}")
+        return inner
 
     # ------------------------------------------------------------------ keys
     @staticmethod
@@ -599,15 +624,19 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     # ------------------------------------------------------------------ admin
-    def clear(self) -> bool:
-        """Refused: the store may be shared by other models, tenants and servers.
+    def clear(self) -> NoReturn:
+        """Refused, deleting nothing: the store may be shared by other models, tenants and
+        servers. Raises :class:`ClearRefusedError`.
 
-        Trim it with ``open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT).gc(n)``
+        It raises rather than returning ``False`` because SGLang 0.5.23's cache controller
+        ignores the returned value; an exception is what its storage layer reports as a
+        failed clear (``Failed to clear hierarchical cache storage backend: ...``). Trim the
+        store with ``open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT).gc(n)``
         instead (docs/integrations/sglang.md).
         """
-        logger.warning("tiered_kv HiCache storage: clear() refused; the store may be shared by other "
-                       "servers. Trim it with BlockStore.gc (docs/integrations/sglang.md).")
-        return False
+        raise ClearRefusedError(f"tiered_kv HiCache storage refuses clear(): the store may be shared by other "
+                                f"servers and tenants, nothing was deleted ({self.counters().get('store.records')} "
+                                f"records). Trim it with BlockStore.gc (docs/integrations/sglang.md)")
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch)."""

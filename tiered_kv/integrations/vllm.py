@@ -45,8 +45,10 @@ default, seeded by a fixed ``NONE_HASH``, so it agrees across processes) followe
 vLLM's own storage-namespace fields (``FileMapper``'s run config: tokens per hash, blocks
 per chunk, dtype, KV-cache groups with their layer names, parallel sizes unless the
 layout is parallelism-agnostic, canonical format) and the chunk's byte size; the store is
-bound to it (another layout cannot open it). ``model_id`` (default: vLLM's served model
-name) and ``tenant`` salt every key, so two deployments with a different model or tenant
+bound to it (another layout cannot open it; at another TP size, MLA included, the chunk
+format differs). ``model_id`` (default: vLLM's ``--model`` as given, a path or a Hugging
+Face id: the offloading API passes no served model name, so set it on every node of a
+fleet) and ``tenant`` salt every key, so two deployments with a different model or tenant
 never read each other's chunks, even on one shared bucket. Each record also carries
 ``parent_hash = namespace`` and ``token_digest = sha256("vllm.offload_key" \\0
 offload_key)``, both checked on every read.
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import inspect
 import json
 import logging
 import queue
@@ -99,6 +102,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from ..storage import (
     BlockStore,
     EncryptionConfig,
+    LayoutMismatchError,
     PutItem,
     RecordKey,
     StoreFullError,
@@ -245,6 +249,33 @@ class _StoreLookup(AsyncLookupManager):
             raise   # AsyncLookupManager logs it and answers MISS for the batch
 
 
+def _config_keys() -> list[str]:
+    """The keys of a TieredKVTier's ``secondary_tiers`` entry: vLLM's own (``type``,
+    ``module_path``, ``backpressure``) and this tier's keyword options."""
+    params = inspect.signature(TieredKVTier.__init__).parameters
+    own = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "backpressure_detector"]
+    return sorted(["type", "module_path", "backpressure", *own])
+
+
+def _layout_mismatch(exc: LayoutMismatchError, where: str, spec: OffloadingSpec,
+                     chunk_bytes: int) -> LayoutMismatchError:
+    """``exc`` restated with this engine's chunk format and what makes formats differ: a
+    store holds one, set by the TP size (MLA models too), block size, KV dtype, model."""
+    cfg = spec.config
+    par = cfg.parallel
+    copies = "one copy per rank" if not cfg.replicated_layout else "replicated MLA layout: one copy"
+    fmt = (f"{chunk_bytes} bytes per chunk ({cfg.cache.blocks_per_chunk} blocks, {cfg.cache.tokens_per_hash} "
+           f"tokens per hash), dtype {cfg.model.dtype}, tensor-parallel size {par.tp_size} ({copies}; "
+           f"pp {par.pp_size}, pcp {par.pcp_size}, dcp {par.dcp_size})")
+    err = LayoutMismatchError(
+        f"{where}: the store holds vLLM chunks of layout fingerprint {exc.stored!r}, this engine writes "
+        f"{exc.requested!r}: {fmt}. A store holds one chunk format: an engine at another tensor-parallel "
+        f"size (MLA models included), block size, KV dtype or model needs a store path or bucket prefix "
+        f"of its own")
+    err.stored, err.requested = exc.stored, exc.requested
+    return err
+
+
 # ------------------------------------------------------------------ the tier
 class TieredKVTier(SecondaryTierManager):
     """vLLM secondary tier over a tiered_kv store. See the module docstring.
@@ -255,7 +286,8 @@ class TieredKVTier(SecondaryTierManager):
       nearest first), as :func:`tiered_kv.storage.open_store` takes.
     - ``tenant`` (default ``""``): salts every key; deployments with another tenant never
       see these chunks.
-    - ``model_id`` (default: vLLM's model name): salts every key too.
+    - ``model_id`` (default: vLLM's ``--model`` as given): salts every key too. Nodes
+      that load one model from different paths must set the same one to share chunks.
     - ``max_bytes``: LRU bound of the store (of its first level for a chain).
     - ``store_options``: more :func:`open_store` options (``timeout_s``,
       ``level_options``, credentials...).
@@ -266,6 +298,8 @@ class TieredKVTier(SecondaryTierManager):
       ``store_options["level_options"]`` entry instead (its tenant defaults the same way).
     - ``io_threads`` (default 4): worker threads running store and load jobs.
     - ``enable_kv_events``, ``locality``: as vLLM's ``fs`` tier.
+
+    An unknown key is a :class:`TypeError` that lists the valid ones.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -275,7 +309,10 @@ class TieredKVTier(SecondaryTierManager):
                  max_bytes: int | None = None, store_options: dict[str, Any] | None = None,
                  io_threads: int = 4, enable_kv_events: bool = False, locality: str | None = None,
                  encryption: EncryptionConfig | dict[str, Any] | None = None,
-                 backpressure_detector: BackpressureDetector | None = None) -> None:
+                 backpressure_detector: BackpressureDetector | None = None, **unknown: Any) -> None:
+        if unknown:
+            raise TypeError(f"secondary tier {tier_type!r} (TieredKVTier): unknown option(s) {sorted(unknown)}; "
+                            f"expected some of {_config_keys()} (open_store options go in store_options)")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads: expected an int >= 1, got {io_threads!r}")
@@ -303,8 +340,11 @@ class TieredKVTier(SecondaryTierManager):
                 options["level_options"] = levels
         # recorded by a store created here: `tiered-kv stats` names its writer (the tenant hashed)
         options.setdefault("writer", StoreWriter.of(WriterKind.VLLM, model=self.keys.model_id, tenant=tenant))
-        self.store: BlockStore = open_store(store if isinstance(store, str) else list(store),
-                                            layout_fingerprint=self.keys.layout_fingerprint, **options)
+        try:
+            self.store: BlockStore = open_store(store if isinstance(store, str) else list(store),
+                                                layout_fingerprint=self.keys.layout_fingerprint, **options)
+        except LayoutMismatchError as exc:
+            raise _layout_mismatch(exc, _display_url(store), offloading_spec, self.block_size_bytes) from None
         #: ``[num_chunks, chunk_bytes] uint8``: the primary tier's buffer, row c = chunk c (vLLM
         #: exposes it as int8); shares its memory.
         self._rows: np.ndarray | None = np.asarray(primary_kv_view).view(np.uint8)
@@ -327,8 +367,9 @@ class TieredKVTier(SecondaryTierManager):
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey], bool]] = queue.SimpleQueue()
         self._in_flight: set[concurrent.futures.Future[None]] = set()
         self._lookup = _StoreLookup(self)
-        log.info("tiered_kv vLLM tier on %s: layout %s, tenant %r, namespace %s", self._info.tiered_kv_store,
-                 self.keys.layout_fingerprint, tenant, self._info.tiered_kv_namespace)
+        log.info("tiered_kv vLLM tier on %s: layout %s, model_id %r, tenant %r, namespace %s",
+                 self._info.tiered_kv_store, self.keys.layout_fingerprint, self.keys.model_id, tenant,
+                 self._info.tiered_kv_namespace)
 
     # ------------------------------------------------------------- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:

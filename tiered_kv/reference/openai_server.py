@@ -23,12 +23,33 @@ for the request's store writes and persists the store's counters
 (:meth:`ReferenceEngine.sync_store`), so ``tiered-kv stats`` and ``warm-start --store``
 see them as soon as the answer ends: a stream does it before its final ``data: [DONE]``,
 a plain answer right after it is sent (so that its time stays the first token's).
+
+No client can hold the server (:mod:`._connection`):
+
+* a request (line, headers, body) must arrive within ``request_timeout_s`` of connecting
+  (one absolute deadline, not a timeout that restarts on every byte), else the connection
+  is closed (408 when the body is late);
+* tokens are made under the lock but never sent under it: a stream's bytes are queued and
+  sent as the client takes them, the rest after the lock is released, within
+  ``send_timeout_s``; a plain answer is sent after the lock too;
+* between tokens the request checks its connection: a client that left (or a server
+  that is stopping) ends it (outcome ``cancelled``), and the model goes to the next one;
+* :meth:`_Server.stop` stops accepting, gives open connections ``grace_s``, then cuts
+  the rest (cancel + socket shutdown): it returns within about ``grace_s + cut_wait_s``.
+
+Errors are OpenAI's JSON shape for every status, including http.server's own (a bad
+request line, too many headers); a route with another method is 405 with ``Allow``.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
+import io
 import json
+import reprlib
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -43,15 +64,37 @@ import torch
 from ..cache import TieredKVCache
 from ..metrics import Metric, MetricsSnapshot
 from ..tokenizer import VOCAB_SIZE, encode
+from ._connection import ClientGone, DeadlineReader, StreamSender, peer_gone
 from .model import ReferenceModel
 
 if TYPE_CHECKING:
     from ..layout import KVLayout
 
-__all__ = ["Completion", "CompletionRequest", "ReferenceEngine", "RequestError", "make_server"]
+__all__ = ["Completion", "CompletionRequest", "ReferenceEngine", "RequestCancelled", "RequestError", "make_server"]
 
 #: OpenAI's default ``max_tokens`` for completions
 DEFAULT_MAX_TOKENS = 16
+#: seconds from connecting by which a request (line, headers, body) must have arrived
+REQUEST_TIMEOUT_S = 30.0
+#: seconds an answer (or a stream's unsent rest) may take to go out to a slow client
+SEND_TIMEOUT_S = 10.0
+#: seconds :meth:`_Server.stop` lets open connections finish before it cuts them
+SHUTDOWN_GRACE_S = 2.0
+#: seconds :meth:`_Server.stop` then waits for the cut connections' threads
+CUT_WAIT_S = 1.0
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
+def _show(value: object) -> str:
+    """A bad value for an error message, bounded in length and nesting (a body may be
+    megabytes long or nested hundreds deep)."""
+    return _SHOW.repr(value)
+
+
+class RequestCancelled(Exception):
+    """A completion stopped between tokens: its client left, or the server is stopping."""
 
 
 class RequestError(Exception):
@@ -86,19 +129,25 @@ class CompletionRequest:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"expected a JSON object, got {type(body).__name__}")
         model = body.get("model")
         if model is not None and model != served_model:
-            raise RequestError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist; this server "
+            shown = model[:100] if isinstance(model, str) else _show(model)
+            raise RequestError(HTTPStatus.NOT_FOUND, f"The model `{shown}` does not exist; this server "
                                                      f"serves `{served_model}`", param="model",
                                kind="NotFoundError")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            tokens = encode(prompt)
+            try:
+                tokens = encode(prompt)
+            except UnicodeEncodeError as exc:  # JSON's "\\ud800" escapes spell lone surrogates
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"prompt: expected valid Unicode text, got a lone "
+                                                           f"surrogate U+{ord(prompt[exc.start]):04X} at character "
+                                                           f"{exc.start}", param="prompt") from None
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = next((t for t in prompt if not 0 <= t < VOCAB_SIZE), None)
             if bad is not None:
                 raise RequestError(HTTPStatus.BAD_REQUEST, f"prompt: expected token ids in [0, {VOCAB_SIZE}) "
-                                                           f"(byte-level vocabulary), got {bad}", param="prompt")
+                                                           f"(byte-level vocabulary), got {_show(bad)}", param="prompt")
             tokens = list(prompt)
         else:
             raise RequestError(HTTPStatus.BAD_REQUEST, "prompt: expected one prompt, a string or a list of "
@@ -110,15 +159,15 @@ class CompletionRequest:
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens: expected an integer >= 1, got {max_tokens!r}",
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens: expected an integer >= 1, got {_show(max_tokens)}",
                                param="max_tokens")
         for name, allowed in (("n", 1), ("best_of", 1), ("echo", False)):
             if name in body and body[name] not in (None, allowed):
                 raise RequestError(HTTPStatus.BAD_REQUEST, f"{name}: this server supports only {allowed!r}, "
-                                                           f"got {body[name]!r}", param=name)
+                                                           f"got {_show(body[name])}", param=name)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"stream: expected true or false, got {stream!r}",
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"stream: expected true or false, got {_show(stream)}",
                                param="stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
@@ -172,16 +221,20 @@ class ReferenceEngine:
         #: tokens one request may hold (prompt + generated): the GPU pool's blocks
         self.max_model_len = num_blocks * layout.block_tokens
         self.created = int(time.time())
-        self._counts = dict.fromkeys(("requests_ok", "requests_rejected", "requests_failed", "prompt_tokens",
-                                      "cached_tokens", "computed_tokens", "generated_tokens"), 0)
+        self._counts = dict.fromkeys(("requests_ok", "requests_rejected", "requests_failed", "requests_cancelled",
+                                      "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens"), 0)
         self._ttft_s = 0.0
         self._closed = False
 
-    def complete(self, request: CompletionRequest, on_token: Callable[[int], None] | None = None) -> Completion:
+    def complete(self, request: CompletionRequest, on_token: Callable[[int], None] | None = None, *,
+                 cancelled: Callable[[], bool] | None = None) -> Completion:
         """Prefill the prompt (from its longest cached prefix) and decode greedily.
 
-        ``on_token(id)`` is called with each generated token as it is made (streaming);
-        an exception it raises (a client gone) ends the request, which is still closed.
+        ``on_token(id)`` is called with each generated token as it is made (streaming),
+        under the model lock: it must not block (the server queues the bytes, see
+        :class:`StreamSender`). ``cancelled()`` is asked before the prefill and between
+        tokens; True ends the request with :class:`RequestCancelled` (an abandoned
+        request frees the model at once). Either way the cache request is closed.
         """
         tokens = request.prompt_tokens
         need = len(tokens) + request.max_tokens
@@ -196,6 +249,8 @@ class ReferenceEngine:
             if self._closed:
                 raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down",
                                    kind="ServiceUnavailableError")
+            if cancelled is not None and cancelled():
+                raise RequestCancelled("cancelled before it started")
             t0 = time.perf_counter()
             req = self.cache.open(tokens)
             cached, ttft = req.num_cached_tokens, 0.0
@@ -209,6 +264,8 @@ class ReferenceEngine:
                     if on_token is not None:
                         on_token(nxt)
                     if i + 1 < request.max_tokens:
+                        if cancelled is not None and cancelled():
+                            raise RequestCancelled(f"cancelled after {len(out)} of {request.max_tokens} tokens")
                         logits = self.model.forward(self.cache, req, [nxt])[-1]
             finally:
                 self.cache.close(req)
@@ -222,7 +279,8 @@ class ReferenceEngine:
         return Completion(prompt_tokens=len(tokens), cached_tokens=cached, token_ids=out, ttft_s=ttft)
 
     def count(self, outcome: str) -> None:
-        """Count a finished request: ``ok``, ``rejected`` (4xx) or ``failed`` (5xx)."""
+        """Count a finished request: ``ok``, ``rejected`` (4xx), ``failed`` (5xx) or
+        ``cancelled`` (its client left, or the server stopped it)."""
         with self.lock:
             self._counts[f"requests_{outcome}"] += 1
 
@@ -240,8 +298,9 @@ class ReferenceEngine:
             snap = self.cache.metrics()
             c = dict(self._counts)
             ttft = self._ttft_s
-        reqs = Metric("tiered_kv_server_requests_total", "counter", "Completion requests by outcome.")
-        for outcome in ("ok", "rejected", "failed"):
+        reqs = Metric("tiered_kv_server_requests_total", "counter", "Completion requests by outcome (cancelled: the client left, or "
+                                                                        "the server stopped it).")
+        for outcome in ("ok", "rejected", "failed", "cancelled"):
             reqs.add(c[f"requests_{outcome}"], outcome=outcome)
         toks = Metric("tiered_kv_server_tokens_total", "counter",
                       "Tokens of completions: prompt, cached (prompt tokens from the cache), computed "
@@ -269,101 +328,168 @@ class ReferenceEngine:
 
 
 # ---------------------------------------------------------------- HTTP
+#: path -> the one method it takes and the handler method that answers it
+_ROUTES: dict[str, tuple[str, str]] = {
+    "/v1/completions": ("POST", "_completions"),
+    "/v1/models": ("GET", "_models"),
+    "/metrics": ("GET", "_metrics"),
+    "/health": ("GET", "_health"),
+}
+
+
 class _Handler(BaseHTTPRequestHandler):
     """One HTTP/1.0 exchange per connection (streams end when the connection closes)."""
 
     server: _Server
     protocol_version = "HTTP/1.0"
-    #: the 200 and the first event of a stream are out (errors then go into the stream)
-    _streaming = False
-    #: seconds a silent client may hold its thread (a stuck client cannot block shutdown)
-    timeout = 60
-    #: the largest request body accepted
-    max_body = 16 << 20
+
+    def setup(self) -> None:
+        super().setup()
+        # The whole request must arrive by one deadline: see DeadlineReader.
+        self.rfile.close()
+        self.rfile = io.BufferedReader(DeadlineReader(self.connection,
+                                                      time.monotonic() + self.server.request_timeout_s))
+        #: set by _Server.stop when it cuts this connection
+        self._cut = self.server.cut_event(self.request)
+        #: the stream's sender once a stream started (errors then go into the stream)
+        self._sender: StreamSender | None = None
+        #: the completion's outcome, once counted (see _count)
+        self._outcome: str | None = None
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         if self.server.log is not None:
             self.server.log(f"{self.address_string()} {format % args}")
 
     # ---------------------------------------------------------- responses
-    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def _send(self, status: HTTPStatus, body: bytes, content_type: str,
+              headers: dict[str, str] | None = None) -> None:
+        """Send a whole answer within the send timeout; :class:`ClientGone` if it cannot be."""
+        try:
+            self.connection.settimeout(self.server.send_timeout_s)  # sendall: one bound per call
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except OSError as exc:  # BrokenPipe, ConnectionReset, TimeoutError (a client not reading)
+            raise ClientGone(f"{type(exc).__name__}: {exc}") from None
 
-    def _send_json(self, status: HTTPStatus, obj: object) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    def _send_json(self, status: HTTPStatus, obj: object, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _send_error(self, err: RequestError) -> None:
-        self._send_json(err.status, err.body())
+    def _send_error(self, err: RequestError, headers: dict[str, str] | None = None) -> None:
+        self._send_json(err.status, err.body(), headers)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own rejections (a bad request line, too many headers, an unknown
+        method) in OpenAI's error shape, like every other error."""
+        status = HTTPStatus(code)
+        self.close_connection = True
+        self._send_error(RequestError(status, message or status.phrase, kind=status.phrase.replace(" ", "")))
 
     # ---------------------------------------------------------- routes
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        engine = self.server.engine
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/health":
-            self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
-        elif path == "/v1/models":
-            self._send_json(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": engine.served_model, "object": "model", "created": engine.created, "owned_by": "tiered-kv",
-                 "max_model_len": engine.max_model_len}]})
-        elif path == "/metrics":
-            text = engine.metrics().to_prometheus().encode()
-            self._send(HTTPStatus.OK, text, "text/plain; version=0.0.4; charset=utf-8")
-        else:
-            self._send_error(RequestError(HTTPStatus.NOT_FOUND, f"no route GET {path}; expected /v1/models, "
-                                                                f"/metrics or /health", kind="NotFoundError"))
-
-    def do_POST(self) -> None:  # noqa: N802
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path != "/v1/completions":
-            self._send_error(RequestError(HTTPStatus.NOT_FOUND, f"no route POST {path}; expected /v1/completions",
+    def _route(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        route = _ROUTES.get(path)
+        if route is None:
+            known = ", ".join(f"{m} {p}" for p, (m, _) in _ROUTES.items())
+            self._send_error(RequestError(HTTPStatus.NOT_FOUND, f"no route {self.command} {path}; expected {known}",
                                           kind="NotFoundError"))
-            return
+        elif self.command != route[0]:
+            self._send_error(RequestError(HTTPStatus.METHOD_NOT_ALLOWED,
+                                          f"{path}: expected method {route[0]}, got {self.command}",
+                                          kind="MethodNotAllowed"), headers={"Allow": route[0]})
+        else:
+            getattr(self, route[1])()
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _route  # noqa: N815 (http.server's names)
+
+    def _health(self) -> None:
+        self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+
+    def _models(self) -> None:
         engine = self.server.engine
-        self._streaming = False
+        self._send_json(HTTPStatus.OK, {"object": "list", "data": [
+            {"id": engine.served_model, "object": "model", "created": engine.created, "owned_by": "tiered-kv",
+             "max_model_len": engine.max_model_len}]})
+
+    def _metrics(self) -> None:
+        text = self.server.engine.metrics().to_prometheus().encode()
+        self._send(HTTPStatus.OK, text, "text/plain; version=0.0.4; charset=utf-8")
+
+    def _completions(self) -> None:
+        engine = self.server.engine
         try:
             request = CompletionRequest.parse(self._read_json(), served_model=engine.served_model)
             if request.stream:
                 self._stream(request)
             else:
-                done = engine.complete(request)
-                self._send_json(HTTPStatus.OK, self._body(done))
+                done = engine.complete(request, cancelled=self._abandoned)
+                self._count("ok")  # before the answer: a client that reads it sees it in /metrics
+                self._send_json(HTTPStatus.OK, self._body(done))  # after the lock: see _send
         except RequestError as err:
-            engine.count("rejected" if err.status < 500 else "failed")
+            self._count("rejected" if err.status < 500 else "failed")
             self._send_error(err)
             return
-        except (BrokenPipeError, ConnectionResetError):
-            engine.count("failed")  # the client left mid-stream; its request was closed
+        except (RequestCancelled, ClientGone):
+            self._count("cancelled")  # the client left or the server is stopping; the request was closed
             return
         except Exception as exc:  # a broken invariant: answer 500, keep the server up, say what
-            engine.count("failed")
+            self._count("failed")
             self.server.log_error(f"completion failed: {type(exc).__name__}: {exc}")
             err = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
                                kind="InternalServerError")
-            if self._streaming:  # the 200 and some tokens are out: end the stream with the error
-                self.wfile.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            if self._sender is not None and self._sender.started:  # the 200 is out: end the stream with it
+                self._sender.offer(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                self._sender.drain(self.server.send_timeout_s)
             else:
                 self._send_error(err)
             return
-        engine.count("ok")
         if not request.stream:
             engine.sync_store()  # after the answer, which is the first token's time
+
+    def _count(self, outcome: str) -> None:
+        """Count this request's outcome once: the first one counted stands (a completion
+        whose client leaves while its answer goes out stays ``ok``)."""
+        if self._outcome is None:
+            self._outcome = outcome
+            self.server.engine.count(outcome)
+
+    def _abandoned(self) -> bool:
+        """Whether the request in progress should stop: the server cut its connection
+        (shutdown), or its client left."""
+        return self._cut.is_set() or peer_gone(self.connection)
 
     def _read_json(self) -> object:
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
-            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "expected a Content-Length header") from None
-        if not 0 <= length <= self.max_body:
+            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "expected a Content-Length header "
+                                                           "with the body's size in bytes") from None
+        if not 0 <= length <= self.server.max_body:
             raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                               f"body: expected at most {self.max_body} bytes, got {length}")
+                               f"body: expected at most {self.server.max_body} bytes, got {length}")
         try:
-            return json.loads(self.rfile.read(length))
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(HTTPStatus.REQUEST_TIMEOUT,
+                               f"body: expected {length} bytes (Content-Length) within "
+                               f"{self.server.request_timeout_s:g} s of connecting") from None
+        except OSError as exc:
+            raise ClientGone(f"{type(exc).__name__}: {exc}") from None
+        if len(raw) < length:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"body: expected {length} bytes (Content-Length), got "
+                                                       f"{len(raw)} before the client ended it")
+        try:
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"body: expected JSON, got invalid JSON ({exc})") from None
+        except RecursionError:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "body: expected JSON, got JSON nested too deeply "
+                                                       "to read") from None
 
     def _body(self, done: Completion) -> dict[str, Any]:
         text = bytes(done.token_ids).decode("utf-8", errors="replace")
@@ -375,39 +501,48 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, request: CompletionRequest) -> None:
         """Server-sent events: one ``data: {chunk}`` per token, then the usage chunk when
-        ``stream_options.include_usage``, then ``data: [DONE]``."""
+        ``stream_options.include_usage``, then ``data: [DONE]``.
+
+        Tokens are made under the model lock and queued on a :class:`StreamSender`, which
+        sends what the client takes at once; the rest goes after the lock is released,
+        within the send timeout. A client that stops reading holds only its own answer.
+        """
         engine = self.server.engine
+        sender = self._sender = StreamSender(self.connection)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
+        def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             obj: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created,
                                    "model": engine.served_model, "choices": choices}
             if usage is not None:
                 obj["usage"] = usage
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-        def on_token(token: int) -> None:
-            if not self._streaming:  # headers go out with the first token: errors before it are plain 4xx
-                self.send_response(HTTPStatus.OK)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
-                self._streaming = True
-            chunk([{"index": 0, "text": decoder.decode(bytes([token])), "token_ids": [token],
-                    "logprobs": None, "finish_reason": None}])
+        def on_token(token: int) -> None:  # under the model lock: queues, never blocks
+            if not sender.started:  # the head goes out with the first token: errors before it are plain 4xx
+                sender.start(self._stream_head())
+            sender.offer(event([{"index": 0, "text": decoder.decode(bytes([token])), "token_ids": [token],
+                                 "logprobs": None, "finish_reason": None}]))
 
-        done = engine.complete(request, on_token)
+        done = engine.complete(request, on_token, cancelled=lambda: sender.broken or self._abandoned())
+        self._count("ok")  # every token is made; before [DONE], so a client that reads it sees it counted
         tail = decoder.decode(b"", final=True)
-        chunk([{"index": 0, "text": tail, "token_ids": [], "logprobs": None, "finish_reason": "length"}])
+        sender.offer(event([{"index": 0, "text": tail, "token_ids": [], "logprobs": None, "finish_reason": "length"}]))
         if request.include_usage:
-            chunk([], _usage(done))
+            sender.offer(event([], _usage(done)))
         # before the stream ends, so a client that reads the store's counters next sees this
         # request's (the first token went out long ago)
         engine.sync_store()
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        sender.offer(b"data: [DONE]\n\n")
+        if not sender.drain(self.server.send_timeout_s):
+            raise ClientGone("the stream's client left or stopped reading")
+
+    def _stream_head(self) -> bytes:
+        self.log_request(HTTPStatus.OK)
+        return (f"{self.protocol_version} 200 OK\r\nServer: {self.version_string()}\r\n"
+                f"Date: {self.date_time_string()}\r\nContent-Type: text/event-stream\r\n"
+                f"Cache-Control: no-cache\r\n\r\n").encode("latin-1")
 
 
 def _usage(done: Completion) -> dict[str, Any]:
@@ -417,16 +552,87 @@ def _usage(done: Completion) -> dict[str, Any]:
 
 
 class _Server(ThreadingHTTPServer):
-    """A thread per connection; :meth:`server_close` waits for the ones in flight."""
+    """A daemon thread per connection; :meth:`stop` ends them all within a bound,
+    whatever the clients do (see the module docstring)."""
 
-    daemon_threads = False
-    block_on_close = True
+    daemon_threads = True
+    block_on_close = False
+    #: the largest request body accepted
+    max_body = 16 << 20
 
-    def __init__(self, address: tuple[str, int], engine: ReferenceEngine,
-                 log: Callable[[str], None] | None) -> None:
+    def __init__(self, address: tuple[str, int], engine: ReferenceEngine, log: Callable[[str], None] | None, *,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+        for name, value in (("request_timeout_s", request_timeout_s), ("send_timeout_s", send_timeout_s)):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
         self.engine = engine
         self.log = log
+        self.request_timeout_s = request_timeout_s
+        self.send_timeout_s = send_timeout_s
+        #: open connections -> the event that cuts them (set by stop)
+        self._live: dict[socket.socket, threading.Event] = {}
+        self._live_changed = threading.Condition()
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._live_changed:
+            self._live[request] = threading.Event()
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._forget(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._live_changed:
+            self._live.pop(request, None)
+            self._live_changed.notify_all()
+
+    def cut_event(self, request: Any) -> threading.Event:
+        with self._live_changed:
+            return self._live.setdefault(request, threading.Event())
+
+    def open_connections(self) -> int:
+        with self._live_changed:
+            return len(self._live)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left or stalled is no error of the server's: one log line (with
+        ``log``), no traceback. Anything else is a bug: its traceback goes to stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ClientGone, ConnectionError, TimeoutError)):
+            if self.log is not None:
+                self.log(f"{client_address[0]}: connection ended early: {type(exc).__name__}: {exc}")
+            return
+        super().handle_error(request, client_address)
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S, cut_wait_s: float = CUT_WAIT_S) -> int:
+        """Stop serving, within about ``grace_s + cut_wait_s`` seconds whatever the clients do.
+
+        Call it from another thread than :meth:`serve_forever`'s. New connections are
+        refused; the open ones get ``grace_s`` seconds to finish. Each one left then is cut:
+        its request stops at the next token (:class:`RequestCancelled`) and its socket is
+        shut down, which wakes a thread blocked reading or sending. Threads that still
+        run ``cut_wait_s`` later are daemon threads, left behind. Returns the number cut.
+        """
+        self.shutdown()      # serve_forever returns: no more accepts
+        self.server_close()  # the listening socket is closed (the handler threads are not joined)
+        with self._live_changed:
+            self._live_changed.wait_for(lambda: not self._live, timeout=grace_s)
+            left = list(self._live.items())
+        for sock, cut in left:
+            cut.set()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._live_changed:
+            self._live_changed.wait_for(lambda: not self._live, timeout=cut_wait_s)
+        return len(left)
 
     def log_error(self, message: str) -> None:
         if self.log is not None:
@@ -440,16 +646,17 @@ class _Server(ThreadingHTTPServer):
 
 
 def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0, *,
-                log: Callable[[str], None] | None = None) -> _Server:
+                log: Callable[[str], None] | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                send_timeout_s: float = SEND_TIMEOUT_S) -> _Server:
     """A bound (not yet serving) HTTP server for ``engine``; ``port`` 0 picks a free port
-    (``server.url`` says which). Run ``serve_forever()`` on a thread; ``shutdown()`` then
-    ``server_close()`` stop it and wait for requests in flight. ``log`` receives one line
-    per request (None: quiet)."""
+    (``server.url`` says which). Run ``serve_forever()`` on a thread; ``stop()`` ends it
+    within a bound (see :meth:`_Server.stop`). ``log`` receives one line per request
+    (None: quiet). ``request_timeout_s``: the deadline of each request's arrival;
+    ``send_timeout_s``: how long an answer may take to go out."""
     if ":" in host:
-        import socket
-
         class _Server6(_Server):
             address_family = socket.AF_INET6
 
-        return _Server6((host, port), engine, log)
-    return _Server((host, port), engine, log)
+        return _Server6((host, port), engine, log, request_timeout_s=request_timeout_s,
+                        send_timeout_s=send_timeout_s)
+    return _Server((host, port), engine, log, request_timeout_s=request_timeout_s, send_timeout_s=send_timeout_s)
