@@ -13,7 +13,7 @@ TORCH  := torch==2.13.0
 # --no-build-isolation (tests/test_packaging.py). A fresh 3.11 venv has setuptools 65.
 BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
-BENCHES := $(wildcard bench/*.py)
+BENCHES := $(filter-out bench/_%,$(wildcard bench/*.py))  # bench/_*.py: children run by a bench
 
 .PHONY: venv demo test test-cuda-emu bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations venv-lmcache
 
@@ -22,8 +22,11 @@ venv: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Re-installs only when pyproject.toml changes (or the stamp is removed).
-$(STAMP): pyproject.toml | $(BIN)/python
+# Re-installs only when the build inputs change (or the stamp is removed). The install also
+# compiles the optional native read helper (storage/_fastread.c, see setup.py) in place.
+NATIVE_SRC := setup.py storage/_fastread.c
+
+$(STAMP): pyproject.toml $(NATIVE_SRC) | $(BIN)/python
 	$(BIN)/python -m pip install $(TORCH) $(BUILD_DEPS)
 	$(BIN)/python -m pip install -e '.[test,bench]'
 	touch $@
@@ -99,7 +102,7 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_VENV)/bin/python:
 	$(PYTHON) -m venv $(VLLM_VENV)
 
-$(VLLM_STAMP): $(VLLM_REQS) pyproject.toml | $(VLLM_VENV)/bin/python
+$(VLLM_STAMP): $(VLLM_REQS) pyproject.toml $(NATIVE_SRC) | $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -m pip install $(TORCH) $(BUILD_DEPS)
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -r $(VLLM_REQS)
 	$(VLLM_VENV)/bin/python -m pip install --no-deps --no-build-isolation -e .
@@ -120,7 +123,7 @@ SGLANG    := sglang==0.5.23
 
 venv-sglang: $(SGL_STAMP)
 
-$(SGL_STAMP): pyproject.toml $(SGL_REQS)
+$(SGL_STAMP): pyproject.toml $(NATIVE_SRC) $(SGL_REQS)
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_BIN)/python -m pip install -q $(TORCH) $(BUILD_DEPS)
 	$(SGL_BIN)/python -m pip install -q --no-deps $(SGLANG) -r $(SGL_REQS)

@@ -57,10 +57,11 @@ is still writing or committing), so:
   like any other).
 
 Reads: one read transaction looks up every key; the records are then read in parallel
-(adjacent records of a segment in one transfer; from the page cache when it holds them,
-else ``O_DIRECT``) straight into the caller's buffers where possible, and each one is
-verified (header, xxh3-128 checksum against the record and the index, fingerprint, key,
-token digest). A record that fails while the index still points at it is corrupt: a miss,
+(from the page cache when it holds them: one ``preadv`` per record straight into the
+caller's buffers, hashed in the same step, shards spread over the CPUs; else adjacent
+records of a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
+xxh3-128 checksum against the record and the index, fingerprint, key, token digest; see
+:class:`~tiered_kv.storage.record.PartsVerifier`). A record that fails while the index still points at it is corrupt: a miss,
 counted and unindexed. Deleting or evicting a record punches a hole over its bytes.
 
 Access times are ``time.time_ns()`` (made strictly increasing within a process) so that they
@@ -151,6 +152,7 @@ from .record import (
     HEADER_BYTES,
     KEY_BYTES,
     MAGIC,
+    PartsVerifier,
     RecordKey,
     RecordMeta,
     as_out_segments,
@@ -1076,6 +1078,7 @@ class LmdbStore(BlockStore):
         An index entry whose length does not fit in its segment file (torn, or corrupt:
         e.g. an absurd length) fails without allocating anything of that size."""
         fp = self.layout_fingerprint
+        verifier = PartsVerifier(fp)
         tasks: list[ReadTask] = []
         heads = np.empty((len(jobs), HEADER_BYTES), np.uint8)
         tails = np.empty((len(jobs), CHECKSUM_BYTES), np.uint8)
@@ -1098,33 +1101,31 @@ class LmdbStore(BlockStore):
             if payload_bytes < 0 or out.nbytes != payload_bytes:
                 odd.append((i, key, loc, out, digest))
                 continue
-            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)]))
-        def check(t: ReadTask) -> None:  # in the reading thread
+            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)],
+                                  expect=verifier.expectation(key, loc.length, checksum, digest)))
+
+        def check(t: ReadTask) -> None:  # in the reading thread, while the record is in the CPU cache
             key, checksum, digest = info[t.index]
-            if bytes(t.tail) != checksum:
-                return
-            try:
-                header = t.header.tobytes()  # (struct reads bytes several times faster than a numpy row)
-                parsed = parse_header(header, t.loc.length)
-                t.result = verify_record_parts(header, t.payload, t.tail, parsed=parsed, expect_key=key,
-                                               expect_fingerprint=fp, expect_token_digest=digest)
-            except CorruptRecordError:
-                pass
+            t.result = verifier.verify(t.header.tobytes(), t.digest, t.tail, key=key, record_bytes=t.loc.length,
+                                       checksum=checksum, token_digest=digest)
 
         if tasks:
             self._segments.read(tasks, check)
         metas: dict[int, RecordMeta] = {}
         for t in tasks:
+            if t.verified:  # checked by the native batch read
+                t.result = verifier.meta(t.header.tobytes(), info[t.index][0], t.loc.length)
             if t.result is None:
                 failed.append(t.index)
             else:
                 metas[t.index] = t.result
         for i, key, loc, out, digest in odd:  # stored size differs from the out buffer's
-            if not self._segments.holds(loc):  # never allocate what an entry claims unchecked
-                failed.append(i)
+            if loc.length < HEADER_BYTES + CHECKSUM_BYTES or not self._segments.holds(loc):
+                failed.append(i)  # never allocate what an entry claims unchecked
                 continue
             whole = np.empty(loc.length, np.uint8)
-            task = ReadTask(i, loc, whole[:0], [whole], whole[:0])
+            task = ReadTask(i, loc, whole[:HEADER_BYTES], [whole[HEADER_BYTES:-CHECKSUM_BYTES]],
+                            whole[-CHECKSUM_BYTES:])
             self._segments.read([task])
             try:
                 if not task.ok:

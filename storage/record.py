@@ -61,6 +61,7 @@ __all__ = [
     "RecordMeta",
     "as_byte_array",
     "OutSegments",
+    "PartsVerifier",
     "as_out_segments",
     "decode_record",
     "encode_record",
@@ -236,8 +237,12 @@ def as_out_segments(out: Any, *, name: str = "out") -> OutSegments:
     """An out buffer for a read as its list of writable 1-D uint8 views, in payload order.
 
     ``out``: one buffer (see :func:`as_byte_array`) -> one view; a list or tuple of buffers
-    (a scatter list) -> one view each (``name[j]`` in errors). Never copies.
+    (a scatter list) -> one view each (``name[j]`` in errors); an :class:`OutSegments`
+    (made by this function, so already checked) -> itself, e.g. a pool block's rows kept
+    for every read into that block. Never copies.
     """
+    if type(out) is OutSegments:
+        return out
     if isinstance(out, (list, tuple)):
         segs = []
         n = 0
@@ -252,6 +257,10 @@ def as_out_segments(out: Any, *, name: str = "out") -> OutSegments:
             segs.append(seg)
             n += seg.size
         return OutSegments(segs, n)
+    if type(out) is np.ndarray and out.dtype is _U8 and out.ndim == 1:  # the fast path
+        flags = out.flags
+        if flags.c_contiguous and flags.writeable:
+            return OutSegments([out], out.size)
     seg = as_byte_array(out, writable=True, name=name)
     return OutSegments([seg], seg.size)
 
@@ -431,6 +440,72 @@ def verify_record_parts(header: Any, payload: Any, checksum: Any, *, parsed: Rec
                                  f"record has {parsed.token_digest.hex()[:16]}…")
     return RecordMeta(key=expect_key, parent_hash=parsed.parent_hash, token_digest=parsed.token_digest,
                       layout_fingerprint=expect_fingerprint, payload_bytes=parsed.payload_bytes)
+
+
+#: Offsets of the header's fields after the fingerprint: block hash, parent hash, token
+#: digest, payload length (see the module docstring).
+_HASH_AT, _PARENT_AT, _DIGEST_AT, _LENGTH_AT = 40, 72, 104, 136
+_LEAD = struct.Struct("<4sHBB")  # magic, version, kind, flags
+_PAYLOAD_LENGTH = struct.Struct("<Q")
+
+
+class PartsVerifier:
+    """Verify records read in parts (header, payload pieces, checksum) with few Python
+    steps per record: the fields a reader knows in advance are compared as bytes, and the
+    checksum was computed while reading (:mod:`~tiered_kv.storage.fastread`).
+
+    Accepts exactly the records :func:`parse_header` + :func:`verify_record_parts` accept
+    (magic, version, kind, flags, length, checksum, fingerprint, key, token digest), and
+    also checks the stored checksum against ``checksum`` (e.g. the index's copy). Made
+    once per read call for one fingerprint; thread-safe (it keeps no per-record state).
+    """
+
+    __slots__ = ("fingerprint", "_fp_field", "_lead")
+
+    def __init__(self, layout_fingerprint: str) -> None:
+        self._fp_field = fingerprint_field(layout_fingerprint)
+        self.fingerprint = layout_fingerprint
+        #: kind -> the header's first 8 bytes a record of that kind must have
+        self._lead = {kind: _LEAD.pack(MAGIC, FORMAT_VERSION, kind, 0) for kind in RecordKind}
+
+    def verify(self, header: bytes, digest: bytes | None, tail: Any, *, key: RecordKey, record_bytes: int,
+               checksum: bytes | None = None, token_digest: bytes | None = None) -> RecordMeta | None:
+        """The record's meta if it verifies, else None (any check failed).
+
+        ``header``: its ``HEADER_BYTES`` bytes (bytes: sliced and compared cheaply);
+        ``digest``: the canonical xxh3-128 of header + payload as read (see
+        :func:`~tiered_kv.storage.fastread.read_and_hash`; None: not read whole);
+        ``tail``: its stored checksum; ``record_bytes``: its stored size; ``checksum``:
+        what the stored one must also equal (e.g. the index's copy; None: not checked)."""
+        payload_bytes = record_bytes - HEADER_BYTES - CHECKSUM_BYTES
+        if digest is None or payload_bytes < 0 or len(header) != HEADER_BYTES:
+            return None
+        if (header[:8] != self._lead[key.kind] or header[8:_HASH_AT] != self._fp_field
+                or header[_HASH_AT:_PARENT_AT] != key.block_hash
+                or header[_LENGTH_AT:] != _PAYLOAD_LENGTH.pack(payload_bytes)):
+            return None
+        stored = tail.tobytes() if type(tail) is np.ndarray else bytes(tail)
+        if stored != digest or (checksum is not None and stored != checksum):
+            return None
+        digest_field = header[_DIGEST_AT:_LENGTH_AT]
+        if token_digest is not None and digest_field != token_digest:
+            return None
+        return RecordMeta(key, header[_PARENT_AT:_DIGEST_AT], digest_field, self.fingerprint, payload_bytes)
+
+    def expectation(self, key: RecordKey, record_bytes: int, checksum: bytes,
+                    token_digest: bytes | None = None) -> bytes:
+        """What :func:`~tiered_kv.storage.fastread.read_verify_many` checks a record of
+        ``key``, ``record_bytes`` long, against: the header's first 72 bytes (magic,
+        version, kind, flags, fingerprint, block hash), its payload length (8 B), the
+        index's ``checksum`` (16 B) and, when given, the ``token_digest`` (32 B)."""
+        return b"".join((self._lead[key.kind], self._fp_field, key.block_hash,
+                         _PAYLOAD_LENGTH.pack(record_bytes - HEADER_BYTES - CHECKSUM_BYTES), checksum,
+                         token_digest or b""))
+
+    def meta(self, header: bytes, key: RecordKey, record_bytes: int) -> RecordMeta:
+        """The meta of a record of ``key`` whose ``header`` was verified (natively)."""
+        return RecordMeta(key, header[_PARENT_AT:_DIGEST_AT], header[_DIGEST_AT:_LENGTH_AT], self.fingerprint,
+                          record_bytes - HEADER_BYTES - CHECKSUM_BYTES)
 
 
 def decode_record(buf: Any, *, expect_key: RecordKey, expect_fingerprint: str,

@@ -27,10 +27,14 @@ checksum), so the bytes a dead writer appended past what the index covers can be
 verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
 not verify stays unindexed and ``gc`` gives it back.
 
-Reads: an extent (records adjacent in one segment) whose pages are (3/4 or more) in the
-page cache (``cachestat``, Linux >= 6.5) is read with ``preadv`` straight into the caller's buffers;
-otherwise with ``O_DIRECT`` into an aligned bounce buffer (parallel, several extents in
-flight), or with buffered ``preadv`` after ``POSIX_FADV_WILLNEED`` when direct I/O is off.
+Reads: records whose pages are (3/4 or more) in the page cache (``cachestat``, Linux >=
+6.5; one call per segment when all of the span read is cached) are read one ``preadv``
+each straight into the caller's buffers and hashed in the same call
+(:mod:`~tiered_kv.storage.fastread`), in shards of >= 1 MiB drained by one thread per
+CPU: copies and hashing release the GIL, so they run in parallel. Other extents (records
+adjacent in one segment) are read with ``O_DIRECT`` into an aligned bounce buffer
+(parallel, several extents in flight), or with buffered ``preadv`` after
+``POSIX_FADV_WILLNEED`` when direct I/O is off.
 Deleting or evicting a record punches a hole over it (``fallocate(PUNCH_HOLE)``), so the
 disk space follows the live records without rewriting segments.
 """
@@ -40,11 +44,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,6 +59,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import fastread
 from .base import fsync_dir, mkdir_private
 from .errors import StoreError
 
@@ -71,6 +77,8 @@ _MERGE_GAP = 64 << 10
 #: 1 MiB against 2 MiB: 1.21-1.24 against 1.07 GB/s cold for batches of 16 Flash blocks here,
 #: each thread verifies one extent while the others' reads are in flight).
 _MAX_EXTENT = 1 << 20
+#: Records the page cache holds are spread over threads in shards of at least this many bytes.
+_MIN_SHARD = 1 << 20
 SEGMENT_SUFFIX = ".seg"
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
@@ -184,8 +192,10 @@ class ReadTask:
 
     ``header``: ``[HEADER_BYTES] uint8``; ``payload``: the caller's out buffer as a list of
     1-D uint8 views filled in order (a scatter list; often one); ``tail``:
-    ``[CHECKSUM_BYTES] uint8``. ``ok``: filled in by the read (False: the bytes
-    could not be read, e.g. the segment is gone).
+    ``[CHECKSUM_BYTES] uint8``. Filled in by the read: ``ok`` (False: the bytes could not
+    be read, e.g. the segment is gone) and ``digest``, the canonical xxh3-128 of header +
+    payload as read (what ``tail`` must equal), or, for a task with ``expect`` read by
+    the native batch read, ``verified``. ``result``: the reader's verdict.
     """
 
     index: int
@@ -194,7 +204,13 @@ class ReadTask:
     payload: list[np.ndarray]
     tail: np.ndarray
     ok: bool = False
+    digest: bytes | None = None
     result: Any = None
+    #: what the native batch read checks the record against (PartsVerifier.expectation);
+    #: None: only read and hashed
+    expect: bytes | None = None
+    #: set by a native batch read that checked it (then ``then`` is not called for it)
+    verified: bool | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -626,60 +642,137 @@ class SegmentFiles:
         """Read every task's record parts (sets ``task.ok``), then call ``then(task)`` on
         each one read (in the reading thread, while its bytes are in the CPU cache).
 
-        Extents the page cache holds are read in the calling thread (a memory copy: no
-        thread hand-offs); the others in parallel on the I/O threads meanwhile."""
+        Records the page cache holds are read one ``preadv`` each (header, the caller's
+        buffers, checksum: a memory copy, hashed in the same call) in shards of about equal
+        bytes, drained by :attr:`hot_threads` threads, the calling thread one of them: the
+        copies and the hashing release the GIL, so they run in parallel. Cold extents are
+        read on the I/O threads meanwhile."""
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
-        hot: list[tuple[list[ReadTask], bool]] = []
-        cold: list[tuple[list[ReadTask], bool]] = []
-        for ext in _extents(tasks):
-            first, end = ext[0].loc.offset, ext[-1].loc.end
-            try:
-                with self._files.use(ext[0].loc.segment, direct=False) as fd:
-                    cached = self._cached(fd, first, end - first)
-            except OSError:
-                continue  # reclaimed by gc (or unreadable): every record of it is a miss
-            (hot if cached else cold).append((ext, cached))
-        futures = []
-        if len(cold) > 1 and self.io_threads > 1:
-            pool = self.pool()
-            futures = [pool.submit(self._read_extent, ext, cached, then) for ext, cached in cold]
-        else:
-            hot = cold + hot
+        hot, cold = self._hot_and_cold(_extents(tasks))
+        jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, then) for ext in cold]
+        shards = deque(self._shards(hot))
+        if shards:
+            # Readers take the next shard as they finish one: a thread that runs late (a
+            # busy CPU) holds up the call by one shard, not by a fixed share.
+            drain = functools.partial(self._drain, shards, then)
+            jobs = [drain] * min(self.hot_threads, len(shards)) + jobs
+        if len(jobs) <= 1 or self.io_threads <= 1:
+            for job in jobs:
+                job()
+            return
+        pool = self.pool()
+        futures = [pool.submit(job) for job in jobs[1:]]
         try:
-            for ext, cached in hot:
-                self._read_extent(ext, cached, then)
+            jobs[0]()
         finally:
             for f in futures:
                 f.result()
 
-    def _read_extent(self, ext: list[ReadTask], cached: bool, then: Callable[[ReadTask], None] | None) -> None:
+    def _hot_and_cold(self, extents: list[list[ReadTask]]) -> tuple[list[ReadTask], list[list[ReadTask]]]:
+        """The records of ``extents`` (file order) the page cache holds, and the extents it
+        does not. One ``cachestat`` per segment when all of the span read there is cached
+        (the common hot case), else one per extent. Extents of a segment that is gone are
+        left out (misses)."""
+        hot: list[ReadTask] = []
+        cold: list[list[ReadTask]] = []
+        i = 0
+        while i < len(extents):
+            seg = extents[i][0].loc.segment
+            j = i + 1
+            while j < len(extents) and extents[j][0].loc.segment == seg:
+                j += 1
+            group, i = extents[i:j], j
+            try:
+                with self._files.use(seg, direct=False) as fd:
+                    first, end = group[0][0].loc.offset, group[-1][-1].loc.end
+                    whole = _LIBC.cached_pages(fd, first, end - first)
+                    all_hot = whole is None or whole[0] >= whole[1]  # (unknown: read buffered)
+                    for ext in group:
+                        if all_hot or self._cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
+                            hot.extend(ext)
+                        else:
+                            cold.append(ext)
+            except OSError:
+                continue  # reclaimed by gc (or unreadable): every record of it is a miss
+        return hot, cold
+
+    @property
+    def hot_threads(self) -> int:
+        """Threads that copy and check records the page cache holds: the I/O threads,
+        at most one per CPU this process may run on (more only take turns)."""
+        return max(1, min(self.io_threads, _cpus()))
+
+    def _shards(self, hot: list[ReadTask]) -> list[list[ReadTask]]:
+        """``hot`` in file order, cut into runs of about equal bytes: two per
+        :attr:`hot_threads` when there are several (one when there is one), each at least
+        ``_MIN_SHARD`` (a smaller one costs more to hand to a thread than it saves)."""
+        if not hot:
+            return []
+        total = sum(t.loc.length for t in hot)
+        per_thread = 2 if self.hot_threads > 1 else 1
+        n = max(1, min(per_thread * self.hot_threads, len(hot), total // _MIN_SHARD))
+        if n == 1:
+            return [hot]
+        shards: list[list[ReadTask]] = [[] for _ in range(n)]
+        done = 0
+        for t in hot:
+            shards[min(n - 1, done * n // total)].append(t)
+            done += t.loc.length
+        return [s for s in shards if s]
+
+    def _drain(self, shards: deque[list[ReadTask]], then: Callable[[ReadTask], None] | None) -> None:
+        """Read shards from ``shards`` until none is left (several threads drain one deque)."""
+        while True:
+            try:
+                shard = shards.popleft()
+            except IndexError:
+                return
+            self._read_records(shard, then)
+
+    def _read_records(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+        """Read each of ``tasks`` (file order) from the page cache, segment by segment: one
+        :func:`~tiered_kv.storage.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
+        then ``then(task)``; or, natively when every task has ``expect``, read and check a
+        segment's tasks in one :func:`~tiered_kv.storage.fastread.read_verify_many` call
+        (sets ``ok`` and ``verified``; ``then`` is not called). An error (EIO; a segment gc
+        unlinked; no descriptor to spare) is a miss of the records not read."""
+        i = 0
+        while i < len(tasks):
+            seg = tasks[i].loc.segment
+            j = i + 1
+            while j < len(tasks) and tasks[j].loc.segment == seg:
+                j += 1
+            group, i = tasks[i:j], j
+            try:
+                with self._files.use(seg, direct=False) as fd:
+                    _read_group(fd, group, then)
+            except OSError:
+                continue
+
+    def _read_cold(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+        """Read an extent the page cache does not hold: ``O_DIRECT`` into a bounce buffer
+        (then copied into the parts), or buffered after ``POSIX_FADV_WILLNEED`` when
+        direct I/O is off."""
+        first, end = ext[0].loc.offset, ext[-1].loc.end
         try:
-            with self._files.use(ext[0].loc.segment, direct=False) as fd:
-                self._read_extent_of(ext, fd, cached, then)
+            if self.direct_io is not False:  # None: try it (EINVAL turns it off)
+                try:
+                    self._read_direct(ext, first, end, then)
+                    return
+                except _DirectUnsupported:
+                    self.direct_io = False
+                except FileNotFoundError:
+                    return
+            if len(ext) > 1:
+                with self._files.use(ext[0].loc.segment, direct=False) as fd:
+                    os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
         except OSError:
             # EIO, the segment was unlinked by gc (only records no longer indexed lived
             # there), or no descriptor to spare (EMFILE): what was not read is a miss
-            pass
-
-    def _read_extent_of(self, ext: list[ReadTask], fd: int, cached: bool,
-                        then: Callable[[ReadTask], None] | None) -> None:
-        first, end = ext[0].loc.offset, ext[-1].loc.end
-        if not cached and self.direct_io is not False:  # None: try it (EINVAL turns it off)
-            try:
-                self._read_direct(ext, first, end, then)
-                return
-            except _DirectUnsupported:
-                self.direct_io = False
-            except FileNotFoundError:
-                return
-        if not cached and len(ext) > 1:
-            os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
-        for t in ext:
-            t.ok = _preadv_all(fd, [t.header, *t.payload, t.tail], t.loc.offset, t.loc.length) == t.loc.length
-            if t.ok and then is not None:
-                then(t)
+            return
+        self._read_records(ext, then)
 
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` lies within its segment file as it is now (False: the file is
@@ -721,6 +814,8 @@ class SegmentFiles:
                 np.copyto(seg, buf[a:a + seg.nbytes])
                 a += seg.nbytes
             t.tail[:] = buf[a:t.loc.offset - lo + t.loc.length]
+            start = t.loc.offset - lo  # header + payload, contiguous here: one call, GIL released
+            t.digest = fastread.digest_parts([buf[start:a]])
             t.ok = True
             if then is not None:
                 then(t)
@@ -863,6 +958,33 @@ def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None =
         if views and n:
             views[0] = views[0][n:]
     return min(got, want)
+
+
+def _read_group(fd: int, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
+    """Read ``tasks`` of the segment open as ``fd`` (see SegmentFiles._read_records)."""
+    many = fastread.read_verify_many
+    if many is not None and all(t.expect is not None for t in tasks):
+        statuses = many([(fd, t.loc.offset, [t.header, *t.payload, t.tail], t.expect) for t in tasks])
+        for t, status in zip(tasks, statuses):
+            t.ok = status != fastread.SHORT
+            t.verified = status == fastread.VERIFIED
+        return
+    read = fastread.read_and_hash
+    for t in tasks:
+        try:
+            got, t.digest = read(fd, t.loc.offset, [t.header, *t.payload, t.tail])
+        except OSError:
+            continue
+        t.ok = got == t.loc.length
+        if t.ok and then is not None:
+            then(t)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _extents(tasks: list[ReadTask]) -> list[list[ReadTask]]:

@@ -42,3 +42,17 @@ def test_metrics_cover_every_tier_and_render_as_prometheus(tmp_path: Path, tiny_
             assert LINE.match(line), line
     assert {"tiered_kv_bytes", "tiered_kv_hits_total", "tiered_kv_evictions_total"} <= families
     assert 'tiered_kv_bytes{tier="disk"}' in m.as_dict()
+
+
+def test_metrics_module_imports_no_cache_module() -> None:
+    """metrics.py renders what the cache hands it (stats + TierGauges): it imports no
+    module of the cache, so cache.py -> metrics.py is the only direction (no cycle, not
+    even under TYPE_CHECKING)."""
+    import ast
+
+    import tiered_kv.metrics
+
+    tree = ast.parse(Path(tiered_kv.metrics.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported <= {"__future__", "collections.abc", "dataclasses"}, imported

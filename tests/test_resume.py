@@ -122,6 +122,31 @@ def test_block_missing_mid_range_ends_the_load_there(tmp_path: Path, tiny_layout
         assert (got - tiny_model.naive_logits(prompt)[640:]).abs().max().item() < 1e-4
         cache.close(req)
         cache.blocks.check_invariants()
+        # the snapshot after block 7, read while the blocks were (then unused), left no slot taken
+        assert cache.snapshots.ids.num_used == 0
+        cache.snapshots.ids.check_invariants()
+
+
+def test_corrupt_last_snapshot_resumes_the_prefix_before_it(tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """The snapshot is read while the blocks are; when it fails verification the open
+    falls back to the next resume point, and the snapshot slot it took goes back."""
+    url = f"lmdb://{tmp_path / 's'}"
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url, snapshot_interval=1) as cache:
+        _fill(cache, tiny_model, TOKENS)
+        hashes = cache.hasher.block_hashes(TOKENS)
+    _flip_lmdb_record(tmp_path / "s", RecordKey.snapshot(hashes[6]).to_bytes())
+    prompt = TOKENS + [7]
+    with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url)) as cache:
+        req = cache.open(prompt)
+        assert req.num_cached_tokens == 6 * 128
+        s = cache.stats()
+        assert s["store_corrupt"] == 1 and s["snapshots_from_disk"] == 1 and s["disk_read_failures"] == 1
+        got = tiny_model.forward(cache, req, prompt[768:])
+        assert (got - tiny_model.naive_logits(prompt)[768:]).abs().max().item() < 1e-4
+        cache.close(req)
+        assert cache.snapshots.ids.num_used == 0
+        cache.snapshots.ids.check_invariants()
+        cache.blocks.check_invariants()
 
 
 def test_store_error_mid_range_is_raised_and_gives_the_blocks_back(store_url: str, tiny_layout) -> None:
@@ -140,6 +165,7 @@ def test_store_error_mid_range_is_raised_and_gives_the_blocks_back(store_url: st
             cache.open(TOKENS + [7])
         assert cache.blocks.num_used == 0  # nothing loaded is left referenced (batch 0: cached, free)
         assert cache.states.num_free == 2
+        assert cache.snapshots.ids.num_used == 0  # the snapshot read meanwhile: slot given back
         cache.blocks.check_invariants()
         store.get_many = real
         req = cache.open(TOKENS + [7])  # the store works again: everything resumes
@@ -238,3 +264,36 @@ def test_disk_to_cuda_flash_preset(tmp_path: Path) -> None:
     layout = presets.deepseek_v4_flash()
     url, tokens, records, snap = _random_prompt_store(tmp_path, layout)
     _resume_and_compare(url, layout, tokens, records, snap, "cuda", None)
+
+
+@pytest.mark.parametrize("host_bytes,copy_engine,staging,want", [
+    (None, False, False, "PoolRows"),
+    (None, False, True, "StagingRing"),
+    (None, True, False, "StagingRing"),   # the CUDA path's split, on CPU
+    (1 << 20, False, False, "HostRecords"),
+    (1 << 20, True, False, "HostRecords"),
+])
+def test_resume_destination_by_configuration(store_url: str, tiny_layout, host_bytes, copy_engine: bool,
+                                             staging: bool, want: str) -> None:
+    """One destination object per configuration, kept between opens (the ring and the
+    pool views are made once); a new ring when its shape changes."""
+    from tiered_kv import resume_reader
+
+    with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=store_url,
+                                      host_bytes=host_bytes), copy_engine=copy_engine, staging=staging) as cache:
+        req = cache.open(TOKENS + [7])
+        dest = cache._resume_dest
+        assert type(dest).__name__ == want
+        cache.close(req)
+        assert resume_reader.choose_destination(cache, dest) is dest
+        if isinstance(dest, resume_reader.StagingRing):
+            cache.resume_batch_blocks = 3
+            ring = resume_reader.choose_destination(cache, dest)
+            assert ring is not dest and tuple(ring.ring.shape[:2]) == (2, 3)
+
+
+def test_resume_settings_are_checked(store_url: str, tiny_layout) -> None:
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=store_url) as cache:
+        cache.resume_read_depth = 0
+        with pytest.raises(ValueError, match="resume_read_depth: expected a positive int, got 0"):
+            cache.open(TOKENS + [7])

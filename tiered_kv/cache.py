@@ -43,7 +43,7 @@ from .errors import CacheFullError, CacheShutdownError
 from .hisparse import HiSparseBuffers, HiSparseConfig
 from .host import HostTier
 from .layout import KVLayout, LayerKind
-from .metrics import MetricsSnapshot
+from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
 from .prefix import PrefixHasher, token_digest, tokens_to_bytes
 from .request import Request, as_token_list
@@ -221,7 +221,7 @@ class TieredKVCache(TierMoves):
             if max_cached_tokens < 0:
                 raise ValueError(f"max_cached_tokens: expected >= 0, got {max_cached_tokens}")
             limit = min(limit, max_cached_tokens)
-        slot = self.states.allocate()
+        slot = self.states.allocate(zero=False)  # a restored snapshot overwrites it whole; else reset below
         if slot is None:
             raise CacheFullError(f"open: no free state slot ({self.states.num_slots} in use); close a request first")
         if self.hisparse is not None:
@@ -234,6 +234,8 @@ class TieredKVCache(TierMoves):
         except BaseException:  # e.g. a store's I/O error: the slot goes back, the error up
             self.states.free(slot)
             raise
+        if num_blocks == 0:  # nothing restored: a fresh request starts from a zeroed State
+            self.states.reset(slot)
         P = num_blocks * bt
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
@@ -722,7 +724,24 @@ class TieredKVCache(TierMoves):
     # ----------------------------------------------------------------- stats
     def metrics(self) -> MetricsSnapshot:
         """Counters and gauges per tier; ``.to_prometheus()`` renders the text format."""
-        return collect_metrics(self)
+        L = self.layout
+        snap_ids = self.snapshots.ids
+        copy = self.copies.stats()
+        host_bytes = host_capacity = None
+        if self.host is not None:
+            h = self.host
+            snaps = 0 if h.snapshots is None else h.snapshots.num_used + h.snapshots.num_evictable
+            host_bytes = (h.blocks.num_used + h.blocks.num_evictable) * L.block_bytes + snaps * L.snapshot_bytes
+            host_capacity = h.nbytes
+        gauges = TierGauges(
+            block_tokens=L.block_tokens,
+            gpu_bytes=(self.blocks.num_used + self.blocks.num_evictable) * L.block_bytes
+            + (snap_ids.num_used + snap_ids.num_evictable) * L.snapshot_bytes,
+            gpu_capacity_bytes=self.classical.nbytes + self.snapshots.data.numel() + self.states.num_slots * L.state_bytes,
+            copy_latency_mean_s=copy.latency_mean_s, copy_latency_max_s=copy.latency_max_s,
+            host_bytes=host_bytes, host_capacity_bytes=host_capacity,
+            hisparse=self.hisparse is not None, disk=self.disk is not None)
+        return collect_metrics(self.stats(), gauges)
 
     def stats(self) -> dict[str, int]:
         """Counters and pool occupancy of every tier."""

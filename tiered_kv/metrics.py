@@ -35,13 +35,10 @@ tiered_kv_live_requests            gauge    requests open now
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .cache import TieredKVCache
-
-__all__ = ["Metric", "MetricsSnapshot", "collect"]
+__all__ = ["Metric", "MetricsSnapshot", "TierGauges", "collect"]
 
 
 @dataclass
@@ -106,10 +103,25 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
 
 
-def collect(cache: TieredKVCache) -> MetricsSnapshot:
-    """Read every tier's counters from ``cache``."""
-    s = cache.stats()
-    L = cache.layout
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierGauges:
+    """What a cache's metrics need besides the counters of its ``stats()``: bytes held
+    and capacities per tier, copy latencies, and which tiers exist. The cache fills it
+    in (``TieredKVCache.metrics``), so this module depends on no cache type."""
+
+    block_tokens: int
+    gpu_bytes: int               # Classical blocks + snapshots cached or in use on the GPU
+    gpu_capacity_bytes: int      # Classical pool + snapshot pool + State slots
+    copy_latency_mean_s: float
+    copy_latency_max_s: float
+    host_bytes: int | None = None           # None: no host tier
+    host_capacity_bytes: int | None = None
+    hisparse: bool = False
+    disk: bool = False
+
+
+def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
+    """The metric families of a cache from its ``stats()`` counters ``s`` and gauges ``g``."""
     held = Metric("tiered_kv_bytes", "gauge", "Bytes held (cached or in use) by a tier.")
     cap = Metric("tiered_kv_capacity_bytes", "gauge", "Byte capacity of a tier.")
     hits = Metric("tiered_kv_hits_total", "counter", "Blocks or snapshots served from a tier.")
@@ -125,36 +137,30 @@ def collect(cache: TieredKVCache) -> MetricsSnapshot:
     toks = Metric("tiered_kv_tokens_total", "counter", "Prompt tokens seen and tokens served from cache.")
     live = Metric("tiered_kv_live_requests", "gauge", "Requests open now.")
 
-    gpu_blocks = cache.blocks.num_used + cache.blocks.num_evictable
-    gpu_snaps = cache.snapshots.ids.num_used + cache.snapshots.ids.num_evictable
-    held.add(gpu_blocks * L.block_bytes + gpu_snaps * L.snapshot_bytes, tier="gpu")
-    cap.add(cache.classical.nbytes + cache.snapshots.data.numel() + cache.states.num_slots * L.state_bytes,
-            tier="gpu")
-    gpu_block_hits = s["cached_tokens"] // L.block_tokens - s["blocks_from_host"] - s["blocks_from_disk"]
+    held.add(g.gpu_bytes, tier="gpu")
+    cap.add(g.gpu_capacity_bytes, tier="gpu")
+    gpu_block_hits = s["cached_tokens"] // g.block_tokens - s["blocks_from_host"] - s["blocks_from_disk"]
     hits.add(max(gpu_block_hits, 0), tier="gpu", kind="block")
     hits.add(s["snapshot_hits"] - s["snapshots_from_host"] - s["snapshots_from_disk"], tier="gpu", kind="snapshot")
     evict.add(s["blocks_evicted"], tier="gpu", kind="block")
     evict.add(s["snapshots_evicted"], tier="gpu", kind="snapshot")
     moved.add(s["copy_bytes_d2h"], direction="d2h")
     moved.add(s["copy_bytes_h2d"], direction="h2d")
-    copy = cache.copies.stats()
-    lat.add(copy.latency_mean_s, stat="mean")
-    lat.add(copy.latency_max_s, stat="max")
+    lat.add(g.copy_latency_mean_s, stat="mean")
+    lat.add(g.copy_latency_max_s, stat="max")
 
-    if cache.host is not None:
-        h = cache.host
-        snaps = 0 if h.snapshots is None else h.snapshots.num_used + h.snapshots.num_evictable
-        held.add((h.blocks.num_used + h.blocks.num_evictable) * L.block_bytes + snaps * L.snapshot_bytes, tier="host")
-        cap.add(h.nbytes, tier="host")
+    if g.host_bytes is not None:
+        held.add(g.host_bytes, tier="host")
+        cap.add(g.host_capacity_bytes or 0, tier="host")
         hits.add(s["blocks_from_host"], tier="host", kind="block")
         hits.add(s["snapshots_from_host"], tier="host", kind="snapshot")
         evict.add(s["host_blocks_evicted"], tier="host", kind="block")
         evict.add(s["host_snapshots_evicted"], tier="host", kind="snapshot")
-    if cache.hisparse is not None:
+    if g.hisparse:
         hits.add(s["hisparse_hits"], tier="hisparse_buffer", kind="csa_entry")
         misses.add(s["hisparse_misses"], tier="hisparse_buffer", kind="csa_entry")
         moved.add(s["hisparse_bytes_moved"], direction="hisparse_swap_in")
-    if cache.disk is not None:
+    if g.disk:
         held.add(s.get("store_bytes", 0), tier="disk")
         if s.get("store_max_bytes"):
             cap.add(s["store_max_bytes"], tier="disk")

@@ -56,7 +56,7 @@ def as_token_list(token_ids: Sequence[int] | np.ndarray | torch.Tensor, what: st
             raise ValueError(f"{what}: expected a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
         token_ids = token_ids.tolist()
     out = list(token_ids)
-    if all(type(t) is int for t in out):  # the common case, checked without numpy (advance is hot)
+    if set(map(type, out)) <= {int}:  # the common case, checked without numpy (advance is hot)
         if out and (min(out) < 0 or max(out) > _MAX_TOKEN):
             raise ValueError(f"{what}: expected ids in [0, 2**32), got min {min(out)}, max {max(out)}")
         return out

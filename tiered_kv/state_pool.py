@@ -71,13 +71,16 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int | None:
-        """A zeroed slot, or None when every slot is taken."""
+    def allocate(self, *, zero: bool = True) -> int | None:
+        """A zeroed slot, or None when every slot is taken. ``zero=False``: its contents are
+        left as they are, for a caller that overwrites it whole (:meth:`restore`) or else
+        calls :meth:`reset` (zeroing a Flash slot is ~15 MB of writes: once is enough)."""
         if not self._free:
             return None
         slot = self._free.popleft()
         self._used.add(slot)
-        self.reset(slot)
+        if zero:
+            self.reset(slot)
         return slot
 
     def free(self, slot: int) -> None:

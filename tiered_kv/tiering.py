@@ -11,18 +11,16 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 
 from __future__ import annotations
 
-import functools
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from .device import empty_host
-from .prefix import block_token_digests, token_digest
+from .prefix import token_digest
+from .resume_reader import Destination, DiskResume, choose_destination, id_runs
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
@@ -58,8 +56,8 @@ class TierMoves:
     _host_of_block: dict[int, int]
     _counters: dict[str, int]
 
-    #: Disk reads of ``open()``: blocks per batch (one ``get_many``; 8 Flash blocks are
-    #: 3.9 MB) and batches in flight (the staging ring's slots).
+    #: Disk reads of ``open()`` (:mod:`tiered_kv.resume_reader`): blocks per batch (one
+    #: ``get_many``; 8 Flash blocks are 3.9 MB) and batches in flight (the staging ring's slots).
     resume_batch_blocks: int = 8
     resume_read_depth: int = 3
     #: Who copies a batch read from disk into the pools: the reader thread (numpy copies;
@@ -74,10 +72,8 @@ class TierMoves:
     _last_load: CopyHandle | None = None
     #: The newest offload into a host record (evicted GPU block -> host tier).
     _last_offload: CopyHandle | None = None
-    _ring: torch.Tensor | None = None
-    #: the Classical parts as ``[layers, num_blocks, entries * bytes]`` numpy views (CPU)
-    _pool_rows: list[np.ndarray] | None = None
-    _ring_ready: list[Callable[[], None] | None]
+    #: Where resume reads land (kept between opens: the staging ring, the pools' row views)
+    _resume_dest: Destination | None = None
     _snap_staging: torch.Tensor | None = None
     _snap_staging_ready: Callable[[], None] | None = None
 
@@ -94,9 +90,18 @@ class TierMoves:
             n = self._longest_snapshot(hashes[:available])
             if n == 0:
                 break
-            got = self._acquire_blocks(tokens, hashes[:n])
-            if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n):
+            # A snapshot only the disk holds is read meanwhile, on a reader thread.
+            snap = self._prefetch_snapshot(hashes[n - 1], tokens, n)
+            try:
+                got = self._acquire_blocks(tokens, hashes[:n])
+            except BaseException:
+                if snap is not None:
+                    self._drop_snapshot_read(snap)
+                raise
+            if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n, snap):
                 return got, n
+            if snap is not None and len(got) < n:  # (when used, the restore took care of it)
+                self._drop_snapshot_read(snap)
             for b in reversed(got):
                 self._release_block(b)
             available = len(got) if len(got) < n else n - 1
@@ -159,7 +164,7 @@ class TierMoves:
         Blocks the GPU already holds are referenced first, so that allocating blocks for
         the others cannot evict them. The others load in order, run by run: host records
         with one copy per run of adjacent records, disk records through the read pipeline
-        (:meth:`_load_from_disk`). Stops at the first block that cannot be had (a miss, a
+        (:mod:`tiered_kv.resume_reader`). Stops at the first block that cannot be had (a miss, a
         record that fails verification, a full pool); returns the blocks acquired, a
         prefix of ``hashes``.
         """
@@ -232,9 +237,10 @@ class TierMoves:
         """Copy host records ``hids`` into GPU blocks ``bids``, one copy per run of adjacent
         records. With HiSparse the GPU block keeps its host reference (the CSA part lives
         there); otherwise the reference is dropped (the record stays cached on the host,
-        and a later read into it first waits for this copy: see :meth:`_load_from_disk`)."""
+        and a later read into it first waits for this copy: see
+        :class:`~tiered_kv.resume_reader.HostRecords`)."""
         assert self.host is not None
-        for start, stop in _runs(hids):
+        for start, stop in id_runs(hids):
             records = self.host.records[hids[start]:hids[start] + (stop - start)]
             self._load_records(records, bids[start:stop])
         self._keep_host_refs(hids, bids)
@@ -252,208 +258,14 @@ class TierMoves:
         self._last_load = handle
 
     def _load_from_disk(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
-        """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch.
-
-        Pipeline, ``resume_read_depth`` batches of ``resume_batch_blocks`` in flight on
-        the disk tier's reader threads::
-
-            CUDA   reader threads:  read+verify b0 | read+verify b1 | read+verify b2 ...
-                   this thread:                      H2D b0 (async)  | H2D b1 ...
-            CPU    reader threads:  read+verify+copy b0 | read+verify+copy b2 ...
-                                    read+verify+copy b1 | ...
-
-        Records land in host memory the pools are loaded from: the host tier's records
-        when there is one (promoting the block there, as a host hit would); else on CPU
-        straight in the pool blocks (``resume_read_into_pools``: each record's payload is
-        a scatter list of its block's rows, one ``preadv`` per record, no staging copy);
-        else a ring of ``resume_read_depth`` staging buffers (pinned on CUDA). On CUDA a buffer is read
-        into again only after the upload that last read it is done (the reader thread
-        waits on the copy's event). On CPU the reader thread copies its batch into the
-        pool blocks allocated for it, with numpy copies (one thread each, the GIL
-        released), so batches are read and copied in parallel. The first record that is
-        absent or fails verification ends the load (a counted miss): the blocks before
-        it are kept; reads in flight are waited for and their blocks freed.
-        """
+        """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch: the
+        pipeline and the three destinations (the pools' rows, the staging ring, host
+        records) live in :mod:`tiered_kv.resume_reader`. Returns the blocks loaded, a
+        prefix of the range (the first record absent or failing verification ends it)."""
         if self.disk is None:
             return []
-        bt, size, depth = self.layout.block_tokens, self.resume_batch_blocks, self.resume_read_depth
-        for name, value in (("resume_batch_blocks", size), ("resume_read_depth", depth)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        on_readers = self.resume_copy_on_readers
-        if on_readers is None:
-            on_readers = self.device.type != "cuda"
-        elif on_readers and self.device.type != "cpu":
-            raise ValueError(f"resume_copy_on_readers: expected False or None on {self.device} "
-                             f"(reader threads copy into CPU pools only)")
-        into_pools = (on_readers and self.resume_read_into_pools and self.host is None
-                      and self.hisparse is None and self.device.type == "cpu")
-        ring = self._staging_ring() if self.host is None and not into_pools else None
-        inflight: deque[_DiskBatch] = deque()
-        loaded: list[int] = []
-        next_lo, submitted, stopped = lo, 0, False
-        all_digests = block_token_digests(tokens[lo * bt:hi * bt], bt)
-
-        def submit() -> bool:
-            """Start reading the next batch, shortened to the free GPU blocks and host
-            records; False when there are none now."""
-            nonlocal next_lo, submitted
-            a = next_lo
-            n = min(size, hi - a)
-            hids: list[int] = []
-            if ring is None and not into_pools:  # host records are the staging
-                hids = self._allocate_host_records(n)
-                n = len(hids)
-            bids = self._allocate_blocks(n)
-            self._drop_host_refs(hids[len(bids):])
-            del hids[len(bids):]
-            if not bids:
-                return False
-            b = a + len(bids)
-            keys = [record_key("block", h) for h in hashes[a:b]]
-            digests = all_digests[a - lo:b - lo]
-            if into_pools:  # each record straight into its block's rows: nothing to copy after
-                # (still on the reader threads: measured, several batches in flight read a
-                # cold disk ~1.4x faster than one batch at a time here, and hot no slower)
-                job = functools.partial(self.disk.read_many, keys, [self._pool_pieces(bid) for bid in bids],
-                                        digests)
-                inflight.append(_DiskBatch(a, b, -1, hids, bids, self.disk.run_reader(job)))
-                next_lo, submitted = b, submitted + 1
-                return True
-            if ring is not None:
-                slot = submitted % depth
-                records = ring[slot, :len(bids)]
-                ready = self._ring_ready[slot]
-            else:
-                slot, records = -1, None
-                ready = self._host_records_idle()
-            outs = list(records) if records is not None else [self.host.records[hid] for hid in hids]
-            job = functools.partial(self._read_batch, keys, outs, digests, ready,
-                                    (records, hids, bids) if on_readers else None)
-            inflight.append(_DiskBatch(a, b, slot, hids, bids, self.disk.run_reader(job)))
-            next_lo, submitted = b, submitted + 1
-            return True
-
-        while next_lo < hi and len(inflight) < depth and submit():
-            pass
-        while inflight:
-            batch = inflight.popleft()
-            try:
-                ok = batch.future.result()
-            except BaseException:  # an I/O error: no reader may write our buffers after we return
-                self._abandon([batch, *inflight])
-                for b in reversed(loaded):
-                    self._release_block(b)
-                raise
-            good = 0 if stopped else next((i for i, f in enumerate(ok) if not f), len(ok))
-            if good < len(ok) and not stopped:
-                self._counters["disk_read_failures"] += 1
-            bids = batch.bids[:good]
-            for b in batch.bids[good:]:  # read into but not verified (or past the end): never cached
-                self.blocks.free(b)
-            if ring is None and not into_pools:
-                for hid, h in zip(batch.hids[:good], hashes[batch.lo:]):
-                    self.host.blocks.cache(hid, h)  # verified: promoted to the host tier
-                if on_readers:  # copied on the reader thread
-                    self._keep_host_refs(batch.hids[:good], bids)
-                else:
-                    self._load_host_records(batch.hids[:good], bids)
-                self._drop_host_refs(batch.hids[good:])
-            elif not on_readers and bids:
-                self._load_records(ring[batch.slot, :good], bids)
-                self._ring_ready[batch.slot] = self._last_load.wait_event
-            for b, h in zip(bids, hashes[batch.lo:]):
-                self.blocks.cache(b, h)
-            loaded += bids
-            self._counters["blocks_from_disk"] += good
-            if good < len(batch.bids):
-                stopped = True  # the reads in flight are waited for, their blocks freed
-            while not stopped and next_lo < hi and len(inflight) < depth and submit():
-                pass
-        return loaded
-
-    def _abandon(self, batches: list[_DiskBatch]) -> None:
-        """Wait for the reads of ``batches`` (errors ignored: one is being raised) and give
-        back their GPU blocks and host records, none of them cached."""
-        for batch in batches:
-            try:
-                batch.future.result()
-            except BaseException:  # noqa: S110 - the first error is the one reported
-                pass
-            for b in batch.bids:
-                self.blocks.free(b)
-            self._drop_host_refs(batch.hids)
-
-    def _host_records_idle(self) -> Callable[[], None] | None:
-        """What a reader thread waits for before it writes into host records just
-        allocated (CUDA): the newest copy out of host records into the pools and the
-        newest offload into them (an evicted record may still be read or written by one;
-        copies on one stream finish in order, so the newest covers the older ones)."""
-        waits = [h.wait_event for h in (self._last_load, self._last_offload) if h is not None and not h.done()]
-        if not waits:
-            return None
-
-        def wait() -> None:
-            for w in waits:
-                w()
-
-        return wait
-
-    def _read_batch(self, keys: list[Any], outs: list[torch.Tensor], digests: list[bytes],
-                    ready: Callable[[], None] | None,
-                    copy_to: tuple[torch.Tensor | None, list[int], list[int]] | None) -> list[bool]:
-        """A reader thread's job: read and verify one batch (after ``ready``); on CPU also
-        copy the leading verified records into their pool blocks (``copy_to``: the
-        staging rows or None for host records ``hids``, and the block ids)."""
-        if ready is not None:
-            ready()
-        ok = self.disk.read_many(keys, outs, digests)
-        if copy_to is not None:
-            records, hids, bids = copy_to
-            good = next((i for i, f in enumerate(ok) if not f), len(ok))
-            if records is None:
-                assert self.host is not None
-                for start, stop in _runs(hids[:good]):
-                    rows = self.host.records[hids[start]:hids[start] + (stop - start)]
-                    self._scatter_on_cpu(rows, bids[start:stop])
-            elif good:
-                self._scatter_on_cpu(records[:good], bids[:good])
-        return ok
-
-    def _scatter_on_cpu(self, records: torch.Tensor, bids: list[int]) -> None:
-        """CPU pools: block ``bids[i]`` = ``records[i]`` (``[n, block_bytes]`` uint8), with
-        numpy copies: one thread each and the GIL released, so reader threads copy in
-        parallel (torch's intra-op pool oversubscribes the CPUs when several threads
-        copy at once). With HiSparse only the parts after the CSA part are copied."""
-        rec = records.numpy()
-        start = 0
-        parts = self.classical.parts if self.hisparse is None else self.classical.rest_parts
-        if self.hisparse is not None:
-            start = self.layout.csa_kv_block_bytes
-        arrays = [p.numpy() for p in parts]
-        for i, b in enumerate(bids):
-            off = start
-            for part in arrays:
-                dst = part[:, b]
-                np.copyto(dst, rec[i, off:off + dst.size].reshape(dst.shape))
-                off += dst.size
-
-    def _pool_pieces(self, b: int) -> list[np.ndarray]:
-        """Block ``b`` of the CPU Classical pool as the scatter list of its record: the
-        ``[entries * bytes]`` uint8 row of each layer of each part, in record order
-        (``csa_kv``, ``indexer``, ``hca_kv``; layer by layer). Views, never copies."""
-        rows = self._pool_rows
-        if rows is None:
-            rows = []
-            for part in self.classical.parts:  # [L, num_blocks, E, B] uint8, contiguous
-                L, nb, E, B = part.shape
-                if not part.is_contiguous():  # reshape would copy: the reads would land nowhere
-                    raise ValueError(f"classical pool part: expected a contiguous tensor, got strides "
-                                     f"{tuple(part.stride())}")
-                if L and E * B:
-                    rows.append(part.numpy().reshape(L, nb, E * B))
-            self._pool_rows = rows
-        return [row for part in rows for row in part[:, b]]
+        self._resume_dest = choose_destination(self, self._resume_dest)
+        return DiskResume(self, self._resume_dest, tokens, hashes, lo, hi).run()
 
     def _keep_host_refs(self, hids: list[int], bids: list[int]) -> None:
         """After a load from host records: with HiSparse each GPU block keeps its record's
@@ -484,20 +296,6 @@ class TierMoves:
         for hid in hids:
             self._drop_host_ref(hid)
 
-    def _staging_ring(self) -> torch.Tensor:
-        """``[resume_read_depth, resume_batch_blocks, block_bytes]`` uint8 host buffers
-        (pinned on CUDA) that disk reads land in when there is no host tier."""
-        shape = (self.resume_read_depth, self.resume_batch_blocks, self.layout.block_bytes)
-        ring = self._ring
-        if ring is None or tuple(ring.shape) != shape:
-            if ring is not None:  # resized: the copies out of the old ring must be done first
-                for ready in self._ring_ready:
-                    if ready is not None:
-                        ready()
-            ring = self._ring = empty_host(shape, pinned=self.device.type == "cuda")
-            self._ring_ready = [None] * shape[0]
-        return ring
-
     def _allocate_host_records(self, n: int) -> list[int]:
         """Up to ``n`` host records (refcount 1 each), fewer when the host tier runs out."""
         got: list[int] = []
@@ -508,12 +306,16 @@ class TierMoves:
             got.append(hid)
         return got
 
-    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int) -> bool:
+    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int,
+                          read: _SnapshotRead | None = None) -> bool:
         """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``.
 
-        Nearest first: the GPU snapshot pool, the host tier, the disk. A snapshot found
-        farther away is promoted into the GPU snapshot pool so the next open hits it there.
+        Nearest first: the GPU snapshot pool, the host tier, the disk (``read``: its read,
+        started by :meth:`_prefetch_snapshot`). A snapshot found farther away is promoted
+        into the GPU snapshot pool so the next open hits it there.
         """
+        if read is not None:
+            return self._finish_snapshot_read(slot, read)
         ids = self.snapshots.ids
         sid = ids.lookup(h)
         if sid is not None:
@@ -536,47 +338,69 @@ class TierMoves:
         if self.disk is None:
             return False
         bt = self.layout.block_tokens
-        return self._snapshot_from_disk(slot, h, token_digest(tokens[(n - 1) * bt:n * bt]))
+        digest = token_digest(tokens[(n - 1) * bt:n * bt])
+        return self._finish_snapshot_read(slot, self._start_snapshot_read(h, digest))
 
-    def _snapshot_from_disk(self, slot: int, h: bytes, digest: bytes) -> bool:
-        """Read snapshot ``h`` from disk into a GPU snapshot slot and restore ``slot`` from it.
+    def _prefetch_snapshot(self, h: bytes, tokens: list[int], n: int) -> _SnapshotRead | None:
+        """Start reading snapshot ``h`` (the end of block ``n``) from disk when no tier
+        above holds it, so that it is read while the prefix's blocks are; None otherwise."""
+        if self.disk is None or self._snapshot_above_disk(h):
+            return None
+        bt = self.layout.block_tokens
+        return self._start_snapshot_read(h, token_digest(tokens[(n - 1) * bt:n * bt]))
 
-        On CPU the record is read straight into the snapshot slot (no other copy); on CUDA
-        into a pinned staging buffer, then uploaded on the copy engine's stream (the
-        staging is read into again only after that upload is done). Without a free
-        snapshot slot the State is restored from the staging and nothing is promoted.
-        """
+    def _start_snapshot_read(self, h: bytes, digest: bytes) -> _SnapshotRead:
+        """Start reading snapshot ``h`` from disk on a reader thread: on CPU straight into
+        a newly allocated GPU snapshot slot (no other copy); on CUDA, or without a free
+        slot, into the pinned staging buffer (read into again only after the upload out of
+        it is done)."""
         assert self.disk is not None
-        ids = self.snapshots.ids
-        sid = ids.allocate()
+        sid = self.snapshots.ids.allocate()
         cuda = self.device.type == "cuda"
         if cuda or sid is None:
             if self._snap_staging is None:
                 self._snap_staging = empty_host(self.layout.snapshot_bytes, pinned=cuda)
-            buf = self._snap_staging
-            ready = self._snap_staging_ready
+            buf, ready = self._snap_staging, self._snap_staging_ready
         else:
             buf, ready = self.snapshots.data[sid], None
-        if ready is not None:
-            ready()
-        if not self.disk.read_many([record_key("snapshot", h)], [buf], [digest])[0]:
-            if sid is not None:
-                ids.free(sid)  # never cached: back to the free list
+        future = self.disk.read_async([record_key("snapshot", h)], [buf], [digest], ready=ready)
+        return _SnapshotRead(h, sid, buf, future)
+
+    def _finish_snapshot_read(self, slot: int, read: _SnapshotRead) -> bool:
+        """Wait for ``read`` and restore ``slot`` from it; False when the record was
+        absent or failed verification (a counted miss). Without a GPU snapshot slot the
+        State is restored from the staging buffer and nothing is promoted; from the
+        staging on CUDA it is uploaded on the copy engine's stream first."""
+        ids = self.snapshots.ids
+        if not read.future.result()[0]:
+            if read.sid is not None:
+                ids.free(read.sid)  # never cached: back to the free list
             self._counters["disk_read_failures"] += 1
             return False
         self._counters["snapshots_from_disk"] += 1
         self._counters["snapshot_hits"] += 1
-        if sid is None:
-            self.states.restore(slot, buf)
+        if read.sid is None:
+            self.states.restore(slot, read.buf)
             return True
-        if buf is not self.snapshots.data[sid]:
-            handle = self.copies.copy(self.snapshots.data[sid], buf)
+        data = self.snapshots.data[read.sid]
+        if read.buf is not data:
+            handle = self.copies.copy(data, read.buf)
             handle.make_stream_wait()
             self._snap_staging_ready = handle.wait_event
-        self.states.restore(slot, self.snapshots.data[sid])
-        ids.cache(sid, h)
-        ids.free(sid)
+        self.states.restore(slot, data)
+        ids.cache(read.sid, read.h)
+        ids.free(read.sid)
         return True
+
+    def _drop_snapshot_read(self, read: _SnapshotRead) -> None:
+        """A prefetched snapshot that is not used: wait for its read (its error, if any,
+        is not this call's to report) and give its GPU snapshot slot back, uncached."""
+        try:
+            read.future.result()
+        except BaseException:  # noqa: S110 - a shorter prefix (or the caller's error) decides
+            pass
+        if read.sid is not None:
+            self.snapshots.ids.free(read.sid)
 
     # ----------------------------------------------------- tier movements
     def _release_block(self, b: int) -> None:
@@ -611,30 +435,14 @@ class TierMoves:
 
 
 @dataclass(slots=True)
-class _DiskBatch:
-    """One batch of :meth:`TierMoves._load_from_disk`: blocks ``[lo, hi)`` of the range,
-    read into ring slot ``slot`` (-1: into host records ``hids``), bound for GPU blocks
-    ``bids``."""
+class _SnapshotRead:
+    """A snapshot record being read from disk on a reader thread: snapshot ``h`` into
+    ``buf``, GPU snapshot slot ``sid``'s data (None: the staging buffer)."""
 
-    lo: int
-    hi: int
-    slot: int
-    hids: list[int]
-    bids: list[int]
+    h: bytes
+    sid: int | None
+    buf: torch.Tensor
     future: Future[list[bool]]
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int]]:
-    """``[start, stop)`` index ranges of ``ids`` whose values increase by one: [3, 4, 7] ->
-    [(0, 2), (2, 3)]."""
-    runs: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            if i > start:
-                runs.append((start, i))
-            start = i
-    return runs
 
 
 def record_key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey

@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from storage_helpers import FP, OTHER_FP, digest_for, make_key, payload_for
 from tiered_kv.storage import CorruptRecordError, RecordCheck, RecordKey, RecordKind, decode_record, encode_record
+from tiered_kv.storage.fastread import digest_parts
 from tiered_kv.storage.record import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     KEY_BYTES,
     MAGIC,
+    PartsVerifier,
     encode_record_into,
     record_parts,
     record_size,
@@ -178,3 +180,63 @@ def test_no_damaged_record_decodes(data: st.DataObject) -> None:
             return
     with pytest.raises(CorruptRecordError):
         decode_record(bad, expect_key=KEY, expect_fingerprint=FP)
+
+
+def _parts_verdict(rec: bytes, **kw: object) -> tuple[object, object]:
+    """(decode_record's meta or the check it failed, PartsVerifier's meta or None) of ``rec``
+    read in parts: header, payload in three pieces, checksum."""
+    key, fp, digest = kw.get("key", KEY), kw.get("fp", FP), kw.get("digest", digest_for(KEY))
+    try:
+        slow: object = decode_record(rec, expect_key=key, expect_fingerprint=fp, expect_token_digest=digest)
+    except CorruptRecordError as e:
+        slow = e.check
+    body = np.frombuffer(rec, np.uint8)[HEADER_BYTES:len(rec) - CHECKSUM_BYTES]
+    pieces = [body[:7], body[7:400], body[400:]]
+    computed = digest_parts([rec[:HEADER_BYTES], *pieces])
+    fast = PartsVerifier(fp).verify(bytes(rec[:HEADER_BYTES]), computed, rec[len(rec) - CHECKSUM_BYTES:], key=key,
+                                    record_bytes=len(rec), checksum=kw.get("checksum"), token_digest=digest)
+    return slow, fast
+
+
+def test_parts_verifier_accepts_what_decode_record_accepts() -> None:
+    rec = bytes(_record(1000))
+    slow, fast = _parts_verdict(rec)
+    assert fast == slow  # the same RecordMeta
+    assert _parts_verdict(rec, digest=None)[1] == slow
+    assert _parts_verdict(rec, checksum=rec[-CHECKSUM_BYTES:])[1] == slow
+    assert isinstance(fast.parent_hash, bytes) and isinstance(fast.token_digest, bytes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pos=st.integers(0, record_size(1000) - 1), bit=st.integers(0, 7))
+def test_parts_verifier_rejects_every_flipped_bit(pos: int, bit: int) -> None:
+    """Any single bit flipped anywhere in the record: both checks reject it (the parent
+    hash is covered by the checksum only)."""
+    rec = bytearray(_record(1000))
+    rec[pos] ^= 1 << bit
+    slow, fast = _parts_verdict(bytes(rec))
+    assert isinstance(slow, RecordCheck) and fast is None
+
+
+@pytest.mark.parametrize("case", ["other_key", "other_kind", "other_fp", "other_digest", "index_checksum",
+                                  "short", "long"])
+def test_parts_verifier_rejects_what_decode_record_rejects(case: str) -> None:
+    rec = bytes(_record(1000))
+    kw: dict[str, object] = {}
+    if case == "other_key":
+        kw["key"] = make_key(2)
+    elif case == "other_kind":
+        kw["key"] = RecordKey.snapshot(KEY.block_hash)
+    elif case == "other_fp":
+        kw["fp"] = OTHER_FP
+    elif case == "other_digest":
+        kw["digest"] = bytes(32)
+    elif case == "index_checksum":  # the record verifies, but the index holds another checksum
+        kw["checksum"] = bytes(CHECKSUM_BYTES)
+    elif case == "short":
+        rec = rec[:-1]
+    else:
+        rec = rec + b"\0"
+    slow, fast = _parts_verdict(rec, **kw)
+    assert fast is None
+    assert case == "index_checksum" or isinstance(slow, RecordCheck)

@@ -1,0 +1,256 @@
+"""Verified hot reads: read_and_hash (native and Python), the shards hot reads are spread
+over, and get_many giving the same answers through either implementation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from storage_helpers import FP, digest_for, item_for, make_key, payload_for
+from tiered_kv.storage import LmdbStore, fastread, segments
+from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES
+from tiered_kv.storage.segments import Location, ReadTask, SegmentFiles
+
+IMPLS = {"python": fastread.python_read_and_hash}
+if fastread.native_read_and_hash is not None:
+    IMPLS["native"] = fastread.native_read_and_hash
+
+
+@pytest.fixture(params=sorted(IMPLS))
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Each read_and_hash implementation in turn, as the one the stores use (natively
+    with the batch read-and-verify, in Python without it)."""
+    fn = IMPLS[request.param]
+    monkeypatch.setattr(fastread, "read_and_hash", fn)
+    monkeypatch.setattr(fastread, "read_verify_many",
+                        fastread.native_read_verify_many if request.param == "native" else None)
+    return fn
+
+
+def test_native_helper_is_built_where_a_compiler_is() -> None:
+    """`pip install` (make venv) builds storage/_fastread.c; it binds python-xxhash's xxh3
+    and passes the self-check. Skipped where no C compiler or Python headers exist (the
+    package then installs without it and the Python implementation is used)."""
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not (shutil.which("cc") or shutil.which("gcc")) or not headers.exists():
+        pytest.skip("no C compiler or Python headers: the optional native helper is not built")
+    assert fastread.native_read_and_hash is not None, \
+        "storage/_fastread.c was not built or failed its check: reinstall with `make venv`"
+    assert fastread.NATIVE == (os.environ.get("TIERED_KV_NATIVE", "1") != "0")
+
+
+def _file(tmp_path: Path, data: np.ndarray) -> int:
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    return os.open(path, os.O_RDONLY)
+
+
+@pytest.mark.parametrize("pieces", [[144, 16], [144, 1, 70_000, 3, 16], [144] + [584] * 300 + [16]])
+def test_read_and_hash_fills_buffers_and_hashes_all_but_the_last(impl, tmp_path: Path, pieces: list[int]) -> None:
+    data = np.random.default_rng(0).integers(0, 256, sum(pieces) + 100, dtype=np.uint8)
+    fd = _file(tmp_path, data)
+    try:
+        bufs = [np.zeros(n, np.uint8) for n in pieces]
+        got, digest = impl(fd, 50, bufs)
+    finally:
+        os.close(fd)
+    total = sum(pieces)
+    assert got == total
+    assert digest == xxhash.xxh3_128(data[50:50 + total - 16]).digest()
+    np.testing.assert_array_equal(np.concatenate(bufs), data[50:50 + total])
+
+
+def test_read_and_hash_short_read_gives_no_digest(impl, tmp_path: Path) -> None:
+    data = np.arange(1000, dtype=np.uint8)
+    fd = _file(tmp_path, data)
+    try:
+        got, digest = impl(fd, 900, [np.zeros(144, np.uint8), np.zeros(16, np.uint8)])
+        assert (got, digest) == (100, None)
+    finally:
+        os.close(fd)
+
+
+def test_read_and_hash_read_error_raises(impl, tmp_path: Path) -> None:
+    fd = _file(tmp_path, np.zeros(100, np.uint8))
+    os.close(fd)
+    with pytest.raises(OSError):
+        impl(fd, 0, [np.zeros(84, np.uint8), np.zeros(16, np.uint8)])
+
+
+def test_native_rejects_read_only_buffers_and_bad_tails(tmp_path: Path) -> None:
+    if "native" not in IMPLS:
+        pytest.skip("native helper not built")
+    fn = IMPLS["native"]
+    fd = _file(tmp_path, np.zeros(200, np.uint8))
+    try:
+        with pytest.raises((TypeError, BufferError, ValueError)):
+            fn(fd, 0, [bytes(144), np.zeros(16, np.uint8)])
+        with pytest.raises(ValueError, match="16 bytes"):
+            fn(fd, 0, [np.zeros(144, np.uint8), np.zeros(15, np.uint8)])
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ shards of a hot read
+def _tasks(lengths: list[int]) -> list[ReadTask]:
+    out, off = [], 0
+    empty = np.zeros(0, np.uint8)
+    for i, n in enumerate(lengths):
+        out.append(ReadTask(i, Location(1, off, n), empty, [empty], empty))
+        off += n
+    return out
+
+
+@pytest.mark.parametrize("threads,lengths,shards", [
+    (1, [500_000] * 8, 1),              # one thread: one shard
+    (2, [500_000] * 16, 4),             # 8 MB, 2 threads: two shards each
+    (4, [500_000] * 12, 5),             # 6 MB over 4 threads: at least 1 MiB per shard
+    (8, [500_000] * 8, 3),              # 4 MB gives 3 (not 16)
+    (4, [4096] * 50, 1),                # small records: one shard
+    (4, [3_000_000, 10, 10, 10], 2),    # one big record and small ones
+])
+def test_shards_cover_every_record_once_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                threads: int, lengths: list[int], shards: int) -> None:
+    monkeypatch.setattr(segments, "_cpus", lambda: threads)
+    files = SegmentFiles(tmp_path, new_segment_id=lambda: 1, segment_bytes=1 << 30, direct_io=False,
+                         io_threads=8, readonly=True)
+    hot = _tasks(lengths)
+    got = files._shards(hot)
+    assert len(got) == shards and files.hot_threads == min(8, threads)
+    assert len(got) <= (2 * threads if threads > 1 else 1)
+    assert [t for shard in got for t in shard] == hot
+    if len(got) > 1:
+        # about equal bytes, on average at least _MIN_SHARD (cut at record boundaries)
+        sizes = [sum(t.loc.length for t in s) for s in got]
+        assert sum(sizes) / len(sizes) >= segments._MIN_SHARD
+        assert max(sizes) - min(sizes) <= 2 * max(lengths)
+
+
+# ------------------------------------------------------------------ get_many through either implementation
+def test_hot_get_many_spreads_over_threads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A hot batch of several MiB is cut into shards that the calling thread and
+    ``hot_threads - 1`` I/O threads drain (which thread reads which shard depends on
+    timing), and every record comes back whole and verified."""
+    monkeypatch.setattr(segments, "_cpus", lambda: 4)
+    keys = [make_key(i) for i in range(12)]
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, io_threads=4, direct_io=False) as store:
+        store.put_many([item_for(k, 500_000) for k in keys])
+        for f in (tmp_path / "s" / "segments").iterdir():
+            f.read_bytes()  # the page cache holds them
+        files = store._segments
+        pool = files.pool()
+        submitted: list[object] = []
+        real_submit = pool.submit
+        monkeypatch.setattr(pool, "submit", lambda fn, *a: submitted.append(fn) or real_submit(fn, *a))
+        outs = [np.empty(500_000, np.uint8) for _ in keys]
+        metas = store.get_many(keys, outs, token_digests=[digest_for(k) for k in keys])
+    assert all(metas)
+    for k, out in zip(keys, outs):
+        np.testing.assert_array_equal(out, payload_for(k, 500_000))
+    assert len(submitted) == 3  # 6 MB in 5 shards: the caller and 3 pool threads drain them
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direct_io: bool) -> None:
+    """Hits, scatter-list outs, a corrupt record (a miss, counted) and an absent key come
+    out the same through the native and the Python read_and_hash, hot and cold."""
+    keys = [make_key(i) for i in range(6)]
+    sizes = [100_000, 4097, 1, 0, 300_000, 65_536]
+    path = tmp_path / "s"
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=direct_io) as store:
+        store.put_many([item_for(k, n) for k, n in zip(keys, sizes)])
+    seg = next((path / "segments").iterdir())
+    raw = bytearray(seg.read_bytes())
+    pos = raw.find(payload_for(keys[4], 300_000)[:64].tobytes())
+    raw[pos + 1000] ^= 0xFF  # corrupt record 4's payload
+    seg.write_bytes(bytes(raw))
+    if direct_io:
+        fd = os.open(seg, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=direct_io) as store:
+        outs: list[object] = [np.empty(n, np.uint8) for n in sizes]
+        first = np.empty(60_000, np.uint8)
+        outs[0] = [first, np.empty(40_000, np.uint8)]  # a scatter list
+        absent = make_key(99)
+        metas = store.get_many([*keys, absent], [*outs, np.empty(10, np.uint8)],
+                               token_digests=[*(digest_for(k) for k in keys), None])
+        assert [m is not None for m in metas] == [True, True, True, True, False, True, False]
+        np.testing.assert_array_equal(np.concatenate(outs[0]), payload_for(keys[0], 100_000))
+        for i in (1, 2, 3, 5):
+            np.testing.assert_array_equal(outs[i], payload_for(keys[i], sizes[i]))
+            assert metas[i].payload_bytes == sizes[i] and metas[i].token_digest == digest_for(keys[i])
+        assert store.stats()["corrupt"] == 1 and keys[4] not in store
+    assert HEADER_BYTES + CHECKSUM_BYTES == 160
+
+
+# ------------------------------------------------------------------ the native batch check
+needs_native = pytest.mark.skipif("native" not in IMPLS, reason="native helper not built")
+
+
+def _one_record(tmp_path: Path, flip: int | None, n: int = 5000) -> tuple[int, bytes]:
+    """A file holding one encoded record (one bit flipped at byte ``flip``); (fd, record)."""
+    from tiered_kv.storage.record import encode_record
+
+    key = make_key(7)
+    rec = bytearray(encode_record(key=key, parent_hash=bytes(range(32)), token_digest=digest_for(key),
+                                  layout_fingerprint=FP, payload=payload_for(key, n)))
+    clean = bytes(rec)
+    if flip is not None:
+        rec[flip] ^= 0x10
+    path = tmp_path / f"r{flip}.bin"
+    path.write_bytes(b"\0" * 100 + bytes(rec))
+    return os.open(path, os.O_RDONLY), clean
+
+
+def _both_verdicts(fd: int, record: bytes, *, checksum: bytes, token_digest: bytes | None,
+                   length: int | None = None) -> tuple[bool, bool]:
+    """(native batch verdict, Python read_and_hash + PartsVerifier verdict) of the record at 100."""
+    from tiered_kv.storage.record import PartsVerifier
+
+    key, n = make_key(7), len(record) if length is None else length
+    v = PartsVerifier(FP)
+    bufs = [np.empty(HEADER_BYTES, np.uint8), np.empty(n - 160 - 9, np.uint8), np.empty(9, np.uint8),
+            np.empty(CHECKSUM_BYTES, np.uint8)]
+    [status] = fastread.native_read_verify_many([(fd, 100, bufs, v.expectation(key, n, checksum, token_digest))])
+    got, digest = fastread.python_read_and_hash(fd, 100, bufs)
+    meta = None if got < n else v.verify(bufs[0].tobytes(), digest, bufs[-1], key=key, record_bytes=n,
+                                         checksum=checksum, token_digest=token_digest)
+    return status == fastread.VERIFIED, meta is not None
+
+
+@needs_native
+@settings(max_examples=120, deadline=None)
+@given(pos=st.integers(0, 5000 + 160 - 1))
+def test_native_batch_check_rejects_what_python_rejects(tmp_path_factory, pos: int) -> None:
+    fd, clean = _one_record(tmp_path_factory.mktemp("r"), pos)
+    try:
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=digest_for(make_key(7))) == (False, False)
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> None:
+    fd, clean = _one_record(tmp_path, None)
+    try:
+        good = digest_for(make_key(7))
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=good) == (True, True)
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=None) == (True, True)
+        assert _both_verdicts(fd, clean, checksum=bytes(16), token_digest=good) == (False, False)  # index differs
+        assert _both_verdicts(fd, clean, checksum=clean[-16:], token_digest=bytes(32)) == (False, False)
+        with pytest.raises(ValueError, match="expect must be"):
+            fastread.native_read_verify_many([(fd, 100, [np.empty(144, np.uint8), np.empty(16, np.uint8)], b"x")])
+        status = fastread.native_read_verify_many([(fd, 10_000, [np.empty(144, np.uint8), np.empty(16, np.uint8)],
+                                             bytes(96))])
+        assert status == [fastread.SHORT]  # past the end of the file
+    finally:
+        os.close(fd)
