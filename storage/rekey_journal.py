@@ -147,7 +147,8 @@ class RekeyJournal:
             except BlockingIOError:
                 if required:
                     raise StoreLockedError(f"{self.lock_path}: a rekey of this store is running in another "
-                                           f"process; run one at a time") from None
+                                           f"process (or a process opening the store is putting back a killed "
+                                           f"rekey's batch, for a moment); run one rekey at a time") from None
                 yield False
                 return
             yield True
