@@ -43,6 +43,7 @@ it is running. Exit 1 too when a left journal had damaged records (``lost``).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -106,9 +107,14 @@ def _run(args: argparse.Namespace) -> int:
                 journal = store.rekey_journal(args.journal)  # type: ignore[attr-defined]
             except ValueError as exc:
                 raise UsageError(f"--journal: {exc}") from None
-            report = store.rekey({RecordKind.BLOCK: layout.block_bytes,  # type: ignore[attr-defined]
-                                  RecordKind.SNAPSHOT: layout.snapshot_bytes}, batch=args.batch,
-                                 journal=args.journal, progress=show)
+            try:
+                report = store.rekey({RecordKind.BLOCK: layout.block_bytes,  # type: ignore[attr-defined]
+                                      RecordKind.SNAPSHOT: layout.snapshot_bytes}, batch=args.batch,
+                                     journal=args.journal, progress=show)
+            except Exception as exc:  # (mapped to an exit code below; first say where the batch is)
+                for note in getattr(exc, "__notes__", ()):
+                    print(f"tiered-kv rekey: {note}", file=sys.stderr)
+                raise
     finally:
         progress.close()
     out = {"store": loc.url, "model": layout.name, "tenant_given": args.tenant is not None,
