@@ -35,6 +35,11 @@ Writes seal each payload under the current key (random 96-bit nonce; the bound p
 is in :mod:`.crypto`) into a reusable per-thread arena, on several threads for a batch,
 then hand the envelopes to the backend in one ``put_many``.
 
+Rotation: :meth:`EncryptedStore.rekey` rewrites the records under an older key under the
+current one. It loses nothing, whenever it is killed: each batch's new envelopes are made
+durable in a journal (:mod:`.rekey_journal`) before the old records are removed, and
+the next run, or the next encrypted open of a local store, puts back what is missing.
+
 Differences from a plain store a caller can see: a read whose out buffer has the wrong
 size for the stored record is a miss (the stored size of a foreign record says nothing),
 not a ValueError; :meth:`EncryptedStore.verify` also authenticates every record when it
@@ -51,6 +56,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -59,6 +65,7 @@ from .base import BlockStore, PutItem, check_open
 from .crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, EncryptionConfig, Keyring, Opened
 from .errors import StoreError
 from .record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
+from .rekey_journal import JOURNAL_NAME, RekeyJournal, ReplayResult, default_journal_path, failpoint
 
 __all__ = ["EncryptedStore", "RekeyReport"]
 
@@ -103,14 +110,15 @@ class RekeyReport:
     failed: int = 0        # failed their tag under a key given (removed)
     absent: int = 0        # gone between listing and reading
     unchecked: int = 0     # of a kind whose payload size is unknown
-    lost: int = 0          # removed but not rewritten (the rewrite failed; re-raised)
+    restored: int = 0      # put back from the journal of a run killed mid-batch
+    lost: int = 0          # in that journal but damaged (checksum): not put back, later misses
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
 class _Counters:
-    NAMES = ("hits", "misses", "auth_failures", "auth_removed", "corrupt")
+    NAMES = ("hits", "misses", "auth_failures", "auth_removed", "corrupt", "rekey_restored", "rekey_lost")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -169,6 +177,7 @@ class EncryptedStore(BlockStore):
         self._counters = _Counters()
         self._sizes: dict[RecordKind, int] = {}  # payload size of each kind, as seen
         self._closed = inner.closed
+        self._replayed = self._replay_rekey_journal()  # (reported by this handle's next rekey)
 
     # ------------------------------------------------------------------ what it wraps
     @property
@@ -211,6 +220,21 @@ class EncryptedStore(BlockStore):
         if recent is None:
             raise TypeError(f"recent: the backend {type(self._inner).__name__} keeps no write or access order")
         return recent(n)
+
+    def _replay_rekey_journal(self) -> ReplayResult:
+        """Put back the records a rekey killed mid-batch left in the journal in this
+        local store's directory (see :mod:`.rekey_journal`); nothing when there is none,
+        when the store cannot be written here, or when a rekey running now holds it."""
+        path = self.path
+        if self._closed or self.maintenance or self.readonly or not isinstance(path, os.PathLike):
+            return ReplayResult()
+        rj = RekeyJournal(Path(path) / JOURNAL_NAME)
+        if not rj.exists():
+            return ReplayResult()
+        with rj.holding(required=False) as held:
+            result = rj.replay(self._inner) if held else ReplayResult()
+        self._counters.add(rekey_restored=result.restored, rekey_lost=result.lost)
+        return result
 
     # ------------------------------------------------------------------ threads and buffers
     def _parallel(self, fn: Callable[[J], T], jobs: Sequence[J], nbytes: int) -> list[T]:
@@ -291,6 +315,11 @@ class EncryptedStore(BlockStore):
         items = self._check_put_items(items)
         if not items:
             return []
+        return self._inner.put_many(self._seal(items))
+
+    def _seal(self, items: list[PutItem]) -> list[PutItem]:
+        """``items`` sealed under the current key: the backend's put items, their payloads
+        the envelopes (views of this thread's put arena: valid until its next seal)."""
         bodies = [_joined(item.payload) for item in items]
         sizes = [b.nbytes + ENVELOPE_OVERHEAD for b in bodies]
         offs = [0, *itertools.accumulate(sizes)]
@@ -307,7 +336,7 @@ class EncryptedStore(BlockStore):
         sealed = self._parallel(seal, range(len(items)), offs[-1])
         for item, body in zip(items, bodies):
             self._sizes.setdefault(item.key.kind, body.nbytes)
-        return self._inner.put_many(sealed)
+        return sealed
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
@@ -440,7 +469,9 @@ class EncryptedStore(BlockStore):
         wrapper sees them (an envelope that fails authentication is a backend hit but a
         miss here), plus ``encrypted`` (True), ``encryption`` (the cipher), ``key_id``
         (the current key's id), ``key_ids`` (every key accepted, current first),
-        ``auth_failures`` and ``auth_removed``."""
+        ``auth_failures``, ``auth_removed``, and ``rekey_restored`` / ``rekey_lost``
+        (records this handle put back from, or found damaged in, a rekey journal that
+        a run killed mid-batch left: see :meth:`rekey`)."""
         check_open(self._closed, self.where)
         out = dict(self._inner.stats())
         mine = self._counters.as_dict()
@@ -449,7 +480,8 @@ class EncryptedStore(BlockStore):
         out["corrupt"] = int(out.get("corrupt") or 0) + mine["corrupt"]
         out.update(encrypted=True, encryption="aes-256-gcm", key_id=self.keyring.key_ids[0],
                    key_ids=self.keyring.key_ids, auth_failures=mine["auth_failures"],
-                   auth_removed=mine["auth_removed"])
+                   auth_removed=mine["auth_removed"], rekey_restored=mine["rekey_restored"],
+                   rekey_lost=mine["rekey_lost"])
         return out
 
     def close(self) -> None:
@@ -533,21 +565,49 @@ class EncryptedStore(BlockStore):
         reads = self._read(keys, segs, [None] * len(keys), remove=False)
         return [r.key_id if r.outcome is _Outcome.OK else None for r in reads]
 
+    def rekey_journal(self, journal: str | os.PathLike[str] | None = None) -> RekeyJournal:
+        """The journal :meth:`rekey` keeps its batch in flight in (see
+        :mod:`.rekey_journal`): ``rekey-journal`` in the backend's directory for a local
+        store (``journal`` must then be None: every opener of the store finds it there);
+        for an object store ``journal``, default a file under the user's cache directory
+        named by a hash of the store's URL."""
+        path = self.path
+        if isinstance(path, os.PathLike):
+            if journal is not None:
+                raise ValueError(f"journal: expected None for a local store (its journal is "
+                                 f"{Path(path) / JOURNAL_NAME}, where every opener finds it), got {journal!r}")
+            return RekeyJournal(Path(path) / JOURNAL_NAME)
+        if journal is None:
+            return RekeyJournal(default_journal_path(self.where))
+        if not isinstance(journal, (str, os.PathLike)):
+            raise TypeError(f"journal: expected a file path or None, got {type(journal).__name__}")
+        return RekeyJournal(journal)
+
     def rekey(self, payload_bytes: Mapping[RecordKind, int], *, batch: int = 16,
+              journal: str | os.PathLike[str] | None = None,
               progress: Callable[[int, int, RekeyReport], None] | None = None) -> RekeyReport:
         """Rewrite every record sealed under an older key given (``key_files[1:]``) under
-        the current one (``key_files[0]``). Resumable: records already under the current
-        key are skipped without decrypting, so a run stopped at any point (kill -9
-        included) and run again finishes the job.
+        the current one (``key_files[0]``), losing none, whenever the process dies.
 
-        Each batch of ``batch`` records is read, authenticated and decrypted, then removed
-        and written again under the current key (a write-once store has no overwrite):
-        a process killed between the two loses at most that batch's records, which are a
-        miss later (a cache refills them), never wrong bytes. ``progress(done, total,
-        report)`` is called after each batch."""
+        Each batch of ``batch`` records is read, authenticated and decrypted, sealed
+        under the current key, and the new envelopes written durably to the rekey journal
+        (:meth:`rekey_journal`; ``journal``: its path, for an object store); only then
+        are the old records removed and the new ones written (a write-once store has no
+        overwrite), and the journal deleted. A run first puts back whatever the journal
+        of a run killed mid-batch holds and the store lacks (``restored``), and so does
+        every encrypted open of a local store. So a process killed at any point (kill
+        -9 included) loses no record, and none is ever served but authenticated.
+
+        Resumable: records already under the current key are skipped without
+        decrypting, so a run stopped at any point and run again finishes the job. One
+        run per store at a time (:class:`StoreLockedError` otherwise). A failure writing
+        the store (full, unreachable) raises and leaves the batch in the journal, for
+        the next run or open to put back. ``progress(done, total, report)`` is called
+        after each batch."""
         check_open(self._closed, self.where)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
             raise ValueError(f"batch: expected a positive int, got {batch!r}")
+        rj = self.rekey_journal(journal)
         report = RekeyReport()
         pending: list[PutItem] = []
 
@@ -567,21 +627,34 @@ class EncryptedStore(BlockStore):
 
         def flush(done: int, total: int) -> None:
             if pending:
-                for item in pending:
-                    self._inner.delete(item.key)
-                try:
-                    written = self.put_many(pending)
-                except BaseException:
-                    report.lost += len(pending)
-                    raise
-                report.rekeyed += sum(written)  # (False: another writer stored it meanwhile)
+                self._rewrite(self._seal(pending), rj, report)
                 pending.clear()
             if progress is not None:
                 progress(done, total, report)
 
-        report.unchecked = self._scan(payload_bytes, visit, remove=True, skip_current=True, batch=batch,
-                                      progress=flush)
+        with rj.holding(required=True):
+            left = rj.replay(self._inner)
+            self._counters.add(rekey_restored=left.restored, rekey_lost=left.lost)
+            at_open, self._replayed = self._replayed, ReplayResult()
+            report.restored, report.lost = left.restored + at_open.restored, left.lost + at_open.lost
+            report.unchecked = self._scan(payload_bytes, visit, remove=True, skip_current=True, batch=batch,
+                                          progress=flush)
         return report
 
-
-
+    def _rewrite(self, sealed: list[PutItem], rj: RekeyJournal, report: RekeyReport) -> None:
+        """One batch of :meth:`rekey`: journal, remove, put, forget (see there)."""
+        rj.write(sealed, self.layout_fingerprint)
+        n = rj.writes
+        failpoint("rekey-journaled", n)
+        try:
+            for item in sealed:
+                self._inner.delete(item.key)
+            failpoint("rekey-deleted", n)
+            written = self._inner.put_many(sealed)
+        except BaseException as e:
+            e.add_note(f"rekey: the batch being rewritten ({len(sealed)} records) is kept in {rj.path}; the "
+                       f"next rekey (or, for a local store, any encrypted open) puts back what is missing")
+            raise
+        failpoint("rekey-put", n)
+        rj.clear()
+        report.rekeyed += sum(written)  # (False: another writer stored it meanwhile)

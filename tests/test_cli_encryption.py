@@ -1,11 +1,16 @@
 """The CLI on an encrypted store: keygen, --key-file / TIERED_KV_KEY_FILE, --tenant,
-stats and verify with and without keys, rekey (rotation, resumed run), bad key files."""
+stats and verify with and without keys, rekey (rotation, resumed run, killed with -9 and
+run again), bad key files."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,8 +101,42 @@ def test_rekey_rotates_and_a_second_run_finds_nothing_left(sealed, capsys, monke
     assert report["totals"]["cached_tokens"] > 0
 
 
+def _console_script() -> str:
+    """The installed ``tiered-kv`` next to this interpreter (the venv's), else on PATH."""
+    local = Path(sys.executable).parent / "tiered-kv"
+    found = str(local) if local.exists() else shutil.which("tiered-kv")
+    if found is None:
+        pytest.fail("the tiered-kv console script is not installed (pip install -e .)")
+    return found
+
+
+def test_rekey_killed_mid_batch_then_run_again_loses_nothing(sealed, capsys) -> None:
+    """``tiered-kv rekey`` killed (SIGKILL, at a failpoint) after removing its second
+    batch and before writing it again: the batch is in the journal; run again, it is
+    put back and every record ends under the new key."""
+    store, k1, k2 = sealed
+    assert main(["stats", "--store", str(store), "--json"]) == 0
+    n = _json(capsys)["records"]
+    args = ["rekey", "--store", str(store), "--key-file", k2, "--old-key-file", k1, "--tenant", "acme",
+            "--batch", "5", "--json"]
+    env = {**os.environ, "TIERED_KV_FAILPOINT": "rekey-deleted:2"}
+    proc = subprocess.run([_console_script(), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    journal = store / "rekey-journal"
+    assert journal.is_file() and stat.S_IMODE(journal.stat().st_mode) == 0o600
+    assert main(["stats", "--store", str(store), "--json"]) == 0  # (a plain open puts nothing back)
+    assert _json(capsys)["records"] == n - 5
+    assert main(args) == 0
+    r = _json(capsys)
+    assert (r["checked"], r["restored"], r["current"], r["rekeyed"], r["lost"]) == (n, 5, 10, n - 10, 0)
+    assert r["journal"] == str(journal) and not journal.exists()
+    assert main(["verify", "--store", str(store), "--key-file", k2, "--tenant", "acme", "--json"]) == 0
+    v = _json(capsys)
+    assert (v["checked"], v["authenticated"], v["key_records"]) == (n, n, {r["key_id"]: n})
+
+
 def test_bad_key_options_are_usage_errors(sealed, capsys, tmp_path: Path) -> None:
-    store, k1, _ = sealed
+    store, k1, k2 = sealed
     os.chmod(k1, 0o640)
     assert main(["stats", "--store", str(store), "--key-file", k1]) == 2
     assert "chmod 600" in capsys.readouterr().err
@@ -107,3 +146,12 @@ def test_bad_key_options_are_usage_errors(sealed, capsys, tmp_path: Path) -> Non
     assert "--tenant: expected --key-file" in capsys.readouterr().err
     assert main(["rekey", "--store", str(store), "--key-file", k1]) == 2
     assert "--old-key-file: expected at least one" in capsys.readouterr().err
+    os.chmod(k1, 0o600)
+    rekey = ["rekey", "--store", str(store), "--key-file", k2, "--old-key-file", k1, "--tenant", "acme"]
+    assert main([*rekey, "--journal", str(tmp_path / "j")]) == 2
+    assert "--journal: journal: expected None for a local store" in capsys.readouterr().err
+    from tiered_kv.storage.rekey_journal import RekeyJournal
+
+    with RekeyJournal(store / "rekey-journal").holding(required=True):  # another rekey is running
+        assert main(rekey) == 5
+    assert "a rekey of this store is running in another process" in capsys.readouterr().err

@@ -5,11 +5,18 @@ overwrites two objects with records under valid checksums, copies a third under 
 key (relabelled, checksum fixed) and deletes a fourth. A reads the first three as
 authentication failures and the fourth as a plain miss; the rest are exact. No object in
 the bucket holds a 64-byte run of any payload; the wrong key and another tenant read only
-misses; a sync to a sealed bucket and a prefetch from it keep records sealed there.
+misses; a sync to a sealed bucket and a prefetch from it keep records sealed there; a
+rekey of the bucket killed mid-batch loses nothing (its journal is a local file).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -206,3 +213,42 @@ def test_sync_to_and_prefetch_from_a_sealed_bucket(server: SeaweedFS, url: str, 
     monkeypatch.delenv("TIERED_KV_KEY_FILE")
     assert cli_main(["prefetch", "--from", url, "--to", str(tmp_path / "node-c"), "--prompts", "bundled",
                      "--salt", "acme", "--key-file", _keyfile(tmp_path, "wrong.key"), "--json"]) == 1
+
+
+@pytest.mark.s3
+def test_rekey_of_a_bucket_killed_mid_batch_then_run_again_loses_nothing(
+        server: SeaweedFS, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``tiered-kv rekey`` of a bucket, killed (SIGKILL) after removing its second batch:
+    the batch waits in the default local journal (under $XDG_CACHE_HOME, owner-only);
+    run again on the same machine, it is put back and every record is under the new key."""
+    from tiered_kv import presets
+
+    layout = presets.tiny()
+    old, new = _keyfile(tmp_path, "old.key"), _keyfile(tmp_path, "new.key")
+    items = [_item(_key(100 + i), layout.block_bytes) for i in range(12)]
+    with open_store(url, layout_fingerprint=layout.fingerprint, encryption={"key_files": [old], "tenant": "acme"},
+                    **_creds(server)) as s:
+        assert s.put_many(items) == [True] * 12
+    env = {**os.environ, **server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("TIERED_KV_KEY_FILE", None)
+    args = ["rekey", "--store", url, "--key-file", new, "--old-key-file", old, "--tenant", "acme", "--batch", "4",
+            "--json"]
+    proc = subprocess.run([sys.executable, "-m", "tiered_kv.cli", *args],
+                          env={**env, "TIERED_KV_FAILPOINT": "rekey-deleted:2"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    journals = list((tmp_path / "cache" / "tiered_kv" / "rekey").glob("*.journal"))
+    assert len(journals) == 1 and stat.S_IMODE(journals[0].stat().st_mode) == 0o600
+    assert len(_bucket_objects(server, url)) == 1 + 12 - 4  # zarr.json + the records left
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["restored"], r["current"], r["rekeyed"], r["lost"], r["journal"]) == (4, 8, 4, 0, str(journals[0]))
+    assert not journals[0].exists()
+    with open_store(url, layout_fingerprint=layout.fingerprint, encryption={"key_files": [new], "tenant": "acme"},
+                    **_creds(server)) as s:
+        for it, out in zip(items, _read(s, items)):
+            assert out is not None
+            np.testing.assert_array_equal(out, it.payload)

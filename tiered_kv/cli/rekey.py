@@ -10,25 +10,40 @@ seal under the new one); ``rekey`` then rewrites every record still sealed under
 key (``--old-key-file``, repeatable) under the new one (``--key-file``), for the
 ``--tenant`` given; after it, the old key file can be retired. Records under the new key
 are skipped without being decrypted, so the command is resumable: stopped at any point
-(kill -9 included), it is run again and finishes. Each batch of ``--batch`` records is
-read, authenticated and decrypted, then removed and written again (a write-once store
-has no overwrite): a process killed between the two loses at most that batch, which is
-a cache miss later, never wrong bytes. Records under no key given (another tenant,
-another key) are left alone and counted (``foreign``); records whose tag fails under a
-key given are removed (``failed``). A progress bar is drawn on stderr when it is a
-terminal.
+(kill -9 included), it is run again and finishes.
 
-JSON: ``{"store", "model", "tenant_given", "key_id", "old_key_ids", "checked", "rekeyed",
-"current", "foreign", "failed", "absent", "unchecked", "lost", "wall_s"}``.
+It loses no record, wherever it is stopped. Each batch of ``--batch`` records is read,
+authenticated, decrypted and sealed under the new key; the new envelopes are written to
+the rekey journal and fsynced before the old records are removed and the new ones
+written (a write-once store has no overwrite); then the journal is deleted. A run
+killed mid-batch leaves the batch in the journal; the next run puts back whatever the
+store lacks (``restored``) before going on, and for a local store so does any process
+that opens it with a key. The journal of a local store (LMDB, Zarr directory) is
+``rekey-journal`` in its directory; an object store's is a local file, ``--journal
+PATH``, by default ``$XDG_CACHE_HOME/tiered_kv/rekey/<hash of the URL>.journal`` (so
+rerun an interrupted rekey of a bucket on the same machine, or with the same
+``--journal``). It holds only ciphertext under the new key, mode 0600. One rekey per
+store at a time (exit 5 otherwise).
+
+Records under no key given (another tenant, another key) are left alone and counted
+(``foreign``); records whose tag fails under a key given are removed (``failed``). A
+progress bar is drawn on stderr when it is a terminal.
+
+JSON: ``{"store", "model", "tenant_given", "key_id", "old_key_ids", "journal", "checked",
+"rekeyed", "current", "foreign", "failed", "absent", "unchecked", "restored", "lost",
+"wall_s"}`` (``lost``: records of a left journal whose checksum failed, 0 unless the
+journal's disk damaged it).
 
 Exit codes: 0 every record under an old key given was rewritten (foreign ones may
 remain); 1 records failed authentication; 2 bad arguments or key files; 3 no store at
-``--store``; 4 the store holds another layout; 5 the store is locked.
+``--store``; 4 the store holds another layout; 5 the store is locked, or another rekey of
+it is running. Exit 1 too when a left journal had damaged records (``lost``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -42,17 +57,22 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "rekey",
-        help="rewrite a store's records sealed under old master keys under a new one (resumable)",
+        help="rewrite a store's records sealed under old master keys under a new one (resumable, loses nothing)",
         description="Rewrite every record sealed under an --old-key-file under --key-file, for one "
-                    "tenant. Resumable: records under the new key are skipped.",
+                    "tenant. Resumable: records under the new key are skipped. Crash-safe: the batch in "
+                    "flight is journaled first, and a rerun puts back what a killed run left out.",
         epilog="exit codes: 0 ok, 1 records failed authentication, 2 bad arguments, 3 store missing, "
-               "4 foreign-layout store, 5 store locked",
+               "4 foreign-layout store, 5 store locked (or another rekey of it running)",
     )
     _common.add_store_arg(p)
     _common.add_layout_args(p)
     _keys.add_key_args(p)
     p.add_argument("--batch", type=_common.positive_int, default=16, metavar="N",
                    help="records read and rewritten together (default %(default)s)")
+    p.add_argument("--journal", default=None, metavar="PATH",
+                   help="object stores: the local file that keeps the batch in flight, so that a killed run "
+                        "loses nothing (default: under $XDG_CACHE_HOME/tiered_kv/rekey/, by the store URL's "
+                        "hash); a local store keeps it in its own directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -83,19 +103,37 @@ def _run(args: argparse.Namespace) -> int:
             ids = store.keyring.key_ids  # type: ignore[attr-defined]
             if len(ids) < 2:
                 raise UsageError("--old-key-file: expected a key other than --key-file (the same key was given)")
-            report = store.rekey({RecordKind.BLOCK: layout.block_bytes,  # type: ignore[attr-defined]
-                                  RecordKind.SNAPSHOT: layout.snapshot_bytes}, batch=args.batch, progress=show)
+            try:
+                journal = store.rekey_journal(args.journal)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                raise UsageError(f"--journal: {exc}") from None
+            try:
+                report = store.rekey({RecordKind.BLOCK: layout.block_bytes,  # type: ignore[attr-defined]
+                                      RecordKind.SNAPSHOT: layout.snapshot_bytes}, batch=args.batch,
+                                     journal=args.journal, progress=show)
+            except Exception as exc:  # (mapped to an exit code below; first say where the batch is)
+                for note in getattr(exc, "__notes__", ()):
+                    print(f"tiered-kv rekey: {note}", file=sys.stderr)
+                raise
     finally:
         progress.close()
     out = {"store": loc.url, "model": layout.name, "tenant_given": args.tenant is not None,
-           "key_id": ids[0], "old_key_ids": ids[1:], **report.as_dict(), "wall_s": time.perf_counter() - t0}
+           "key_id": ids[0], "old_key_ids": ids[1:], "journal": str(journal.path), **report.as_dict(),
+           "wall_s": time.perf_counter() - t0}
     if args.json:
         _common.print_json(out)
     else:
         print(f"{loc.url}: {out['checked']} records checked: {out['rekeyed']} rewritten under {ids[0]}, "
               f"{out['current']} were already, {out['foreign']} under no key given (left alone), "
               f"{out['failed']} failed authentication (removed), {out['absent']} gone meanwhile")
+        if out["restored"] or out["lost"]:
+            print(f"  {out['restored']} records put back from the journal of an interrupted run ({journal.path})"
+                  + (f"; {out['lost']} were damaged there and are misses" if out["lost"] else ""))
     if out["failed"]:
         raise CommandFailed(ExitCode.FAILURE, f"{out['failed']} records failed authentication under a key given "
                                               f"and were removed; the others were rewritten")
+    if out["lost"]:
+        raise CommandFailed(ExitCode.FAILURE, f"{out['lost']} records in the journal of an interrupted run "
+                                              f"({journal.path}) failed their checksum (a damaged disk) and were "
+                                              f"not put back: misses later; the others were rewritten")
     return ExitCode.OK

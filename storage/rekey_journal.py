@@ -1,0 +1,261 @@
+"""The rekey journal: the batch of records :meth:`EncryptedStore.rekey` is rewriting.
+
+A write-once store has no overwrite, so ``rekey`` removes each record sealed under an old
+key and writes it again under the new one. Between the two the record is nowhere in the
+store: a process killed there (kill -9, OOM, power loss) would lose it. So each batch
+goes::
+
+    seal the batch under the new key (the envelopes that will be stored)
+    write them to the journal, fsync, rename into place, fsync the directory
+    delete the batch's records from the store
+    put the new envelopes
+    delete the journal
+
+and whoever next takes the journal's lock puts back every journaled record the store
+lacks: the next ``rekey`` run (always), and, for a store with a directory, any process
+that opens it encrypted (:class:`~.encrypted.EncryptedStore` replays at open). At every
+instant each record is in the store (under the old key or the new), in the journal, or
+both; and whatever is put back is exactly what the run would have put, checksummed.
+
+File format (little-endian)::
+
+    offset  size  field
+         0     4  magic            b"TKVJ"
+         4     2  version          u16, = JOURNAL_VERSION
+         6     2  reserved         zero
+         8     8  record count     u64
+        16     …  the records back to back, each in the record format of :mod:`.record`
+                  (header with key, masked parent hash and token digest, layout
+                  fingerprint; payload = the envelope sealed under the new key; xxh3-128)
+
+It is written whole to ``<journal>.partial`` (0o600), fsynced, and renamed over the
+journal, so the journal is complete or absent, never torn; a partial file is the trace of
+a run killed before it removed anything, and is discarded. A journaled record whose
+checksum fails (damaged media) is not put back and is counted ``lost``: a later miss,
+never wrong bytes. It holds only what the store holds: ciphertext under the new key and
+headers whose parent hash and token digest are masked, so it reveals nothing more than
+the store does; still it is owner-only (0o600, its directories 0o700).
+
+Where: a store with a directory (LMDB, a Zarr directory) keeps it there, as
+``rekey-journal``, so that every process opening the store finds it. An object store's is
+a local file: the ``journal`` argument (``tiered-kv rekey --journal PATH``), by default
+``$XDG_CACHE_HOME/tiered_kv/rekey/<sha256 of the store's URL, 16 hex>.journal``
+(``~/.cache`` without ``XDG_CACHE_HOME``); the next ``rekey`` of that store on the same
+machine (or given the same ``--journal``) replays it.
+
+Lock: ``<journal>.lock``, an ``flock`` (released by the kernel when its holder dies, kill
+-9 included). A ``rekey`` run holds it throughout (a second run of the same store raises
+:class:`~.errors.StoreLockedError`); an opener that replays takes it for the replay, and
+skips the replay when a run holds it (the run replays, or whoever comes after it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import signal
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .base import BlockStore, PutItem, create_private_file, fsync_dir, mkdir_private
+from .errors import CorruptRecordError, StoreError, StoreLockedError
+from .record import HEADER_BYTES, RecordKey, decode_record, parse_header, record_parts, record_size
+
+__all__ = [
+    "FAILPOINT_ENV",
+    "JOURNAL_NAME",
+    "JOURNAL_VERSION",
+    "RekeyJournal",
+    "ReplayResult",
+    "default_journal_path",
+    "failpoint",
+]
+
+#: File name of the journal inside a local store's directory.
+JOURNAL_NAME = "rekey-journal"
+JOURNAL_MAGIC = b"TKVJ"
+JOURNAL_VERSION = 1
+_HEAD = struct.Struct("<4sHHQ")
+_PAYLOAD_LEN = struct.Struct("<Q")
+_PAYLOAD_LEN_AT = HEADER_BYTES - _PAYLOAD_LEN.size  # the record header's last field
+#: Journaled records put back per backend call.
+_REPLAY_CHUNK_BYTES = 8 << 20
+_IOV_MAX = 512
+#: Environment variable of the kill -9 tests (see :func:`failpoint`).
+FAILPOINT_ENV = "TIERED_KV_FAILPOINT"
+
+
+def failpoint(name: str, n: int) -> None:
+    """A place a kill -9 test can stop this process: when the environment variable
+    ``TIERED_KV_FAILPOINT`` is ``"<name>:<n>"`` (e.g. ``rekey-deleted:2``, the second
+    batch rewritten), this process kills itself with SIGKILL here. Unset (always, outside
+    tests): one dictionary lookup."""
+    spec = os.environ.get(FAILPOINT_ENV)
+    if spec and spec == f"{name}:{n}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def default_journal_path(where: str) -> Path:
+    """The journal of the object store at ``where`` (its URL as the store names it) when
+    none is given: under the user's cache directory, named by a hash of the URL."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    name = hashlib.sha256(where.encode()).hexdigest()[:16]
+    return Path(base) / "tiered_kv" / "rekey" / f"{name}.journal"
+
+
+@dataclass
+class ReplayResult:
+    """What :meth:`RekeyJournal.replay` did with the records of a journal left behind."""
+
+    restored: int = 0   # journaled records the store lacked: put back
+    present: int = 0    # already in the store (under the old key or the new)
+    lost: int = 0       # journaled records whose checksum failed: not put back
+
+
+class RekeyJournal:
+    """The journal file at ``path`` (see the module docstring), its lock and its
+    temporary. ``writes`` counts :meth:`write` calls (the batch number of failpoints)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"journal: expected a file path (created if needed), got the directory {self.path}")
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.partial_path = self.path.with_name(self.path.name + ".partial")
+        self.writes = 0
+
+    def exists(self) -> bool:
+        """Whether a journal (complete: a batch may be out of the store) is there."""
+        return self.path.is_file()
+
+    @contextlib.contextmanager
+    def holding(self, *, required: bool) -> Iterator[bool]:
+        """Hold the journal's lock while inside. Yields True once held; when another
+        process (or handle) holds it: ``required`` raises :class:`StoreLockedError`,
+        else yields False (the holder owns the journal)."""
+        mkdir_private(self.path.parent)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if required:
+                    raise StoreLockedError(f"{self.lock_path}: a rekey of this store is running in another "
+                                           f"process (or a process opening the store is putting back a killed "
+                                           f"rekey's batch, for a moment); run one rekey at a time") from None
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # (releases the lock)
+
+    def write(self, items: Sequence[PutItem], layout_fingerprint: str) -> None:
+        """Make ``items`` (the batch sealed under the new key, as it will be stored) the
+        journal, durably: written to the temporary, fsynced, renamed over the journal, the
+        directory fsynced. The caller holds the lock."""
+        self.writes += 1
+        mkdir_private(self.path.parent)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.partial_path)  # a run killed while journaling left it: nothing was removed then
+        fd = create_private_file(self.partial_path)
+        if fd is None:
+            raise StoreError(f"{self.partial_path}: created by someone else while this rekey holds the lock")
+        try:
+            bufs: list[object] = [_HEAD.pack(JOURNAL_MAGIC, JOURNAL_VERSION, 0, len(items))]
+            for item in items:
+                bufs += record_parts(key=item.key, parent_hash=item.parent_hash, token_digest=item.token_digest,
+                                     layout_fingerprint=layout_fingerprint, payload=item.payload)
+            _write_all(fd, bufs)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        failpoint("rekey-partial", self.writes)
+        os.replace(self.partial_path, self.path)
+        fsync_dir(self.path.parent)  # durable before any record is removed
+
+    def clear(self) -> None:
+        """Delete the journal (its batch is in the store). Not fsynced: a journal that
+        comes back after a power loss only puts back records the store holds already."""
+        for p in (self.path, self.partial_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def replay(self, store: BlockStore) -> ReplayResult:
+        """Put every journaled record ``store`` lacks (a write-once put leaves the ones it
+        has alone), then delete the journal. The caller holds the lock. Raises
+        :class:`StoreError` when the file is not a rekey journal (left in place)."""
+        result = ReplayResult()
+        if not self.exists():
+            self.clear()  # (a partial file: its run removed nothing)
+            return result
+        fp = store.layout_fingerprint
+        with open(self.path, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) != _HEAD.size or _HEAD.unpack(head)[:3] != (JOURNAL_MAGIC, JOURNAL_VERSION, 0):
+                raise StoreError(f"{self.path}: not a rekey journal of this version (expected magic "
+                                 f"{JOURNAL_MAGIC!r}, version {JOURNAL_VERSION}); move it away")
+            count = _HEAD.unpack(head)[3]
+            left = os.fstat(f.fileno()).st_size - _HEAD.size
+            chunk: list[PutItem] = []
+            chunk_bytes = 0
+            good = 0
+
+            def put_chunk() -> None:
+                nonlocal chunk_bytes
+                if chunk:
+                    written = store.put_many(chunk)
+                    result.restored += sum(written)
+                    result.present += len(written) - sum(written)
+                    chunk.clear()
+                    chunk_bytes = 0
+
+            for _ in range(count):
+                if left < HEADER_BYTES:
+                    break  # the rest is missing: lost
+                rec_head = f.read(HEADER_BYTES)
+                size = record_size(_PAYLOAD_LEN.unpack_from(rec_head, _PAYLOAD_LEN_AT)[0])
+                if size > left:
+                    break  # a damaged length: nothing after it can be found
+                buf = np.empty(size, np.uint8)
+                buf[:HEADER_BYTES] = np.frombuffer(rec_head, np.uint8)
+                if f.readinto(memoryview(buf)[HEADER_BYTES:]) != size - HEADER_BYTES:
+                    break
+                left -= size
+                try:
+                    parsed = parse_header(buf, size)
+                    key = RecordKey(parsed.kind, parsed.block_hash)
+                    meta = decode_record(buf, expect_key=key, expect_fingerprint=fp)
+                except CorruptRecordError:
+                    continue  # lost: never put back unverified
+                good += 1
+                chunk.append(PutItem(key, meta.parent_hash, meta.token_digest,
+                                     buf[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes]))
+                chunk_bytes += size
+                if chunk_bytes >= _REPLAY_CHUNK_BYTES:
+                    put_chunk()
+            put_chunk()
+        result.lost = count - good
+        self.clear()
+        return result
+
+    def __repr__(self) -> str:
+        return f"RekeyJournal({str(self.path)!r})"
+
+
+def _write_all(fd: int, bufs: Sequence[object]) -> None:
+    """Write ``bufs`` (bytes-like, in order) to ``fd`` completely, with ``writev``."""
+    views = [memoryview(b).cast("B") for b in bufs]  # type: ignore[arg-type]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i:i + _IOV_MAX])
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
