@@ -19,6 +19,8 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
               b"next_segment"                     u32 LE, the next segment id to hand out
               b"writer"                           JSON: who created the store (writer.py)
               b"segment_end:" + u32 BE segment    u64 LE, the segment is indexed below this offset
+              b"segment_gen:" + u32 BE segment    u64 LE, bumped by every transaction that indexes
+                                                  records into the segment (gc compares it)
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
     lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
 
@@ -85,6 +87,17 @@ takes back once there is room. The map starts at
 ``initial_map_size`` (default ``min(map limit, 1 GiB)``) and doubles on ``MDB_MAP_FULL``
 up to the map limit, ``map_size`` if given, else ``1.5 * max_bytes + 64 MiB``; at the
 limit ``put_many`` raises :class:`StoreFullError` and the transaction is aborted.
+
+Reclaiming space (``gc``, ``verify(repair=True)``): recovery runs first, then one read
+transaction collects every segment's live ranges and ``segment_gen``, then each segment is
+locked (its ``flock``) in turn and given back what no entry covers (see
+:meth:`SegmentFiles.reclaim`). Only the holder of a segment's lock commits index entries
+into it, so once gc holds the lock the segment's entries cannot change but by deletes; a
+``segment_gen`` that moved since the snapshot means entries were indexed into it meanwhile
+(a writer that committed, then let go, before gc got there; a recovery in another
+process): that segment is left for the next gc. So gc only gives back bytes that no
+committed index entry covers while it holds the segment's lock. Bytes past a segment's
+``segment_end`` (recovery could not index them: a full disk) are kept too.
 
 Index damage. LMDB maps ``data.mdb`` and follows page numbers through the mapping: a
 truncated file is a SIGBUS, a zeroed page an assertion abort or garbage. So every open
@@ -170,6 +183,7 @@ from .segments import (
     Appended,
     Location,
     ReadTask,
+    Reclaimable,
     SegmentFiles,
     allocate_blocks,
 )
@@ -216,6 +230,9 @@ _M_COUNTERS = b"counters"
 #: + u32 BE segment id -> u64 LE: the segment's bytes below this offset are indexed (what
 #: is past it, when no writer holds the segment, is scanned and verified on open / gc)
 _M_SEGMENT_END = b"segment_end:"
+#: + u32 BE segment id -> u64 LE: bumped by every transaction that indexes records into the
+#: segment; gc reclaims a segment only if it did not move since gc read the index
+_M_SEGMENT_GEN = b"segment_gen:"
 _U32BE = struct.Struct(">I")
 
 _REGISTRY = OpenRegistry()
@@ -232,6 +249,10 @@ def _close_env(env: lmdb.Environment, ident: tuple[int, int]) -> None:
 
 def _segment_end_key(seg: int) -> bytes:
     return _M_SEGMENT_END + _U32BE.pack(seg)
+
+
+def _segment_gen_key(seg: int) -> bytes:
+    return _M_SEGMENT_GEN + _U32BE.pack(seg)
 
 
 def _align_up(x: int) -> int:
@@ -971,7 +992,14 @@ class LmdbStore(BlockStore):
         self._apply_access(txn, taken)
         for seg, end in ends.items():
             txn.put(_segment_end_key(seg), _U64.pack(end), db=self._meta)
+            self._bump_segment_gen(txn, seg)
         return [self._index_puts(txn, b.items, b.kbs, b.sizes, b.seen, b.new, b.locs) for b in batches]
+
+    def _bump_segment_gen(self, txn: lmdb.Transaction, seg: int) -> None:
+        """Mark segment ``seg`` as indexed into by this transaction (see _reclaim)."""
+        raw = txn.get(_segment_gen_key(seg), db=self._meta)
+        n = _U64.unpack(bytes(raw))[0] if raw is not None and len(raw) == _U64.size else 0
+        txn.put(_segment_gen_key(seg), _U64.pack(n + 1), db=self._meta)
 
     def _corrupt_among(self, present: list[tuple[int, RecordKey, bytes]]) -> set[int]:
         """Which of the indexed records ``(index, key, index value)`` fail their checks."""
@@ -1383,6 +1411,8 @@ class LmdbStore(BlockStore):
         this code does not write (a newer version's: never a problem)."""
         if kb.startswith(_M_SEGMENT_END):
             return _U64.size if len(kb) == len(_M_SEGMENT_END) + _U32BE.size else None
+        if kb.startswith(_M_SEGMENT_GEN):
+            return _U64.size if len(kb) == len(_M_SEGMENT_GEN) + _U32BE.size else None
         return {_M_FORMAT: _U16.size, _M_RECORD_FORMAT: _U16.size, _M_FINGERPRINT: -1, _M_TOTAL: _U64.size,
                 _M_NEXT_SEGMENT: _U32.size, _M_COUNTERS: _U64.size * len(StoreStats.NAMES)}.get(kb)
 
@@ -1390,8 +1420,9 @@ class LmdbStore(BlockStore):
         """Fix what :meth:`_index_entry_problems` finds: access entries of the wrong
         length or of records not indexed are deleted (``verify``'s repair then gives each
         record without one a fresh access time), a bad ``segment_end`` is set to 0 (the
-        next recovery scans the segment whole; indexed keys are skipped), bad counters
-        are reset, ``next_segment`` moves past the last segment file."""
+        next recovery scans the segment whole; indexed keys are skipped), a bad
+        ``segment_gen`` is set to 0, bad counters are reset, ``next_segment`` moves past
+        the last segment file."""
         stale_atime = [bytes(k) for k, v in txn.cursor(db=self._atime)
                        if len(k) != KEY_BYTES or len(v) != _ATIME.size or txn.get(k, db=self._records) is None]
         for kb in stale_atime:
@@ -1414,6 +1445,8 @@ class LmdbStore(BlockStore):
                 continue
             if kb.startswith(_M_SEGMENT_END):
                 txn.put(kb, _U64.pack(0), db=self._meta)
+            elif kb.startswith(_M_SEGMENT_GEN):
+                txn.put(kb, _U64.pack(0), db=self._meta)  # (moved: a gc that read it skips the segment)
             elif kb in (_M_COUNTERS, _M_TOTAL):
                 txn.delete(kb, db=self._meta)  # counters restart; the total is recomputed
         on_disk = self._segments.segment_ids()
@@ -1473,29 +1506,79 @@ class LmdbStore(BlockStore):
             n += 1
         txn.put(_M_TOTAL, _U64.pack(total), db=self._meta)
         txn.put(_segment_end_key(seg), _U64.pack(size), db=self._meta)
+        if n:
+            self._bump_segment_gen(txn, seg)
         return n, freed
 
     def _reclaim(self) -> dict[str, int]:
-        """Give back the segment space no index entry covers (see SegmentFiles.reclaim),
-        after indexing what dead writers left (see _recover)."""
+        """Give back the segment space no index entry covers, after indexing what dead
+        writers left (see _recover).
+
+        One read transaction takes every segment's live ranges and ``segment_gen`` (the
+        snapshot); then :meth:`SegmentFiles.reclaim` locks each segment in turn and asks
+        :meth:`_reclaimable`, which reads the segment's ``segment_gen`` and
+        ``segment_end`` again, now that the lock is held. The invariant (module
+        docstring): gc only gives back bytes that no committed index entry covers at the
+        moment it holds the segment's lock, and no index entry for that segment can be
+        committed while it holds it."""
         try:
             self._recover()
         except StoreFullError:
-            pass
-        def live(txn: lmdb.Transaction) -> dict[int, list[tuple[int, int]]]:
-            out: dict[int, list[tuple[int, int]]] = {}
+            pass  # what it could not index is past its segment's segment_end: kept
+
+        def snapshot(txn: lmdb.Transaction) -> tuple[dict[int, list[tuple[int, int]]], dict[int, bytes]]:
+            live: dict[int, list[tuple[int, int]]] = {}
             for value in txn.cursor(db=self._records).iternext(keys=False, values=True):
                 found = unpack_entry(value)
                 if found is not None:
                     loc = found[0]
-                    out.setdefault(loc.segment, []).append((loc.offset, loc.end))
-            for ranges in out.values():
+                    live.setdefault(loc.segment, []).append((loc.offset, loc.end))
+            for ranges in live.values():
                 ranges.sort()
-            return out
+            gens: dict[int, bytes] = {}
+            cur = txn.cursor(db=self._meta)
+            ok = cur.set_range(_M_SEGMENT_GEN)
+            while ok and bytes(cur.key()).startswith(_M_SEGMENT_GEN):
+                key = bytes(cur.key())
+                if len(key) == len(_M_SEGMENT_GEN) + _U32BE.size:
+                    gens[_U32BE.unpack(key[len(_M_SEGMENT_GEN):])[0]] = bytes(cur.value())
+                ok = cur.next()
+            return live, gens
 
-        # A writer that appends now only writes its own (flock'ed, skipped) segment, so a
-        # snapshot of the index is enough for the sealed ones.
-        return self._segments.reclaim(self._run(live, write=False))
+        live, gens = self._run(snapshot, write=False)
+        done = self._segments.reclaim(lambda seg: self._reclaimable(seg, live.get(seg, []), gens.get(seg)))
+        self._forget_segments(done.removed)
+        return {"segments_removed": len(done.removed), "punched_bytes": done.punched}
+
+    def _reclaimable(self, seg: int, live: list[tuple[int, int]], gen: bytes | None) -> Reclaimable | None:
+        """What gc may give back of segment ``seg``, whose lock it holds: its ``live``
+        ranges as the snapshot saw them, if nothing was indexed into it since (its
+        ``segment_gen`` is still ``gen``; else None: the next gc), up to its
+        ``segment_end`` (past it: not scanned by a recovery yet, kept)."""
+        def read(txn: lmdb.Transaction) -> tuple[bytes | None, int | None]:
+            raw = txn.get(_segment_gen_key(seg), db=self._meta)
+            return (None if raw is None else bytes(raw)), self._indexed_end(txn, seg)
+
+        now, indexed_end = self._run(read, write=False)
+        if now != gen:
+            return None
+        return Reclaimable(live, indexed_end)
+
+    def _forget_segments(self, segs: list[int]) -> None:
+        """Drop the ``meta`` entries of segments gc unlinked (ids are never reused).
+        Best effort: on a full disk they stay (they take a few bytes each)."""
+        if not segs:
+            return
+
+        def forget(txn: lmdb.Transaction) -> None:
+            for seg in segs:
+                txn.delete(_segment_end_key(seg), db=self._meta)
+                txn.delete(_segment_gen_key(seg), db=self._meta)
+
+        try:
+            self._run(forget, write=True)
+        except StoreFullError:
+            pass
 
     def gc(self, max_bytes: int) -> dict[str, Any]:
         """Evict least recently accessed records until at most ``max_bytes`` remain (see

@@ -9,9 +9,13 @@ segment::
 
 A writer process owns its *active* segment: it created it (ids come from a counter in the
 index, so a segment is never reused) and holds an exclusive ``flock`` on it until it rolls
-over to a new one or closes. A segment nobody holds is sealed: nothing is ever appended
-to it again, so :meth:`SegmentFiles.reclaim` (the store's ``gc``) may punch holes into its
-unindexed ranges or unlink it when nothing in it is indexed.
+over to a new one or closes, and past that until every batch it appended there is indexed
+or given up. A segment nobody holds is sealed: nothing is ever appended to it again, so
+:meth:`SegmentFiles.reclaim` (the store's ``gc``) may punch holes into its unindexed ranges
+or unlink it when nothing in it is indexed. The lock is what makes that safe: an index
+entry into a segment is only ever committed by whoever holds its lock (its writer, or a
+recovery scan), so what gc reads of the index while it holds the lock stays true until it
+lets go (see :meth:`SegmentFiles.reclaim`).
 
 Writes: each ``put_many`` is one batch (records packed back to back, padded to 4 KiB) in
 a range of the active segment reserved for it, so the threads of one process write their
@@ -63,7 +67,7 @@ from . import fastread
 from .base import fsync_dir, mkdir_private
 from .errors import StoreError
 
-__all__ = ["ALIGN", "Location", "SegmentFiles", "allocate_blocks", "punch_hole"]
+__all__ = ["ALIGN", "Location", "Reclaimable", "Reclaimed", "SegmentFiles", "allocate_blocks", "punch_hole"]
 
 T = TypeVar("T")
 
@@ -236,6 +240,34 @@ class Appended:
     locations: list[Location]
 
 
+@dataclass(frozen=True, slots=True)
+class Reclaimable:
+    """What ``gc`` may give back of one segment, as the index says while gc holds the
+    segment's lock (see :meth:`SegmentFiles.reclaim`).
+
+    ``live``: sorted ``(offset, end)`` of the records indexed in it. ``indexed_end``: the
+    segment's bytes from here on have not been scanned by a recovery yet (a dead
+    writer's batches, possibly acknowledged before an OS crash took their index commit):
+    they are kept; None: no such bound (a store written before segment ends were kept).
+    """
+
+    live: Sequence[tuple[int, int]]
+    indexed_end: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaimed:
+    """What :meth:`SegmentFiles.reclaim` gave back: the segments it unlinked, the bytes
+    it punched."""
+
+    removed: list[int]
+    punched: int
+
+
+#: Times a writer tries to create its next segment when a gc keeps taking the new file.
+_OPEN_TRIES = 16
+
+
 class _DirectUnsupported(Exception):
     pass
 
@@ -405,13 +437,31 @@ class SegmentFiles:
     # ------------------------------------------------------------------ writes
     def _open_segment(self) -> _Writing:
         """A fresh segment of this writer: created under a temporary name, flock'ed, then
-        renamed (a gc in another process never sees it unlocked), its name made durable."""
-        seg = self._new_id()
-        while self.file(seg).exists():  # an id whose allocation an OS crash undid: never reuse it
+        renamed (a gc never sees it under its own name unlocked), its name made durable.
+
+        A gc removes the temporary files it can lock (a writer that died between create
+        and rename leaves one): it may take this one between its create and its lock.
+        Then the lock or the rename fails, and this writer starts again with a new id."""
+        for _ in range(_OPEN_TRIES):
             seg = self._new_id()
+            while self.file(seg).exists():  # an id whose allocation an OS crash undid: never reuse it
+                seg = self._new_id()
+            fd = self._create_locked(seg)
+            if fd >= 0:
+                break
+        else:
+            raise StoreError(f"{self.path}: could not create a segment file: a gc removed each of the "
+                             f"{_OPEN_TRIES} new ones before this writer could lock it")
+        writing = _Writing(seg, fd)
+        with self._write_lock:
+            self._writing[seg] = writing
+        return writing
+
+    def _create_locked(self, seg: int) -> int:
+        """Create segment ``seg`` (see _open_segment): its write fd, flock'ed and under its
+        name, or -1 when a gc took the temporary file first."""
         path = self.file(seg)
         tmp = path.with_name(path.name + ".new")
-        fd = -1
         direct = self.direct_io is not False
         while True:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
@@ -425,8 +475,12 @@ class SegmentFiles:
                 raise
         try:
             os.fchmod(fd, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(tmp, path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.rename(tmp, path)
+            except (BlockingIOError, FileNotFoundError):
+                os.close(fd)  # a gc holds it (it unlinks it) or unlinked it already
+                return -1
             fsync_dir(self.path)  # the new file's name is durable before records point into it
         except BaseException:
             os.close(fd)
@@ -434,14 +488,16 @@ class SegmentFiles:
             raise
         if self.direct_io is None:
             self.direct_io = direct
-        writing = _Writing(seg, fd)
-        with self._write_lock:
-            self._writing[seg] = writing
-        return writing
+        return fd
 
     def _retire(self, w: _Writing) -> None:
         """No more appends to ``w``; its fd closes (the flock goes: the segment is sealed)
-        once no batch in it waits for its commit. Under ``_write_lock``."""
+        once no batch in it waits for its commit. Under ``_write_lock``.
+
+        A batch leaves ``pending`` only once its index transaction committed
+        (:meth:`release`) or it will never be indexed (:meth:`give_up`), so the lock is
+        held across every index commit into the segment: a gc that locks it afterwards
+        reads an index that holds them all."""
         w.retired = True
         if self._active is w:
             self._active = None
@@ -606,9 +662,10 @@ class SegmentFiles:
 
     @contextmanager
     def sealed(self, seg: int) -> Iterator[int | None]:
-        """Segment ``seg`` held sealed (an exclusive ``flock``: no writer appends to it, no
-        gc reclaims it meanwhile): yields a read fd, or None when this process writes to
-        it, another writer holds it, or it is gone."""
+        """Segment ``seg`` held sealed (an exclusive ``flock``: no writer appends to it or
+        indexes into it, no gc reclaims it meanwhile): yields a read fd, or None when this
+        process writes to it, another writer (or a recovery, or a gc) holds it, or it is
+        gone."""
         if seg in self._writing:
             yield None
             return
@@ -622,6 +679,9 @@ class SegmentFiles:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 yield None
+                return
+            if os.fstat(fd).st_nlink == 0:
+                yield None  # a gc unlinked it after this open: nothing to scan or index
                 return
             yield fd
         finally:
@@ -843,14 +903,24 @@ class SegmentFiles:
             finally:
                 os.close(fd)
 
-    def reclaim(self, live: dict[int, list[tuple[int, int]]]) -> dict[str, int]:
-        """Give back the space of sealed segments not covered by ``live`` (segment ->
-        sorted ``(offset, end)`` of its indexed records): unlink segments with nothing
-        live, punch the gaps of the others. Segments held by a writer are skipped."""
-        removed = punched = 0
+    def reclaim(self, reclaimable: Callable[[int], Reclaimable | None]) -> Reclaimed:
+        """Give back the space of sealed segments that no index entry covers: unlink a
+        segment with nothing indexed in it, punch the gaps of the others.
+
+        Each segment is locked (an exclusive ``flock``, taken without waiting: a segment a
+        writer, a recovery or another gc holds is skipped), then ``reclaimable(seg)`` says,
+        from the index as it is *now*, what is live in it (None: leave it). The invariant:
+        gc only gives back bytes that no committed index entry covers at the moment it
+        holds the segment's lock, and no index entry into that segment can be committed
+        while it holds it (only the holder of a segment's lock indexes into it: its writer
+        until its last batch there is indexed or given up, see ``_retire``; a recovery
+        scan). Bytes at or past the segment's ``indexed_end`` (not scanned by a recovery
+        yet) are kept. Returns what was given back."""
+        removed: list[int] = []
+        punched = 0
         for seg in self.segment_ids():
             if seg in self._writing:
-                continue
+                continue  # (a shortcut: the lock below is what decides)
             try:
                 fd = os.open(self.file(seg), os.O_WRONLY | os.O_CLOEXEC)
             except FileNotFoundError:
@@ -859,18 +929,19 @@ class SegmentFiles:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    continue  # a live writer's active segment
-                size = os.fstat(fd).st_size
-                ranges = live.get(seg, [])
-                if not ranges:
-                    os.unlink(self.file(seg))
-                    removed += 1
+                    continue  # a live writer's segment, or a recovery / another gc at work on it
+                st = os.fstat(fd)
+                if st.st_nlink == 0:
+                    continue  # another gc unlinked it after this open
+                plan = reclaimable(seg)
+                if plan is None:
                     continue
-                pos = 0
-                for a, b in [*ranges, (size, size)]:
-                    if a > pos and punch_hole(fd, pos, a - pos):
-                        punched += a - pos
-                    pos = max(pos, b)
+                end = st.st_size if plan.indexed_end is None else min(st.st_size, plan.indexed_end)
+                if not plan.live and end >= st.st_size:
+                    os.unlink(self.file(seg))
+                    removed.append(seg)
+                    continue
+                punched += _punch_gaps(fd, plan.live, end)
             finally:
                 os.close(fd)
         for name in os.listdir(self.path):  # segments a writer died creating
@@ -881,15 +952,15 @@ class SegmentFiles:
                     continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    os.unlink(self.path / name)
-                except BlockingIOError:
-                    pass
+                    os.unlink(self.path / name)  # (a writer that finds it gone starts another)
+                except (BlockingIOError, FileNotFoundError):
+                    pass  # its writer holds it / it is gone already
                 finally:
                     os.close(fd)
         if removed:
             fsync_dir(self.path)
         self.forget_removed()
-        return {"segments_removed": removed, "punched_bytes": punched}
+        return Reclaimed(removed, punched)
 
     def disk_bytes(self) -> int:
         """Bytes the segment files occupy on disk (holes excluded)."""
@@ -978,6 +1049,20 @@ def _read_group(fd: int, tasks: list[ReadTask], then: Callable[[ReadTask], None]
         t.ok = got == t.loc.length
         if t.ok and then is not None:
             then(t)
+
+
+def _punch_gaps(fd: int, live: Sequence[tuple[int, int]], end: int) -> int:
+    """Punch the bytes of ``[0, end)`` that no range of ``live`` (sorted ``(offset,
+    end)``) covers; returns the bytes punched."""
+    punched = pos = 0
+    for a, b in [*live, (end, end)]:
+        a = min(a, end)
+        if a > pos and punch_hole(fd, pos, a - pos):
+            punched += a - pos
+        pos = max(pos, b)
+        if pos >= end:
+            break
+    return punched
 
 
 def _cpus() -> int:

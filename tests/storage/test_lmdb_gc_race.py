@@ -144,10 +144,11 @@ def _dead_writer_tail(where: Path) -> Path:
     return segs[1]
 
 
-def test_gc_never_gives_back_records_another_process_recovered_after_its_snapshot(tmp_path: Path) -> None:
+def test_gc_never_gives_back_what_another_process_indexed_after_its_snapshot(tmp_path: Path) -> None:
     """A dead writer's segment is locked (by a recovery elsewhere) while this store opens
     and while gc runs its own recovery; then, after gc read the index, another process
-    opens the store and its recovery indexes the 8 records. gc must keep them."""
+    opens the store (its recovery indexes the 8 records), writes a batch into a segment
+    of its own and closes (that segment is sealed). gc must keep all of them."""
     where = tmp_path / "s"
     seg = _dead_writer_tail(where)
     held = [_lock(seg)]
@@ -157,14 +158,18 @@ def test_gc_never_gives_back_records_another_process_recovered_after_its_snapsho
 
             def recover_elsewhere() -> None:
                 os.close(held.pop())
-                code = ("import sys; from tiered_kv.storage import LmdbStore\n"
-                        "with LmdbStore(sys.argv[1], layout_fingerprint=sys.argv[2]) as s:\n"
-                        "    assert s.stats()['recovered_records'] == 8, s.stats()\n")
-                subprocess.run([sys.executable, "-c", code, str(where), FP], check=True, timeout=120)
+                code = ("import sys; sys.path.insert(0, sys.argv[2]); from tiered_kv.storage import LmdbStore\n"
+                        "from storage_helpers import FP, item_for, make_key\n"
+                        "with LmdbStore(sys.argv[1], layout_fingerprint=FP) as s:\n"
+                        "    assert s.stats()['recovered_records'] == 8, s.stats()\n"
+                        f"    assert s.put_many([item_for(make_key(200), {REC})]) == [True]\n")
+                subprocess.run([sys.executable, "-c", code, str(where), str(Path(__file__).parent)], check=True,
+                               timeout=120)
+                assert len(_segments(where)) == 3 and all(_unlocked(p) for p in _segments(where))
 
             got = _gc_with_meanwhile(store, recover_elsewhere)
             assert got["segments_removed"] == 0 and seg.exists()
-            assert verify_all(store, sizes={k: REC for k in ALL_KEYS}) == 10
+            assert verify_all(store, sizes={k: REC for k in [*ALL_KEYS, make_key(200)]}) == 11
     finally:
         for fd in held:  # (not closed if the test failed before its step)
             os.close(fd)
@@ -274,3 +279,26 @@ def test_two_gcs_unlinking_one_segment(tmp_path: Path, monkeypatch: pytest.Monke
         monkeypatch.undo()
         assert got["segments_removed"] == 0 and not first.exists()
         assert verify_all(store, sizes={make_key(1): REC}) == 1
+
+
+def test_gc_drops_the_index_entries_of_the_segments_it_unlinks(tmp_path: Path) -> None:
+    """Each segment has a few ``meta`` entries (its indexed end, its generation); gc drops
+    them with the segment (ids are never reused), so the index does not grow with every
+    segment a store ever had."""
+    where = tmp_path / "s"
+    with LmdbStore(where, layout_fingerprint=FP, segment_bytes=PADDED) as store:
+        for i in range(3):
+            store.put_many([item_for(make_key(i), REC)])
+        for i in range(2):
+            store.delete(make_key(i))
+
+        def segments_in_meta() -> set[int]:
+            def read(txn: Any) -> set[int]:
+                keys = [bytes(k) for k in txn.cursor(db=store._meta).iternext(keys=True, values=False)]
+                return {int.from_bytes(k[-4:], "big") for k in keys if k.startswith((b"segment_end:", b"segment_gen:"))}
+            return store._run(read, write=False)
+
+        assert segments_in_meta() == {1, 2, 3}
+        assert store.gc(1 << 40)["segments_removed"] == 2
+        assert segments_in_meta() == {3} and [p.name for p in _segments(where)] == [segment_name(3)]
+        assert verify_all(store, sizes={make_key(2): REC}) == 1
