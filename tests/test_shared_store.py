@@ -199,7 +199,7 @@ def test_chain_put_writes_level0_now_and_far_in_background(near: LmdbStore, far:
         far.gate.clear()                                   # the far level hangs: put must not wait
         t0 = time.monotonic()
         assert chain.put_many([item_for(k, N) for k in keys]) == [True] * 20
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 10   # the far level hangs until the gate opens: no wait on it
         assert all(near.contains(k) for k in keys)
         far.gate.set()
         assert chain.wait_uploads(10)
@@ -219,10 +219,10 @@ def test_hung_far_level_times_out_then_is_skipped_then_recovers(near: LmdbStore,
         out = _out()
         t0 = time.monotonic()
         assert chain.get(key, out) is None                 # abandoned after timeout_s: a miss
-        assert 0.25 < time.monotonic() - t0 < 0.3 + 0.3
-        t0 = time.monotonic()
+        assert 0.25 < time.monotonic() - t0 < 0.3 + 5     # the bound, not the hang (+ a loaded CI)
+        before = far.calls
         assert chain.get(key, _out()) is None and not chain.contains(key)
-        assert time.monotonic() - t0 < 0.05                # down: skipped, nothing waits
+        assert far.calls == before                         # down: skipped, nothing waits on it
         s = chain.stats()
         assert (s["timeouts"], s["levels_down"]) == (1, 1) and s["level_unavailable"] >= 2
         assert "timed out" in s["levels"][1]["last_error"]

@@ -15,7 +15,6 @@ import os
 import selectors
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -175,9 +174,8 @@ def test_second_server_on_the_same_store_answers_from_disk(
     assert w["store"]["hits"] > 0 and w["store"]["misses"] == 0 and w["store"]["corrupt"] == 0
     assert w["store"]["records_added"] == 0 and w["store"]["records"] == c["store"]["records"]
     assert w["totals"]["computed_tokens"] < c["totals"]["computed_tokens"] / 3
-    # TTFT drops: most prompts answer faster from disk (one stall of a shared CPU can hit one)
-    ratios = [rw["ttft_s"] / rc["ttft_s"] for rc, rw in zip(c["prompts"], w["prompts"])]
-    assert statistics.median(ratios) < 1, ratios
+    # (That the time to first token drops with it is a timing, measured by
+    # bench/endpoint_warm_start.py, not asserted here: a loaded CI machine can stall any run.)
 
     # the second server's completions (over KV read from disk) are the naive greedy decode
     assert fresh_answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(encode(SYSTEM)) // 128 * 128
