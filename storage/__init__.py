@@ -56,6 +56,7 @@ from .record import (
     encode_record_into,
     record_size,
 )
+from .rows import RowScatter
 from .writer import StoreWriter, WriterKind, tenant_hash
 from .zarr_store import ZarrStore
 
@@ -76,6 +77,7 @@ __all__ = [
     "RecordKey",
     "RecordKind",
     "RecordMeta",
+    "RowScatter",
     "SCHEMES",
     "StoreChain",
     "StoreError",

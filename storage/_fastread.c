@@ -390,7 +390,189 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ read_verify_rows */
+
+/* An int64 array argument of `count` values, C-contiguous (numpy int64): its buffer. */
+static int
+int64_arg(PyObject *o, Py_buffer *view, Py_ssize_t count, const char *name)
+{
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len != count * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "read_verify_rows: %s: expected %zd int64 values (%zd bytes), got %zd bytes",
+                     name, count, count * (Py_ssize_t)sizeof(int64_t), view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int64_t
+int64_at(const Py_buffer *view, Py_ssize_t i)
+{
+    int64_t v;
+    memcpy(&v, (const char *)view->buf + i * (Py_ssize_t)sizeof(int64_t), sizeof(v));
+    return v;
+}
+
+PyDoc_STRVAR(read_verify_rows_doc,
+"read_verify_rows(dests, dest_of, lengths, offsets, where, expects, /) -> bytes\n\n"
+"read_verify_many for records whose payloads land in a few large buffers (a cache's pools),\n"
+"each record's pieces given as byte offsets instead of one buffer object per piece.\n"
+"``dests``: a sequence of writable C-contiguous buffers. Piece j of every record is\n"
+"``lengths[j]`` bytes long and lands in ``dests[dest_of[j]]``, at byte ``offsets[k, j]`` for\n"
+"record k (int64 arrays [m], [m] and [n, m]); record k (header, pieces, checksum) is read\n"
+"from fd ``where[k, 0]`` at offset ``where[k, 1]`` (int64 [n, 2]) and checked against\n"
+"``expects[k]`` (uint8 [n, E], E = 96 or 128: as read_verify_many's ``expect``). Every piece is\n"
+"checked to lie within its buffer before anything is read. Returns one status byte per record:\n"
+"0 verified, 1 not read whole, 2 failing a check. The GIL is released for the whole batch.");
+
+static PyObject *
+read_verify_rows(PyObject *self, PyObject *args)
+{
+    PyObject *dests_o, *dest_of_o, *lengths_o, *offsets_o, *where_o, *expects_o;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &dests_o, &dest_of_o, &lengths_o, &offsets_o, &where_o, &expects_o))
+        return NULL;
+    if (xxh_create == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "read_verify_rows: xxh3 is not bound (bind_xxh3)");
+        return NULL;
+    }
+    PyObject *dests = PySequence_Fast(dests_o, "read_verify_rows: dests must be a sequence of buffers");
+    if (dests == NULL)
+        return NULL;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dests), held = 0;
+    Py_buffer *dv = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
+    Py_buffer lengths = {0}, dest_of = {0}, offsets = {0}, where = {0}, expects = {0};
+    int have_lengths = 0, have_dest_of = 0, have_offsets = 0, have_where = 0, have_expects = 0;
+    struct iovec *iov = NULL, *scratch = NULL;
+    PyObject *result = NULL;
+    if (dv == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject **dest_items = PySequence_Fast_ITEMS(dests);
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        if (PyObject_GetBuffer(dest_items[d], &dv[d], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        held = d + 1;
+    }
+    if (PyObject_GetBuffer(lengths_o, &lengths, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_lengths = 1;
+    Py_ssize_t m = lengths.len / (Py_ssize_t)sizeof(int64_t);
+    if (m < 1 || lengths.len % (Py_ssize_t)sizeof(int64_t) || m > INT_MAX - 2) {
+        PyErr_SetString(PyExc_ValueError, "read_verify_rows: lengths: expected int64 values, at least one");
+        goto done;
+    }
+    if (PyObject_GetBuffer(where_o, &where, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_where = 1;
+    Py_ssize_t n = where.len / (Py_ssize_t)(2 * sizeof(int64_t));
+    if (where.len % (Py_ssize_t)(2 * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_ValueError, "read_verify_rows: where: expected int64 [n, 2] (fd, offset)");
+        goto done;
+    }
+    if (int64_arg(dest_of_o, &dest_of, m, "dest_of") < 0)
+        goto done;
+    have_dest_of = 1;
+    if (int64_arg(offsets_o, &offsets, n * m, "offsets") < 0)
+        goto done;
+    have_offsets = 1;
+    if (PyObject_GetBuffer(expects_o, &expects, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_expects = 1;
+    Py_ssize_t elen = n ? expects.len / n : 0;
+    if (n && (expects.len % n || (elen != EXPECT_BYTES && elen != EXPECT_WITH_DIGEST))) {
+        PyErr_Format(PyExc_ValueError, "read_verify_rows: expects: expected uint8 [%zd, %d or %d], got %zd bytes",
+                     n, EXPECT_BYTES, EXPECT_WITH_DIGEST, expects.len);
+        goto done;
+    }
+    /* Every piece within its buffer, checked before anything is read (no overflow:
+     * offset <= len - length with both sides non-negative). */
+    Py_ssize_t want = HEADER_BYTES + DIGEST_BYTES;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        int64_t d = int64_at(&dest_of, j), len = int64_at(&lengths, j);
+        if (d < 0 || d >= nd || len < 0 || len > dv[d].len) {
+            PyErr_Format(PyExc_ValueError, "read_verify_rows: piece %zd: dest %lld of %zd, length %lld: "
+                         "expected a dest index and a length within it", j, (long long)d, nd, (long long)len);
+            goto done;
+        }
+        want += (Py_ssize_t)len;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t fd = int64_at(&where, 2 * k), at = int64_at(&where, 2 * k + 1);
+        if (fd < 0 || fd > INT_MAX || at < 0) {
+            PyErr_Format(PyExc_ValueError, "read_verify_rows: where[%zd]: expected a fd and an offset >= 0", k);
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            int64_t off = int64_at(&offsets, k * m + j), d = int64_at(&dest_of, j);
+            if (off < 0 || off > dv[d].len - int64_at(&lengths, j)) {
+                PyErr_Format(PyExc_ValueError, "read_verify_rows: offsets[%zd, %zd] = %lld: expected a piece "
+                             "within dests[%lld] (%zd bytes)", k, j, (long long)off, (long long)d, dv[d].len);
+                goto done;
+            }
+        }
+    }
+    iov = PyMem_Calloc((size_t)(m + 2), sizeof(struct iovec));
+    scratch = PyMem_Calloc((size_t)(m + 2), sizeof(struct iovec));
+    result = PyBytes_FromStringAndSize(NULL, n);
+    if (iov == NULL || scratch == NULL || result == NULL) {
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *status = (unsigned char *)PyBytes_AS_STRING(result);
+    int nomem = 0;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char header[HEADER_BYTES], tail[DIGEST_BYTES];
+    void *state = xxh_create();
+    if (state == NULL) {
+        nomem = 1;
+    } else {
+        iov[0].iov_base = header;
+        iov[0].iov_len = HEADER_BYTES;
+        iov[m + 1].iov_base = tail;
+        iov[m + 1].iov_len = DIGEST_BYTES;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            for (Py_ssize_t j = 0; j < m; j++) {
+                iov[j + 1].iov_base = (char *)dv[int64_at(&dest_of, j)].buf + int64_at(&offsets, k * m + j);
+                iov[j + 1].iov_len = (size_t)int64_at(&lengths, j);
+            }
+            job_t job = {.fd = (int)int64_at(&where, 2 * k), .offset = int64_at(&where, 2 * k + 1),
+                         .first = 0, .count = m + 2, .want = want,
+                         .expect = (const unsigned char *)expects.buf + k * elen, .expect_len = elen};
+            status[k] = (unsigned char)verify_one(&job, iov, scratch, state);
+        }
+        xxh_free(state);
+    }
+    Py_END_ALLOW_THREADS
+    if (nomem) {
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+    }
+done:
+    for (Py_ssize_t d = 0; d < held; d++)
+        PyBuffer_Release(&dv[d]);
+    if (have_lengths)
+        PyBuffer_Release(&lengths);
+    if (have_dest_of)
+        PyBuffer_Release(&dest_of);
+    if (have_offsets)
+        PyBuffer_Release(&offsets);
+    if (have_where)
+        PyBuffer_Release(&where);
+    if (have_expects)
+        PyBuffer_Release(&expects);
+    PyMem_Free(dv);
+    PyMem_Free(iov);
+    PyMem_Free(scratch);
+    Py_DECREF(dests);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"read_verify_rows", read_verify_rows, METH_VARARGS, read_verify_rows_doc},
     {"read_verify_many", read_verify_many, METH_O, read_verify_many_doc},
     {"bind_xxh3", bind_xxh3, METH_VARARGS,
      "bind_xxh3(create, free, reset, update, digest): addresses of xxHash's XXH3_createState, "

@@ -70,6 +70,7 @@ from .record import (
     record_parts,
     write_segments,
 )
+from .rows import RowScatter
 
 __all__ = ["BlockStore", "EvictionGuard", "PutItem", "StoreStats", "scatter_via_temporaries", "select_victims"]
 
@@ -174,6 +175,8 @@ class BlockStore(abc.ABC):
     supports_scatter_reads: bool = False
     #: Eviction (by a put or ``gc``) skips the records :attr:`eviction_guard` holds.
     supports_eviction_guard: bool = False
+    #: ``get_rows`` reads a batch natively, without a buffer object per piece.
+    supports_row_reads: bool = False
 
     #: Set by the owner of the store (a :class:`~tiered_kv.storage.StoreChain` on its level
     #: 0) where ``supports_eviction_guard``; None: every record may be evicted.
@@ -211,6 +214,19 @@ class BlockStore(abc.ABC):
         ``token_digests[i]``, when not None, must equal the record's token digest. Returns
         the record's metadata, or None for a miss (absent or failed a check).
         """
+
+    def get_rows(self, keys: Sequence[RecordKey], rows: RowScatter, *,
+                 token_digests: Sequence[bytes | None] | None = None) -> list[bool]:
+        """Read record ``keys[k]``'s payload into the pieces ``rows`` gives it (a
+        :class:`~tiered_kv.storage.rows.RowScatter` of ``len(keys)`` records: e.g. a cache's
+        pool rows), verified as by :meth:`get_many`; True per record read and verified.
+
+        Here: ``get_many`` with one scatter list of views per record. Backends that read
+        natively (``supports_row_reads``) take the plan as it is.
+        """
+        keys, digests = self._check_rows_args(keys, rows, token_digests)
+        metas = self.get_many(keys, rows.out_segments(), token_digests=digests)
+        return [m is not None for m in metas]
 
     @abc.abstractmethod
     def contains(self, key: RecordKey) -> bool:
@@ -304,6 +320,17 @@ class BlockStore(abc.ABC):
             if not isinstance(item, PutItem):
                 raise TypeError(f"items[{i}]: expected a PutItem, got {type(item).__name__}")
         return items
+
+    @staticmethod
+    def _check_rows_args(keys: Sequence[RecordKey], rows: RowScatter, token_digests: Sequence[bytes | None] | None
+                         ) -> tuple[list[RecordKey], list[bytes | None]]:
+        """Validated ``(keys, token digests)`` of a :meth:`get_rows`."""
+        if not isinstance(rows, RowScatter):
+            raise TypeError(f"rows: expected a RowScatter, got {type(rows).__name__}")
+        if len(rows) != len(keys):
+            raise ValueError(f"rows: expected one record per key ({len(keys)}), got {len(rows)}")
+        keys, _, digests = BlockStore._check_get_args(keys, [np.empty(0, np.uint8)] * len(keys), token_digests)
+        return keys, digests
 
     @staticmethod
     def _check_get_args(keys: Sequence[RecordKey], outs: Sequence[Any],

@@ -132,3 +132,11 @@ if native_read_and_hash is not None:
     native_read_verify_many = _fastread.read_verify_many
 if NATIVE:
     read_verify_many = native_read_verify_many
+
+#: ``read_verify_rows(dests, dest_of, lengths, offsets, where, expects) -> bytes`` (native
+#: only; None otherwise): :data:`read_verify_many` for a batch whose payloads land in a few
+#: large buffers, given as a :class:`~tiered_kv.storage.rows.RowScatter` (no buffer object
+#: per piece); ``where``: ``[n, 2] int64`` (fd, offset); one status byte per record.
+native_read_verify_rows: Callable[..., bytes] | None = (
+    getattr(_fastread, "read_verify_rows", None) if native_read_and_hash is not None else None)
+read_verify_rows: Callable[..., bytes] | None = native_read_verify_rows if NATIVE else None

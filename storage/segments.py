@@ -56,7 +56,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +66,7 @@ import numpy as np
 from . import fastread
 from .base import fsync_dir, mkdir_private
 from .errors import StoreError
+from .rows import RowScatter
 
 __all__ = ["ALIGN", "Location", "Reclaimable", "Reclaimed", "SegmentFiles", "allocate_blocks", "punch_hole"]
 
@@ -81,6 +82,8 @@ _MERGE_GAP = 64 << 10
 #: 1 MiB against 2 MiB: 1.21-1.24 against 1.07 GB/s cold for batches of 16 Flash blocks here,
 #: each thread verifies one extent while the others' reads are in flight).
 _MAX_EXTENT = 1 << 20
+#: Read-ahead asked of the kernel per POSIX_FADV_WILLNEED call (it reads at most its window per call).
+_WILLNEED_BYTES = 4 << 20
 #: Records the page cache holds are spread over threads in shards of at least this many bytes.
 _MIN_SHARD = 1 << 20
 SEGMENT_SUFFIX = ".seg"
@@ -879,6 +882,74 @@ class SegmentFiles:
             t.ok = True
             if then is not None:
                 then(t)
+
+    def read_rows(self, locs: Sequence[Location], rows: RowScatter, expects: np.ndarray) -> np.ndarray:
+        """Read and verify record k at ``locs[k]`` into the pieces ``rows`` gives record k,
+        natively (:data:`~tiered_kv.storage.fastread.read_verify_rows`; only where it is
+        bound); ``expects``: ``[n, E] uint8``, each record's
+        :meth:`~tiered_kv.storage.record.PartsVerifier.expectation`. Returns ``[n] uint8``
+        statuses (VERIFIED, SHORT, FAILED); the records of a segment that is gone are SHORT.
+
+        The records, in file order, are dealt round robin to :attr:`hot_threads` threads
+        (the calling thread one of them), each one native call with the GIL released.
+        Where the page cache does not hold them all, the disk is first asked for every
+        extent (``POSIX_FADV_WILLNEED``, in file order, in pieces the kernel takes whole):
+        its queue stays full while the threads copy and hash what has arrived, each
+        waiting only for the pages of its next record."""
+        read = fastread.read_verify_rows
+        assert read is not None, "read_rows: the native read_verify_rows is not bound"
+        n = len(locs)
+        status = np.full(n, fastread.SHORT, np.uint8)
+        with ExitStack() as held:
+            fds: dict[int, int] = {}
+            for seg in sorted({loc.segment for loc in locs}):
+                try:
+                    fds[seg] = held.enter_context(self._files.use(seg, direct=False))
+                except OSError:
+                    continue  # gone (gc) or unreadable: its records stay SHORT
+            order = sorted((i for i in range(n) if locs[i].segment in fds),
+                           key=lambda i: (locs[i].segment, locs[i].offset))
+            if not order:
+                return status
+            where = np.array([(fds[locs[i].segment], locs[i].offset) for i in order], np.int64)
+            self._ask_disk([locs[i] for i in order], fds)
+            threads = min(self.hot_threads, len(order))
+            idx = np.array(order, np.int64)
+
+            def job(t: int) -> bytes:
+                mine = idx[t::threads]
+                return read(rows.dests, rows.dest_of, rows.lengths, np.ascontiguousarray(rows.offsets[mine]),
+                            np.ascontiguousarray(where[t::threads]), np.ascontiguousarray(expects[mine]))
+
+            futures = [self.pool().submit(job, t) for t in range(1, threads)]
+            try:
+                status[idx[0::threads]] = np.frombuffer(job(0), np.uint8)
+            finally:
+                for t, f in enumerate(futures, start=1):
+                    status[idx[t::threads]] = np.frombuffer(f.result(), np.uint8)
+        return status
+
+    def _ask_disk(self, locs: list[Location], fds: dict[int, int]) -> None:
+        """Start reading, in the background, the extents of ``locs`` (file order) the page
+        cache does not hold: ``POSIX_FADV_WILLNEED`` per piece of at most
+        :data:`_WILLNEED_BYTES` (the kernel reads at most its read-ahead window per call)."""
+        spans: list[list[int]] = []  # [segment, start, end] of runs of nearby records
+        for loc in locs:
+            if spans and spans[-1][0] == loc.segment and 0 <= loc.offset - spans[-1][2] <= _MERGE_GAP:
+                spans[-1][2] = max(spans[-1][2], loc.end)
+            else:
+                spans.append([loc.segment, loc.offset, loc.end])
+        first, last = spans[0], spans[-1]
+        if first[0] == last[0]:
+            whole = _LIBC.cached_pages(fds[first[0]], first[1], last[2] - first[1])
+            if whole is None or whole[0] >= whole[1]:
+                return  # all hot (or unknown: the reads find out)
+        for seg, start, end in spans:
+            for at in range(start, end, _WILLNEED_BYTES):
+                try:
+                    os.posix_fadvise(fds[seg], at, min(_WILLNEED_BYTES, end - at), os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # a hint only: the reads themselves report what fails
 
     # ------------------------------------------------------------------ maintenance
     def punch(self, locs: Sequence[Location]) -> None:

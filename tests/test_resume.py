@@ -105,6 +105,40 @@ def test_corrupt_block_mid_range_resumes_at_the_last_good_block(tmp_path: Path, 
         cache.close(req)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-rows", "python-rows"])
+def test_parallel_open_stops_before_a_corrupt_record_mid_set(tmp_path: Path, tiny_layout, tiny_model,
+                                                             monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """Default settings, CPU pools: the whole range is one row read, spread over the
+    store's threads. A corrupt record mid-set is a counted miss: the blocks before it are
+    kept (with the logits of a full recompute), those after it were read but never cached."""
+    from tiered_kv.storage import fastread
+
+    if native and fastread.native_read_verify_rows is None:
+        pytest.skip("native helper not built")
+    monkeypatch.setattr(fastread, "read_verify_rows", fastread.native_read_verify_rows if native else None)
+    url = f"lmdb://{tmp_path / 's'}"
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url, snapshot_interval=1) as cache:
+        _fill(cache, tiny_model, TOKENS)
+        hashes = cache.hasher.block_hashes(TOKENS)
+    _flip_lmdb_record(tmp_path / "s", RecordKey.block(hashes[4]).to_bytes())
+    prompt = TOKENS + [7]
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url) as cache:
+        assert cache.resume_batch_blocks is None
+        store, calls = cache.disk.store, []
+        real = store.get_rows
+        store.get_rows = lambda keys, rows, **kw: calls.append(len(keys)) or real(keys, rows, **kw)
+        req = cache.open(prompt)
+        assert calls == [7]  # one read for the whole range
+        assert req.num_cached_tokens == 4 * 128  # blocks 0-3 and the snapshot after block 3
+        s = cache.stats()
+        assert s["disk_read_failures"] == 1 and s["store_corrupt"] == 1 and s["blocks_from_disk"] == 4
+        assert cache.blocks.num_used == 4  # blocks 4-6 went back uncached
+        cache.blocks.check_invariants()
+        got = tiny_model.forward(cache, req, prompt[512:])
+        assert (got - tiny_model.naive_logits(prompt)[512:]).abs().max().item() < 1e-4
+        cache.close(req)
+
+
 def test_block_missing_mid_range_ends_the_load_there(tmp_path: Path, tiny_layout, tiny_model) -> None:
     """Presence is not asked block by block: the read of a missing block ends the load."""
     url = f"lmdb://{tmp_path / 's'}"
@@ -152,22 +186,22 @@ def test_corrupt_last_snapshot_resumes_the_prefix_before_it(tmp_path: Path, tiny
 def test_store_error_mid_range_is_raised_and_gives_the_blocks_back(store_url: str, tiny_layout) -> None:
     with _small_batches(TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=2, store=store_url)) as cache:
         store, calls = cache.disk.store, []
-        real = store.get_many
+        real = store.get_rows  # the blocks' reads (straight into the pool rows)
 
-        def failing(keys, outs, **kw):
+        def failing(keys, rows, **kw):
             calls.append(len(keys))
             if len(calls) == 2:
                 raise OSError("EIO (injected)")
-            return real(keys, outs, **kw)
+            return real(keys, rows, **kw)
 
-        store.get_many = failing
+        store.get_rows = failing
         with pytest.raises(OSError, match="injected"):
             cache.open(TOKENS + [7])
         assert cache.blocks.num_used == 0  # nothing loaded is left referenced (batch 0: cached, free)
         assert cache.states.num_free == 2
         assert cache.snapshots.ids.num_used == 0  # the snapshot read meanwhile: slot given back
         cache.blocks.check_invariants()
-        store.get_many = real
+        store.get_rows = real
         req = cache.open(TOKENS + [7])  # the store works again: everything resumes
         assert req.num_cached_tokens == 896
         cache.close(req)

@@ -188,6 +188,20 @@ class DiskTier:
             self.read_bytes += sum(m.payload_bytes for m in metas if m is not None)
         return ok
 
+    def read_rows(self, keys: Sequence[Any], rows: Any, token_digests: Sequence[bytes | None] | None = None
+                  ) -> list[bool]:
+        """Read records into the pieces ``rows`` (a :class:`tiered_kv.storage.RowScatter`
+        of ``len(keys)`` records: e.g. pool rows) gives them, in one ``get_rows``; one bool
+        per key, as :meth:`read_many`. Thread-safe."""
+        if not keys:
+            return []
+        ok = self.store.get_rows(list(keys), rows, token_digests=token_digests)
+        with self._lock:
+            self.reads += len(keys)
+            self.read_hits += sum(ok)
+            self.read_bytes += sum(ok) * rows.nbytes
+        return ok
+
     def read_async(self, keys: Sequence[Any], outs: Sequence[torch.Tensor],
                    token_digests: Sequence[bytes | None] | None = None,
                    ready: Callable[[], None] | None = None) -> Future[list[bool]]:

@@ -48,10 +48,13 @@ from .device import empty_host
 from .prefix import block_token_digests
 
 if TYPE_CHECKING:
-    from .storage.record import OutSegments as OutSegmentsT
+    from .storage.rows import RowScatter as RowScatterT
     from .tiering import TierMoves
 
-__all__ = ["DiskBatch", "DiskResume", "Destination", "HostRecords", "PoolRows", "StagingRing",
+#: Blocks per batch by default (8 Flash blocks are 3.9 MB), where a destination has no better size.
+DEFAULT_BATCH = 8
+
+__all__ = ["DEFAULT_BATCH", "DiskBatch", "DiskResume", "Destination", "HostRecords", "PoolRows", "StagingRing",
            "choose_destination", "id_runs"]
 
 
@@ -113,6 +116,10 @@ class Destination(ABC):
     def __init__(self, moves: TierMoves) -> None:
         self.moves = moves
 
+    def batch_blocks(self, n: int) -> int:
+        """Blocks per batch when ``resume_batch_blocks`` is None, for a range of ``n``."""
+        return DEFAULT_BATCH
+
     @abstractmethod
     def start(self, n: int) -> DiskBatch | None:
         """Take up to ``n`` new GPU blocks (refcount 1 each) and whatever the records are
@@ -134,38 +141,57 @@ class Destination(ABC):
 
 
 class PoolRows(Destination):
-    """CPU pools, no host tier, no HiSparse: each record is read into its block's rows."""
+    """CPU pools, no host tier, no HiSparse: each record is read into its block's rows.
+
+    A block's record is the ``[entries * bytes]`` uint8 row of each layer of each part, in
+    record order (``csa_kv``, ``indexer``, ``hca_kv``; layer by layer: 62 rows of 0.6-18
+    KiB for a Flash block). The rows of block ``b`` sit at the same offsets in every block,
+    shifted by ``b`` rows of their part::
+
+        part p, [layers, num_blocks, row] uint8:  layer l's row of block b at byte
+                                                  (l * num_blocks + b) * row
+
+    so a batch's scatter lists are one numpy expression (:meth:`scatter`), read natively
+    by stores with row reads (no buffer object per row); other stores get them as views.
+    """
 
     def __init__(self, moves: TierMoves) -> None:
         super().__init__(moves)
-        #: each Classical part as ``[layers, num_blocks, entries * bytes]`` uint8 numpy views
-        self.rows: list[np.ndarray] = []
-        #: block -> its checked scatter list (made on first use, kept: no per-read views)
-        self._outs: dict[int, OutSegmentsT] = {}
+        #: each Classical part with rows, flat: ``[layers * num_blocks * entries * bytes]`` uint8
+        self.dests: list[np.ndarray] = []
+        dest_of: list[int] = []
+        base: list[int] = []
+        stride: list[int] = []
         for part in moves.classical.parts:  # [L, num_blocks, E, B] uint8, contiguous
             L, nb, E, B = part.shape
-            if not part.is_contiguous():  # reshape would copy: the reads would land nowhere
+            if not part.is_contiguous():  # the flat view would copy: the reads would land nowhere
                 raise ValueError(f"classical pool part: expected a contiguous tensor, got strides "
                                  f"{tuple(part.stride())}")
             if L and E * B:
-                self.rows.append(part.numpy().reshape(L, nb, E * B))
-        self.block_bytes = sum(rows.shape[0] * rows.shape[2] for rows in self.rows)
+                row = E * B
+                dest_of += [len(self.dests)] * L
+                base += [layer * nb * row for layer in range(L)]
+                stride += [row] * L
+                self.dests.append(part.numpy().reshape(-1))
+        #: piece j of a block's record: in ``dests[dest_of[j]]`` at ``base[j] + b * stride[j]``
+        self.dest_of = np.array(dest_of, np.int64)
+        self.base = np.array(base, np.int64)
+        self.stride = np.array(stride, np.int64)
+        self.block_bytes = int(self.stride.sum())
         assert self.block_bytes == moves.layout.block_bytes, (self.block_bytes, moves.layout.block_bytes)
 
-    def pieces(self, b: int) -> OutSegmentsT:
-        """Block ``b`` as the scatter list of its record: the ``[entries * bytes]`` uint8
-        row of each layer of each part, in record order (``csa_kv``, ``indexer``,
-        ``hca_kv``; layer by layer). Views, never copies; made once per block (62 views
-        for a Flash block) and handed to ``get_many`` already checked."""
-        out = self._outs.get(b)
-        if out is None:
-            from .storage.record import OutSegments  # (the storage package loads with the disk tier)
+    def scatter(self, bids: list[int]) -> RowScatterT:
+        """Where the records of blocks ``bids`` land: ``[len(bids), pieces]`` offsets."""
+        from .storage import RowScatter  # (the storage package loads with the disk tier)
 
-            # Rows of contiguous uint8 pools: writable, 1-D, C-contiguous by construction,
-            # so the list is made checked, without a check per row (62 for a Flash block).
-            out = self._outs[b] = OutSegments([row for part in self.rows for row in part[:, b]],
-                                              self.block_bytes)
-        return out
+        offsets = self.base + np.asarray(bids, np.int64)[:, None] * self.stride
+        return RowScatter(tuple(self.dests), self.dest_of, self.stride, offsets)
+
+    def batch_blocks(self, n: int) -> int:
+        # A store that reads rows natively spreads one call over its threads and asks a
+        # cold disk for every extent at once: the whole range in one batch keeps the disk's
+        # queue full and takes the fewest Python steps.
+        return n if self.moves.disk is not None and self.moves.disk.store.supports_row_reads else DEFAULT_BATCH
 
     def start(self, n: int) -> DiskBatch | None:
         bids = self.moves._allocate_blocks(n)
@@ -174,8 +200,7 @@ class PoolRows(Destination):
     def read_job(self, batch: DiskBatch, keys: list[Any], digests: list[bytes]) -> Callable[[], list[bool]]:
         # (on the reader threads, not here: several batches in flight read a cold disk
         # ~1.4x faster than one at a time, measured, and hot no slower)
-        outs = [self.pieces(b) for b in batch.bids]
-        return functools.partial(self.moves.disk.read_many, keys, outs, digests)
+        return functools.partial(self.moves.disk.read_rows, keys, self.scatter(batch.bids), digests)
 
 
 class StagingRing(Destination):
@@ -309,8 +334,12 @@ def choose_destination(moves: TierMoves, current: Destination | None) -> Destina
     ``resume_read_into_pools``."""
     size, depth = moves.resume_batch_blocks, moves.resume_read_depth
     for name, value in (("resume_batch_blocks", size), ("resume_read_depth", depth)):
+        if value is None and name == "resume_batch_blocks":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            raise ValueError(f"{name}: expected a positive int{' or None' if name == 'resume_batch_blocks' else ''}, "
+                             f"got {value!r}")
+    size = size or DEFAULT_BATCH  # (the staging ring's batches)
     on_readers = moves.resume_copy_on_readers
     if on_readers is None:
         on_readers = moves.device.type != "cuda"
@@ -346,7 +375,8 @@ class DiskResume:
         bt = moves.layout.block_tokens
         self.moves, self.dest = moves, dest
         self.hashes, self.lo, self.hi = hashes, lo, hi
-        self.batch_blocks, self.depth = moves.resume_batch_blocks, moves.resume_read_depth
+        self.batch_blocks = moves.resume_batch_blocks or dest.batch_blocks(hi - lo)
+        self.depth = moves.resume_read_depth
         self.digests = block_token_digests(tokens[lo * bt:hi * bt], bt)
         self.inflight: deque[DiskBatch] = deque()
         self.loaded: list[int] = []

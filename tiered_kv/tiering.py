@@ -57,8 +57,10 @@ class TierMoves:
     _counters: dict[str, int]
 
     #: Disk reads of ``open()`` (:mod:`tiered_kv.resume_reader`): blocks per batch (one
-    #: ``get_many``; 8 Flash blocks are 3.9 MB) and batches in flight (the staging ring's slots).
-    resume_batch_blocks: int = 8
+    #: read call; None: the destination's choice, the whole range where the store reads rows
+    #: natively into CPU pools, else 8: 8 Flash blocks are 3.9 MB) and batches in flight
+    #: (the staging ring's slots).
+    resume_batch_blocks: int | None = None
     resume_read_depth: int = 3
     #: Who copies a batch read from disk into the pools: the reader thread (numpy copies;
     #: CPU pools) or this thread through the copy engine (its stream: CUDA). None: by device.
@@ -91,7 +93,7 @@ class TierMoves:
             if n == 0:
                 break
             # A snapshot only the disk holds is read meanwhile, on a reader thread.
-            snap = self._prefetch_snapshot(hashes[n - 1], tokens, n)
+            snap = self._prefetch_snapshot(hashes[n - 1], tokens, n, slot)
             try:
                 got = self._acquire_blocks(tokens, hashes[:n])
             except BaseException:
@@ -341,19 +343,26 @@ class TierMoves:
         digest = token_digest(tokens[(n - 1) * bt:n * bt])
         return self._finish_snapshot_read(slot, self._start_snapshot_read(h, digest))
 
-    def _prefetch_snapshot(self, h: bytes, tokens: list[int], n: int) -> _SnapshotRead | None:
+    def _prefetch_snapshot(self, h: bytes, tokens: list[int], n: int, slot: int) -> _SnapshotRead | None:
         """Start reading snapshot ``h`` (the end of block ``n``) from disk when no tier
-        above holds it, so that it is read while the prefix's blocks are; None otherwise."""
+        above holds it, so that it is read while the prefix's blocks are (on CPU also
+        restored into state slot ``slot`` there); None otherwise."""
         if self.disk is None or self._snapshot_above_disk(h):
             return None
         bt = self.layout.block_tokens
-        return self._start_snapshot_read(h, token_digest(tokens[(n - 1) * bt:n * bt]))
+        return self._start_snapshot_read(h, token_digest(tokens[(n - 1) * bt:n * bt]), slot)
 
-    def _start_snapshot_read(self, h: bytes, digest: bytes) -> _SnapshotRead:
+    def _start_snapshot_read(self, h: bytes, digest: bytes, slot: int | None = None) -> _SnapshotRead:
         """Start reading snapshot ``h`` from disk on a reader thread: on CPU straight into
         a newly allocated GPU snapshot slot (no other copy); on CUDA, or without a free
         slot, into the pinned staging buffer (read into again only after the upload out of
-        it is done)."""
+        it is done).
+
+        On CPU, with a snapshot slot, the reader thread also restores the verified
+        snapshot into state slot ``slot`` (when given) while the blocks are still being
+        read: the slot is this open's own, and whoever uses it next (the restore when
+        the prefix loads, a shorter prefix's restore or the reset otherwise) comes after
+        the read is waited for."""
         assert self.disk is not None
         sid = self.snapshots.ids.allocate()
         cuda = self.device.type == "cuda"
@@ -363,8 +372,18 @@ class TierMoves:
             buf, ready = self._snap_staging, self._snap_staging_ready
         else:
             buf, ready = self.snapshots.data[sid], None
-        future = self.disk.read_async([record_key("snapshot", h)], [buf], [digest], ready=ready)
-        return _SnapshotRead(h, sid, buf, future)
+        key = [record_key("snapshot", h)]
+        if slot is None or cuda or sid is None:
+            return _SnapshotRead(h, sid, buf, self.disk.read_async(key, [buf], [digest], ready=ready))
+        disk, states = self.disk, self.states
+
+        def read_and_restore() -> list[bool]:
+            ok = disk.read_many(key, [buf], [digest])
+            if ok[0]:
+                states.restore(slot, buf)
+            return ok
+
+        return _SnapshotRead(h, sid, buf, disk.run_reader(read_and_restore), restored=slot)
 
     def _finish_snapshot_read(self, slot: int, read: _SnapshotRead) -> bool:
         """Wait for ``read`` and restore ``slot`` from it; False when the record was
@@ -387,7 +406,8 @@ class TierMoves:
             handle = self.copies.copy(data, read.buf)
             handle.make_stream_wait()
             self._snap_staging_ready = handle.wait_event
-        self.states.restore(slot, data)
+        if read.restored != slot:  # (else restored on the reader thread)
+            self.states.restore(slot, data)
         ids.cache(read.sid, read.h)
         ids.free(read.sid)
         return True
@@ -443,6 +463,8 @@ class _SnapshotRead:
     sid: int | None
     buf: torch.Tensor
     future: Future[list[bool]]
+    #: the state slot the reader thread restored it into once verified (None: not done there)
+    restored: int | None = None
 
 
 def record_key(kind: str, h: bytes):  # -> tiered_kv.storage.RecordKey
