@@ -912,7 +912,10 @@ class SegmentFiles:
             if not order:
                 return status
             where = np.array([(fds[locs[i].segment], locs[i].offset) for i in order], np.int64)
-            self._ask_disk([locs[i] for i in order], fds)
+            spans = _spans([locs[i] for i in order])
+            # (the kernel allocates and queues the pages in the fadvise call: on its own
+            # thread, so that the readers start on the first extent meanwhile)
+            futures = [self.pool().submit(self._ask_disk, spans, fds)] if not self._all_cached(spans, fds) else []
             threads = min(self.hot_threads, len(order))
             idx = np.array(order, np.int64)
 
@@ -921,29 +924,32 @@ class SegmentFiles:
                 return read(rows.dests, rows.dest_of, rows.lengths, np.ascontiguousarray(rows.offsets[mine]),
                             np.ascontiguousarray(where[t::threads]), np.ascontiguousarray(expects[mine]))
 
-            futures = [self.pool().submit(job, t) for t in range(1, threads)]
+            readers = [self.pool().submit(job, t) for t in range(1, threads)]
+            futures += readers
             try:
                 status[idx[0::threads]] = np.frombuffer(job(0), np.uint8)
             finally:
-                for t, f in enumerate(futures, start=1):
-                    status[idx[t::threads]] = np.frombuffer(f.result(), np.uint8)
+                for f in futures:
+                    f.result()
+            for t, f in enumerate(readers, start=1):
+                status[idx[t::threads]] = np.frombuffer(f.result(), np.uint8)
         return status
 
-    def _ask_disk(self, locs: list[Location], fds: dict[int, int]) -> None:
-        """Start reading, in the background, the extents of ``locs`` (file order) the page
-        cache does not hold: ``POSIX_FADV_WILLNEED`` per piece of at most
-        :data:`_WILLNEED_BYTES` (the kernel reads at most its read-ahead window per call)."""
-        spans: list[list[int]] = []  # [segment, start, end] of runs of nearby records
-        for loc in locs:
-            if spans and spans[-1][0] == loc.segment and 0 <= loc.offset - spans[-1][2] <= _MERGE_GAP:
-                spans[-1][2] = max(spans[-1][2], loc.end)
-            else:
-                spans.append([loc.segment, loc.offset, loc.end])
-        first, last = spans[0], spans[-1]
-        if first[0] == last[0]:
-            whole = _LIBC.cached_pages(fds[first[0]], first[1], last[2] - first[1])
-            if whole is None or whole[0] >= whole[1]:
-                return  # all hot (or unknown: the reads find out)
+    @staticmethod
+    def _all_cached(spans: list[tuple[int, int, int]], fds: dict[int, int]) -> bool:
+        """Whether the page cache holds every page from the first span to the last (one
+        ``cachestat`` when they lie in one segment; unknown: True, the reads find out)."""
+        (seg, start, _), (last_seg, _, end) = spans[0], spans[-1]
+        if seg != last_seg:
+            return False
+        got = _LIBC.cached_pages(fds[seg], start, end - start)
+        return got is None or got[0] >= got[1]
+
+    @staticmethod
+    def _ask_disk(spans: list[tuple[int, int, int]], fds: dict[int, int]) -> None:
+        """Ask the disk for every ``(segment, start, end)`` span, in order:
+        ``POSIX_FADV_WILLNEED`` per piece of at most :data:`_WILLNEED_BYTES` (the kernel
+        reads at most its read-ahead window per call; pages it holds are skipped)."""
         for seg, start, end in spans:
             for at in range(start, end, _WILLNEED_BYTES):
                 try:
@@ -1141,6 +1147,17 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _spans(locs: list[Location]) -> list[tuple[int, int, int]]:
+    """``(segment, start, end)`` of the runs of nearby records among ``locs`` (file order)."""
+    spans: list[tuple[int, int, int]] = []
+    for loc in locs:
+        if spans and spans[-1][0] == loc.segment and 0 <= loc.offset - spans[-1][2] <= _MERGE_GAP:
+            spans[-1] = (loc.segment, spans[-1][1], max(spans[-1][2], loc.end))
+        else:
+            spans.append((loc.segment, loc.offset, loc.end))
+    return spans
 
 
 def _extents(tasks: list[ReadTask]) -> list[list[ReadTask]]:

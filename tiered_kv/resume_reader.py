@@ -410,7 +410,10 @@ class DiskResume:
             batch.lo, batch.hashes = a, self.hashes[a:b]
             keys = [_block_key(h) for h in batch.hashes]
             job = self.dest.read_job(batch, keys, self.digests[a - self.lo:b - self.lo])
-            batch.future = self.moves.disk.run_reader(job)
+            if a == self.lo and b == self.hi:  # the whole range at once: nothing to overlap with
+                batch.future = _run_here(job)  # (the store spreads it over its threads)
+            else:
+                batch.future = self.moves.disk.run_reader(job)
             self.inflight.append(batch)
             self.next_lo = b
 
@@ -443,6 +446,16 @@ class DiskResume:
             for b in batch.bids:
                 self.moves.blocks.free(b)
             self.dest.abandon(batch)
+
+
+def _run_here(job: Callable[[], list[bool]]) -> Future[list[bool]]:
+    """``job`` run on this thread, as a finished future (its result or its error)."""
+    future: Future[list[bool]] = Future()
+    try:
+        future.set_result(job())
+    except BaseException as e:  # handed over as a reader thread's error would be
+        future.set_exception(e)
+    return future
 
 
 def _block_key(h: bytes):  # -> tiered_kv.storage.RecordKey
