@@ -84,6 +84,8 @@ _MERGE_GAP = 64 << 10
 _MAX_EXTENT = 1 << 20
 #: Read-ahead asked of the kernel per POSIX_FADV_WILLNEED call (it reads at most its window per call).
 _WILLNEED_BYTES = 4 << 20
+#: Row reads (read_rows) are handed to their threads in runs of records of about this many bytes.
+_ROWS_CHUNK = 2 << 20
 #: Records the page cache holds are spread over threads in shards of at least this many bytes.
 _MIN_SHARD = 1 << 20
 SEGMENT_SUFFIX = ".seg"
@@ -890,8 +892,9 @@ class SegmentFiles:
         :meth:`~tiered_kv.storage.record.PartsVerifier.expectation`. Returns ``[n] uint8``
         statuses (VERIFIED, SHORT, FAILED); the records of a segment that is gone are SHORT.
 
-        The records, in file order, are dealt round robin to :attr:`hot_threads` threads
-        (the calling thread one of them), each one native call with the GIL released.
+        The records, in file order, are cut into runs of about ``_ROWS_CHUNK`` bytes that
+        :attr:`hot_threads` threads (the calling thread one of them) take in turn, each
+        run one native call with the GIL released.
         Where the page cache does not hold them all, the disk is first asked for every
         extent (``POSIX_FADV_WILLNEED``, in file order, in pieces the kernel takes whole):
         its queue stays full while the threads copy and hash what has arrived, each
@@ -916,23 +919,29 @@ class SegmentFiles:
             # (the kernel allocates and queues the pages in the fadvise call: on its own
             # thread, so that the readers start on the first extent meanwhile)
             futures = [self.pool().submit(self._ask_disk, spans, fds)] if not self._all_cached(spans, fds) else []
-            threads = min(self.hot_threads, len(order))
             idx = np.array(order, np.int64)
+            per = max(1, _ROWS_CHUNK // max(1, locs[order[0]].length))
+            chunks = deque((a, min(a + per, len(idx))) for a in range(0, len(idx), per))
 
-            def job(t: int) -> bytes:
-                mine = idx[t::threads]
-                return read(rows.dests, rows.dest_of, rows.lengths, np.ascontiguousarray(rows.offsets[mine]),
-                            np.ascontiguousarray(where[t::threads]), np.ascontiguousarray(expects[mine]))
+            def drain() -> None:
+                """Read chunks (runs of records in file order) until none is left: a
+                thread that runs late (a busy CPU) takes fewer, none waits on another."""
+                while True:
+                    try:
+                        a, b = chunks.popleft()
+                    except IndexError:
+                        return
+                    mine = idx[a:b]
+                    got = read(rows.dests, rows.dest_of, rows.lengths, np.ascontiguousarray(rows.offsets[mine]),
+                               where[a:b], np.ascontiguousarray(expects[mine]))
+                    status[mine] = np.frombuffer(got, np.uint8)
 
-            readers = [self.pool().submit(job, t) for t in range(1, threads)]
-            futures += readers
+            futures += [self.pool().submit(drain) for _ in range(min(self.hot_threads, len(chunks)) - 1)]
             try:
-                status[idx[0::threads]] = np.frombuffer(job(0), np.uint8)
+                drain()
             finally:
                 for f in futures:
                     f.result()
-            for t, f in enumerate(readers, start=1):
-                status[idx[t::threads]] = np.frombuffer(f.result(), np.uint8)
         return status
 
     @staticmethod
