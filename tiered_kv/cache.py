@@ -45,7 +45,7 @@ from .host import HostTier
 from .layout import KVLayout, LayerKind
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
-from .prefix import PrefixHasher, token_digest, tokens_to_bytes
+from .prefix import PrefixHasher, token_array, token_digest, tokens_to_bytes
 from .request import Request, as_token_list
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
@@ -228,9 +228,10 @@ class TieredKVCache(TierMoves):
             self.hisparse.reset(slot)
             self._wait_host_mirrors()  # matching may read or recycle host records on the host
         bt = self.layout.block_tokens
-        hashes = self.hasher.block_hashes(tokens[:limit - limit % bt])
+        ids = token_array(tokens)  # [len(tokens)] uint32: hashed and digested in slices
+        hashes = self.hasher.block_hashes(ids[:limit - limit % bt])
         try:
-            block_ids, num_blocks = self._match_prefix(slot, tokens, hashes)
+            block_ids, num_blocks = self._match_prefix(slot, ids, hashes)
         except BaseException:  # e.g. a store's I/O error: the slot goes back, the error up
             self.states.free(slot)
             raise

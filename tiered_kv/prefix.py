@@ -9,6 +9,7 @@ Token ids are hashed as little-endian uint32.
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Iterator, Sequence
 
@@ -16,10 +17,19 @@ import numpy as np
 
 from .layout import KVLayout
 
-__all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_digest", "tokens_to_bytes"]
+__all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_array", "token_digest", "tokens_to_bytes"]
 
 HASH_BYTES = 32
 _MAX_TOKEN = 2**32 - 1
+
+
+def token_array(token_ids: list[int]) -> np.ndarray:
+    """``[n] uint32`` of ids already checked to lie in ``[0, 2**32)`` (e.g. by
+    ``as_token_list``): converted once per prompt, so that its block hashes and token
+    digests (:func:`tokens_to_bytes` of slices of it) take no list conversion each."""
+    if array.array("I").itemsize == 4:  # 4x faster than numpy's conversion of a list
+        return np.frombuffer(array.array("I", token_ids), np.uint32)
+    return np.array(token_ids, np.uint32)
 
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

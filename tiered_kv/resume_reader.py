@@ -370,7 +370,7 @@ class DiskResume:
     module docstring); :meth:`run` returns the GPU blocks loaded (cached, one reference
     each), a prefix of the range."""
 
-    def __init__(self, moves: TierMoves, dest: Destination, tokens: list[int], hashes: list[bytes],
+    def __init__(self, moves: TierMoves, dest: Destination, tokens: np.ndarray, hashes: list[bytes],
                  lo: int, hi: int) -> None:
         bt = moves.layout.block_tokens
         self.moves, self.dest = moves, dest

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .device import empty_host
@@ -80,8 +81,9 @@ class TierMoves:
     _snap_staging_ready: Callable[[], None] | None = None
 
     # ------------------------------------------------------- prefix matching
-    def _match_prefix(self, slot: int, tokens: list[int], hashes: list[bytes]) -> tuple[list[int], int]:
+    def _match_prefix(self, slot: int, tokens: np.ndarray, hashes: list[bytes]) -> tuple[list[int], int]:
         """Find, load and reference the longest resumable prefix; restore its State.
+        ``tokens``: the prompt, ``[n] uint32`` (:func:`~tiered_kv.prefix.token_array`).
 
         Returns (GPU block ids, each with a reference taken, number of blocks). Tries
         shorter prefixes when a block or snapshot cannot be loaded (a corrupt disk record,
@@ -160,7 +162,7 @@ class TierMoves:
         return bool(self.host is not None and self.host.snapshots is not None
                     and self.host.snapshots.lookup(h) is not None)
 
-    def _acquire_blocks(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
+    def _acquire_blocks(self, tokens: np.ndarray, hashes: list[bytes]) -> list[int]:
         """Take a reference on the GPU block of each hash, loading it from host or disk.
 
         Blocks the GPU already holds are referenced first, so that allocating blocks for
@@ -216,7 +218,7 @@ class TierMoves:
             got.append(b)
         return got
 
-    def _load_from_host(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
+    def _load_from_host(self, tokens: np.ndarray, hashes: list[bytes], lo: int, hi: int) -> list[int]:
         """Blocks ``hashes[lo:hi]`` (all in the host tier) into new GPU blocks."""
         host = self.host
         assert host is not None
@@ -259,7 +261,7 @@ class TierMoves:
         handle.make_stream_wait()
         self._last_load = handle
 
-    def _load_from_disk(self, tokens: list[int], hashes: list[bytes], lo: int, hi: int) -> list[int]:
+    def _load_from_disk(self, tokens: np.ndarray, hashes: list[bytes], lo: int, hi: int) -> list[int]:
         """Blocks ``hashes[lo:hi]`` from disk into new GPU blocks, batch by batch: the
         pipeline and the three destinations (the pools' rows, the staging ring, host
         records) live in :mod:`tiered_kv.resume_reader`. Returns the blocks loaded, a
@@ -308,7 +310,7 @@ class TierMoves:
             got.append(hid)
         return got
 
-    def _restore_snapshot(self, slot: int, h: bytes, tokens: list[int], n: int,
+    def _restore_snapshot(self, slot: int, h: bytes, tokens: np.ndarray, n: int,
                           read: _SnapshotRead | None = None) -> bool:
         """Restore the State at the end of block ``n`` (hash ``h``) into ``slot``.
 
@@ -343,7 +345,7 @@ class TierMoves:
         digest = token_digest(tokens[(n - 1) * bt:n * bt])
         return self._finish_snapshot_read(slot, self._start_snapshot_read(h, digest))
 
-    def _prefetch_snapshot(self, h: bytes, tokens: list[int], n: int, slot: int) -> _SnapshotRead | None:
+    def _prefetch_snapshot(self, h: bytes, tokens: np.ndarray, n: int, slot: int) -> _SnapshotRead | None:
         """Start reading snapshot ``h`` (the end of block ``n``) from disk when no tier
         above holds it, so that it is read while the prefix's blocks are (on CPU also
         restored into state slot ``slot`` there); None otherwise."""
