@@ -331,3 +331,6 @@ def test_resume_settings_are_checked(store_url: str, tiny_layout) -> None:
         cache.resume_read_depth = 0
         with pytest.raises(ValueError, match="resume_read_depth: expected a positive int, got 0"):
             cache.open(TOKENS + [7])
+        cache.resume_read_depth, cache.resume_batch_blocks = 3, 0
+        with pytest.raises(ValueError, match="resume_batch_blocks: expected a positive int or None, got 0"):
+            cache.open(TOKENS + [7])

@@ -1,13 +1,21 @@
 """Resume reading: the blocks of a prefix read from disk into new GPU blocks on ``open()``.
 
-:class:`DiskResume` runs the pipeline: batches of ``resume_batch_blocks`` records, up to
-``resume_read_depth`` of them in flight on the disk tier's reader threads, taken back in
-order on the opening thread::
+:class:`DiskResume` runs the pipeline: batches of ``resume_batch_blocks`` records (None,
+the default: the destination's choice), up to ``resume_read_depth`` of them in flight on
+the disk tier's reader threads, taken back in order on the opening thread::
 
     CUDA   reader threads:  read+verify b0 | read+verify b1 | read+verify b2 ...
            this thread:                      H2D b0 (async)  | H2D b1 ...
     CPU    reader threads:  read+verify+copy b0 | read+verify+copy b2 ...
                             read+verify+copy b1 | ...
+
+Into CPU pools from a store that reads rows natively (LMDB), the whole range is one
+batch, read on the opening thread: the store deals runs of records to its threads (each
+one native call, the GIL released) and asks a cold disk for every extent at once::
+
+    this thread:        index lookup | rows 0-3 | rows 8-11 | ...  | keep the verified prefix
+    the store's thread:              | rows 4-7 | rows 12-15 | ...
+    a reader thread:    snapshot: read+verify, restore into the State slot
 
 Where the records land is the cache's configuration, chosen once
 (:func:`choose_destination`); each destination is one small object that reads top to
@@ -16,8 +24,9 @@ bottom (:meth:`~Destination.start` a batch, the reader thread's
 
 ==============  ===========================================================================
 PoolRows        CPU pools, no host tier, no HiSparse: each record is read straight into its
-                GPU block's rows of the pools (a scatter list of the block's rows, one
-                ``preadv`` per record); nothing to copy afterwards
+                GPU block's rows of the pools (its scatter list as offsets, a
+                :class:`~tiered_kv.storage.RowScatter`: one ``preadv`` per record, no
+                buffer object per row); nothing to copy afterwards
 StagingRing     no host tier otherwise (CUDA; CPU with ``resume_read_into_pools = False``):
                 a ring of ``depth`` staging buffers (pinned on CUDA), copied into the pools
                 on the reader thread (CPU) or by the copy engine from the opening thread
@@ -198,8 +207,8 @@ class PoolRows(Destination):
         return DiskBatch(bids) if bids else None
 
     def read_job(self, batch: DiskBatch, keys: list[Any], digests: list[bytes]) -> Callable[[], list[bool]]:
-        # (on the reader threads, not here: several batches in flight read a cold disk
-        # ~1.4x faster than one at a time, measured, and hot no slower)
+        # (the scatter plan is one numpy expression, made here; the read runs on a reader
+        # thread, or on this one when the batch is the whole range: see DiskResume._fill)
         return functools.partial(self.moves.disk.read_rows, keys, self.scatter(batch.bids), digests)
 
 
@@ -329,16 +338,14 @@ def choose_destination(moves: TierMoves, current: Destination | None) -> Destina
     """The destination of ``moves``' resume reads under its settings now: ``current``
     again when it still fits (the ring and the pool views are kept between opens).
 
-    Settings (attributes of the cache, see TierMoves): ``resume_batch_blocks``,
-    ``resume_read_depth``, ``resume_copy_on_readers`` (None: on CPU), and
+    Settings (attributes of the cache, see TierMoves): ``resume_batch_blocks`` (None: by
+    destination), ``resume_read_depth``, ``resume_copy_on_readers`` (None: on CPU), and
     ``resume_read_into_pools``."""
     size, depth = moves.resume_batch_blocks, moves.resume_read_depth
-    for name, value in (("resume_batch_blocks", size), ("resume_read_depth", depth)):
-        if value is None and name == "resume_batch_blocks":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive int{' or None' if name == 'resume_batch_blocks' else ''}, "
-                             f"got {value!r}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+        raise ValueError(f"resume_batch_blocks: expected a positive int or None, got {size!r}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth <= 0:
+        raise ValueError(f"resume_read_depth: expected a positive int, got {depth!r}")
     size = size or DEFAULT_BATCH  # (the staging ring's batches)
     on_readers = moves.resume_copy_on_readers
     if on_readers is None:
