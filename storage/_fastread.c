@@ -571,7 +571,171 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ verify_rows */
+
+PyDoc_STRVAR(verify_rows_doc,
+"verify_rows(src, at, dests, dest_of, lengths, offsets, expects, /) -> bytes\n\n"
+"read_verify_rows for records already in memory (e.g. read with O_DIRECT into a bounce\n"
+"buffer): record k (header, payload, checksum: 144 + sum(lengths) + 16 bytes) starts at byte\n"
+"``at[k]`` (int64 [n]) of the buffer ``src``; its payload is copied into the pieces the plan\n"
+"gives it and checked as read_verify_rows checks it. Status 1 for a record that does not lie\n"
+"within ``src`` (not read whole). The GIL is released for the whole batch.");
+
+static PyObject *
+verify_rows(PyObject *self, PyObject *args)
+{
+    PyObject *src_o, *at_o, *dests_o, *dest_of_o, *lengths_o, *offsets_o, *expects_o;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &src_o, &at_o, &dests_o, &dest_of_o, &lengths_o, &offsets_o, &expects_o))
+        return NULL;
+    if (xxh_create == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "verify_rows: xxh3 is not bound (bind_xxh3)");
+        return NULL;
+    }
+    Py_buffer src = {0}, at = {0};
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(at_o, &at, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = at.len / (Py_ssize_t)sizeof(int64_t);
+    if (at.len % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "verify_rows: at: expected int64 [n]");
+        goto out;
+    }
+    /* the plan: checked as read_verify_rows checks it */
+    PyObject *dests = PySequence_Fast(dests_o, "verify_rows: dests must be a sequence of buffers");
+    if (dests == NULL)
+        goto out;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dests), held = 0;
+    Py_buffer *dv = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
+    Py_buffer lengths = {0}, dest_of = {0}, offsets = {0}, expects = {0};
+    int have_lengths = 0, have_dest_of = 0, have_offsets = 0, have_expects = 0;
+    void *state = NULL;
+    if (dv == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject **dest_items = PySequence_Fast_ITEMS(dests);
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        if (PyObject_GetBuffer(dest_items[d], &dv[d], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        held = d + 1;
+    }
+    if (PyObject_GetBuffer(lengths_o, &lengths, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_lengths = 1;
+    Py_ssize_t m = lengths.len / (Py_ssize_t)sizeof(int64_t);
+    if (m < 1 || lengths.len % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "verify_rows: lengths: expected int64 values, at least one");
+        goto done;
+    }
+    if (int64_arg(dest_of_o, &dest_of, m, "dest_of") < 0)
+        goto done;
+    have_dest_of = 1;
+    if (int64_arg(offsets_o, &offsets, n * m, "offsets") < 0)
+        goto done;
+    have_offsets = 1;
+    if (PyObject_GetBuffer(expects_o, &expects, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_expects = 1;
+    Py_ssize_t elen = n ? expects.len / n : 0;
+    if (n && (expects.len % n || (elen != EXPECT_BYTES && elen != EXPECT_WITH_DIGEST))) {
+        PyErr_Format(PyExc_ValueError, "verify_rows: expects: expected uint8 [%zd, %d or %d], got %zd bytes",
+                     n, EXPECT_BYTES, EXPECT_WITH_DIGEST, expects.len);
+        goto done;
+    }
+    Py_ssize_t payload = 0;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        int64_t d = int64_at(&dest_of, j), len = int64_at(&lengths, j);
+        if (d < 0 || d >= nd || len < 0 || len > dv[d].len) {
+            PyErr_Format(PyExc_ValueError, "verify_rows: piece %zd: dest %lld of %zd, length %lld: "
+                         "expected a dest index and a length within it", j, (long long)d, nd, (long long)len);
+            goto done;
+        }
+        payload += (Py_ssize_t)len;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        for (Py_ssize_t j = 0; j < m; j++) {
+            int64_t off = int64_at(&offsets, k * m + j), d = int64_at(&dest_of, j);
+            if (off < 0 || off > dv[d].len - int64_at(&lengths, j)) {
+                PyErr_Format(PyExc_ValueError, "verify_rows: offsets[%zd, %zd] = %lld: expected a piece "
+                             "within dests[%lld] (%zd bytes)", k, j, (long long)off, (long long)d, dv[d].len);
+                goto done;
+            }
+        }
+    }
+    result = PyBytes_FromStringAndSize(NULL, n);
+    if (result == NULL)
+        goto done;
+    unsigned char *status = (unsigned char *)PyBytes_AS_STRING(result);
+    int nomem = 0;
+    Py_BEGIN_ALLOW_THREADS
+    state = xxh_create();
+    if (state == NULL) {
+        nomem = 1;
+    } else {
+        Py_ssize_t want = HEADER_BYTES + payload + DIGEST_BYTES;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            int64_t a = int64_at(&at, k);
+            if (a < 0 || a > src.len - want) {
+                status[k] = ST_SHORT;
+                continue;
+            }
+            const unsigned char *header = (const unsigned char *)src.buf + a;
+            const unsigned char *tail = header + HEADER_BYTES + payload;
+            const unsigned char *e = (const unsigned char *)expects.buf + k * elen;
+            if (memcmp(header, e, ID_BYTES) != 0 || memcmp(header + LENGTH_AT, e + ID_BYTES, 8) != 0
+                    || memcmp(tail, e + ID_BYTES + 8, DIGEST_BYTES) != 0
+                    || (elen == EXPECT_WITH_DIGEST && memcmp(header + DIGEST_AT, e + EXPECT_BYTES, 32) != 0)) {
+                status[k] = ST_BAD;
+                continue;
+            }
+            unsigned char digest[DIGEST_BYTES];
+            xxh_reset(state);
+            xxh_update(state, header, (size_t)(HEADER_BYTES + payload));  /* contiguous here: one update */
+            canonical(xxh_digest(state), digest);
+            if (memcmp(digest, tail, DIGEST_BYTES) != 0) {
+                status[k] = ST_BAD;
+                continue;
+            }
+            const unsigned char *p = header + HEADER_BYTES;
+            for (Py_ssize_t j = 0; j < m; j++) {  /* verified: now into the pieces */
+                size_t len = (size_t)int64_at(&lengths, j);
+                memcpy((char *)dv[int64_at(&dest_of, j)].buf + int64_at(&offsets, k * m + j), p, len);
+                p += len;
+            }
+            status[k] = ST_OK;
+        }
+        xxh_free(state);
+    }
+    Py_END_ALLOW_THREADS
+    if (nomem) {
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+    }
+done:
+    for (Py_ssize_t d = 0; d < held; d++)
+        PyBuffer_Release(&dv[d]);
+    if (have_lengths)
+        PyBuffer_Release(&lengths);
+    if (have_dest_of)
+        PyBuffer_Release(&dest_of);
+    if (have_offsets)
+        PyBuffer_Release(&offsets);
+    if (have_expects)
+        PyBuffer_Release(&expects);
+    PyMem_Free(dv);
+    Py_DECREF(dests);
+out:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&at);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"verify_rows", verify_rows, METH_VARARGS, verify_rows_doc},
     {"read_verify_rows", read_verify_rows, METH_VARARGS, read_verify_rows_doc},
     {"read_verify_many", read_verify_many, METH_O, read_verify_many_doc},
     {"bind_xxh3", bind_xxh3, METH_VARARGS,

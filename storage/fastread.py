@@ -140,3 +140,9 @@ if NATIVE:
 native_read_verify_rows: Callable[..., bytes] | None = (
     getattr(_fastread, "read_verify_rows", None) if native_read_and_hash is not None else None)
 read_verify_rows: Callable[..., bytes] | None = native_read_verify_rows if NATIVE else None
+#: ``verify_rows(src, at, dests, dest_of, lengths, offsets, expects) -> bytes`` (native only;
+#: None otherwise): :data:`read_verify_rows` for records already in memory at ``at`` of
+#: ``src`` (a cold read's O_DIRECT bounce buffer); a record is copied out once verified.
+native_verify_rows: Callable[..., bytes] | None = (
+    getattr(_fastread, "verify_rows", None) if native_read_and_hash is not None else None)
+verify_rows: Callable[..., bytes] | None = native_verify_rows if NATIVE else None

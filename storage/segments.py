@@ -84,8 +84,11 @@ _MERGE_GAP = 64 << 10
 _MAX_EXTENT = 1 << 20
 #: Read-ahead asked of the kernel per POSIX_FADV_WILLNEED call (it reads at most its window per call).
 _WILLNEED_BYTES = 4 << 20
-#: Row reads (read_rows) are handed to their threads in runs of records of about this many bytes.
+#: Row reads (read_rows) are handed to their threads in runs of records of about this many bytes...
 _ROWS_CHUNK = 2 << 20
+#: ...and, from a cold disk, read with O_DIRECT in extents of at most this many bytes (as
+#: get_many's; each thread's bounce buffer is faulted in once per process).
+_MAX_EXTENT_ROWS = _MAX_EXTENT
 #: Records the page cache holds are spread over threads in shards of at least this many bytes.
 _MIN_SHARD = 1 << 20
 SEGMENT_SUFFIX = ".seg"
@@ -895,10 +898,11 @@ class SegmentFiles:
         The records, in file order, are cut into runs of about ``_ROWS_CHUNK`` bytes that
         :attr:`hot_threads` threads (the calling thread one of them) take in turn, each
         run one native call with the GIL released.
-        Where the page cache does not hold them all, the disk is first asked for every
-        extent (``POSIX_FADV_WILLNEED``, in file order, in pieces the kernel takes whole):
-        its queue stays full while the threads copy and hash what has arrived, each
-        waiting only for the pages of its next record."""
+        Where the page cache does not hold them all, extents are read with ``O_DIRECT``
+        by the I/O threads (:meth:`_read_rows_direct`: no page cache to fill, each record
+        checked in the bounce buffer and then copied once); where the filesystem refuses ``O_DIRECT``, the
+        disk is first asked for every extent (``POSIX_FADV_WILLNEED``, in file order, in
+        pieces the kernel takes whole) and the threads read as the pages arrive."""
         read = fastread.read_verify_rows
         assert read is not None, "read_rows: the native read_verify_rows is not bound"
         n = len(locs)
@@ -916,9 +920,18 @@ class SegmentFiles:
                 return status
             where = np.array([(fds[locs[i].segment], locs[i].offset) for i in order], np.int64)
             spans = _spans([locs[i] for i in order])
+            cold = not self._all_cached(spans, fds)
+            if cold and fastread.verify_rows is not None and self.direct_io is not False:
+                try:
+                    self._read_rows_direct([locs[i] for i in order], np.array(order, np.int64), rows, expects, status)
+                    return status
+                except _DirectUnsupported:
+                    self.direct_io = False  # (nothing was read: buffered, below)
+                except OSError:
+                    return status  # the segment is gone (gc) or unreadable: what was not read is a miss
             # (the kernel allocates and queues the pages in the fadvise call: on its own
             # thread, so that the readers start on the first extent meanwhile)
-            futures = [self.pool().submit(self._ask_disk, spans, fds)] if not self._all_cached(spans, fds) else []
+            futures = [self.pool().submit(self._ask_disk, spans, fds)] if cold else []
             idx = np.array(order, np.int64)
             per = max(1, _ROWS_CHUNK // max(1, locs[order[0]].length))
             chunks = deque((a, min(a + per, len(idx))) for a in range(0, len(idx), per))
@@ -943,6 +956,49 @@ class SegmentFiles:
                 for f in futures:
                     f.result()
         return status
+
+    def _read_rows_direct(self, locs: list[Location], idx: np.ndarray, rows: RowScatter, expects: np.ndarray,
+                          status: np.ndarray) -> None:
+        """:meth:`read_rows` of records the page cache does not hold: extents of nearby
+        records (file order, up to ``_MAX_EXTENT_ROWS``) read with ``O_DIRECT`` into each
+        thread's bounce buffer by :attr:`io_threads` threads at once (the disk's queue
+        stays full, the page cache is not filled), each record then verified and copied
+        into its pieces natively (:data:`~tiered_kv.storage.fastread.verify_rows`).
+        ``locs[p]`` is record ``idx[p]``'s; statuses go to ``status[idx[p]]``."""
+        verify = fastread.verify_rows
+        assert verify is not None
+        extents: deque[tuple[int, int]] = deque()  # [a, b) of locs
+        a = 0
+        for b in range(1, len(locs) + 1):
+            if b == len(locs) or not (locs[b].segment == locs[a].segment
+                                      and 0 <= locs[b].offset - locs[b - 1].end <= _MERGE_GAP
+                                      and locs[b].end - locs[a].offset <= _MAX_EXTENT_ROWS):
+                extents.append((a, b))
+                a = b
+
+        def drain() -> None:
+            while True:
+                try:
+                    a, b = extents.popleft()
+                except IndexError:
+                    return
+                first, end = locs[a].offset, locs[b - 1].end
+                lo, hi = _align_down(first), _align_up(end)
+                buf = self._bounce(hi - lo)
+                with self._files.use(locs[a].segment, direct=True) as fd:
+                    got = _preadv_all(fd, [buf[:hi - lo]], lo)
+                mine = idx[a:b]
+                at = np.array([loc.offset - lo for loc in locs[a:b]], np.int64)
+                status[mine] = np.frombuffer(verify(buf[:got], at, rows.dests, rows.dest_of, rows.lengths,
+                                                    np.ascontiguousarray(rows.offsets[mine]),
+                                                    np.ascontiguousarray(expects[mine])), np.uint8)
+
+        futures = [self.pool().submit(drain) for _ in range(min(self.io_threads, len(extents)) - 1)]
+        try:
+            drain()
+        finally:
+            for f in futures:
+                f.result()
 
     @staticmethod
     def _all_cached(spans: list[tuple[int, int, int]], fds: dict[int, int]) -> bool:

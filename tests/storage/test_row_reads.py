@@ -67,12 +67,27 @@ def test_rows_land_in_their_pieces_exactly(store, impl: str) -> None:
         np.testing.assert_array_equal(_payload_at(rows, k), payload_for(key, PAYLOAD))
 
 
-def test_a_corrupt_record_mid_batch_is_a_counted_miss_the_others_exact(store, impl: str) -> None:
+def _evict(path: Path) -> None:
+    """Drop the store's segment files from the page cache (the next read is cold)."""
+    for f in (path / "segments").iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["hot", "cold"])
+def test_a_corrupt_record_mid_batch_is_a_counted_miss_the_others_exact(store, impl: str, cold: bool) -> None:
+    """Hot: read into the pieces, then checked; cold (O_DIRECT extents): checked in the
+    bounce buffer, then copied. Either way only the corrupt record is a miss."""
     path, keys = store
     kb = keys[5].to_bytes()
     rec = bytearray(lmdb_raw_read(path, kb))
     rec[len(rec) // 2] ^= 0x01  # one payload bit, in the segment file
     lmdb_raw_write(path, kb, bytes(rec))
+    if cold:
+        _evict(path)
     rows, _ = _rows(N)
     with LmdbStore(path, layout_fingerprint=FP) as s:
         ok = s.get_rows(keys, rows, token_digests=[digest_for(k) for k in keys])
@@ -109,18 +124,15 @@ def test_a_stored_payload_of_another_size_is_refused_as_by_get_many(tmp_path: Pa
 
 
 def test_cold_rows_read_the_same(store, impl: str) -> None:
-    """Evicted from the page cache first: the native path asks the disk for every extent
-    (POSIX_FADV_WILLNEED) and reads as the pages arrive."""
+    """Evicted from the page cache first: the native path reads extents with O_DIRECT
+    (or, where the filesystem refuses it, asks the disk for every extent with
+    POSIX_FADV_WILLNEED and reads as the pages arrive)."""
     path, keys = store
-    for f in (path / "segments").iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    rows, _ = _rows(N, slots=list(range(N)))
-    with LmdbStore(path, layout_fingerprint=FP, readonly=True) as s:
-        assert s.get_rows(keys, rows) == [True] * N
+    for direct in (None, False):
+        _evict(path)
+        rows, _ = _rows(N, slots=list(range(N)))
+        with LmdbStore(path, layout_fingerprint=FP, readonly=True, direct_io=direct) as s:
+            assert s.get_rows(keys, rows) == [True] * N
     for k, key in enumerate(keys):
         np.testing.assert_array_equal(_payload_at(rows, k), payload_for(key, PAYLOAD))
 
@@ -175,3 +187,22 @@ def test_native_checks_every_piece_lies_within_its_dest(tmp_path: Path) -> None:
                                                 expect) == bytes([fastread.FAILED])
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(fastread.native_verify_rows is None, reason="native helper not built")
+def test_native_verify_rows_checks_the_plan_and_the_source() -> None:
+    """The in-memory variant (cold O_DIRECT extents): the same plan checks; a record not
+    wholly in ``src`` is SHORT, one failing its checks FAILED, and neither is copied out."""
+    rows, dests = _rows(2)
+    src = np.zeros(PAYLOAD + 160 + 100, np.uint8)
+    expect = np.zeros((2, 96), np.uint8)
+    bad = rows.offsets.copy()
+    bad[1, 0] = -1
+    with pytest.raises(ValueError, match="expected a piece within dests"):
+        fastread.native_verify_rows(src, np.array([0, 50], np.int64), rows.dests, rows.dest_of, rows.lengths,
+                                    bad, expect)
+    dests[0][:] = 7
+    got = fastread.native_verify_rows(src, np.array([0, 200], np.int64), rows.dests, rows.dest_of, rows.lengths,
+                                      rows.offsets, expect)
+    assert got == bytes([fastread.FAILED, fastread.SHORT])
+    assert (dests[0] == 7).all()  # nothing copied out of a record that failed
