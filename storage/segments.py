@@ -918,20 +918,29 @@ class SegmentFiles:
                            key=lambda i: (locs[i].segment, locs[i].offset))
             if not order:
                 return status
-            where = np.array([(fds[locs[i].segment], locs[i].offset) for i in order], np.int64)
+            # Span by span (runs of nearby records), as get_many decides extent by extent:
+            # a few evicted pages send their span to the disk, not the whole batch.
             spans = _spans([locs[i] for i in order])
-            cold = not self._all_cached(spans, fds)
+            cold = [sp for sp in spans if not self._cached(fds[sp[0]], sp[1], sp[2] - sp[1])]
             if cold and fastread.verify_rows is not None and self.direct_io is not False:
+                direct = [p for *_, a, b in cold for p in range(a, b)]  # positions in order
+                done = True
                 try:
-                    self._read_rows_direct([locs[i] for i in order], np.array(order, np.int64), rows, expects, status)
-                    return status
+                    self._read_rows_direct([locs[order[p]] for p in direct],
+                                           np.array([order[p] for p in direct], np.int64), rows, expects, status)
                 except _DirectUnsupported:
-                    self.direct_io = False  # (nothing was read: buffered, below)
+                    self.direct_io = done = False  # nothing was read: buffered below, with the others
                 except OSError:
-                    return status  # the segment is gone (gc) or unreadable: what was not read is a miss
+                    pass  # the segment is gone (gc) or unreadable: those records stay misses
+                if done:
+                    taken = set(direct)
+                    order, cold = [i for p, i in enumerate(order) if p not in taken], []
+                    if not order:
+                        return status
+            where = np.array([(fds[locs[i].segment], locs[i].offset) for i in order], np.int64)
             # (the kernel allocates and queues the pages in the fadvise call: on its own
             # thread, so that the readers start on the first extent meanwhile)
-            futures = [self.pool().submit(self._ask_disk, spans, fds)] if cold else []
+            futures = [self.pool().submit(self._ask_disk, cold, fds)] if cold else []
             idx = np.array(order, np.int64)
             per = max(1, _ROWS_CHUNK // max(1, locs[order[0]].length))
             chunks = deque((a, min(a + per, len(idx))) for a in range(0, len(idx), per))
@@ -1001,21 +1010,11 @@ class SegmentFiles:
                 f.result()
 
     @staticmethod
-    def _all_cached(spans: list[tuple[int, int, int]], fds: dict[int, int]) -> bool:
-        """Whether the page cache holds every page from the first span to the last (one
-        ``cachestat`` when they lie in one segment; unknown: True, the reads find out)."""
-        (seg, start, _), (last_seg, _, end) = spans[0], spans[-1]
-        if seg != last_seg:
-            return False
-        got = _LIBC.cached_pages(fds[seg], start, end - start)
-        return got is None or got[0] >= got[1]
-
-    @staticmethod
-    def _ask_disk(spans: list[tuple[int, int, int]], fds: dict[int, int]) -> None:
-        """Ask the disk for every ``(segment, start, end)`` span, in order:
+    def _ask_disk(spans: list[tuple[int, int, int, int, int]], fds: dict[int, int]) -> None:
+        """Ask the disk for every ``(segment, start, end, ...)`` span, in order:
         ``POSIX_FADV_WILLNEED`` per piece of at most :data:`_WILLNEED_BYTES` (the kernel
         reads at most its read-ahead window per call; pages it holds are skipped)."""
-        for seg, start, end in spans:
+        for seg, start, end, _, _ in spans:
             for at in range(start, end, _WILLNEED_BYTES):
                 try:
                     os.posix_fadvise(fds[seg], at, min(_WILLNEED_BYTES, end - at), os.POSIX_FADV_WILLNEED)
@@ -1214,14 +1213,16 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _spans(locs: list[Location]) -> list[tuple[int, int, int]]:
-    """``(segment, start, end)`` of the runs of nearby records among ``locs`` (file order)."""
-    spans: list[tuple[int, int, int]] = []
-    for loc in locs:
+def _spans(locs: list[Location]) -> list[tuple[int, int, int, int, int]]:
+    """``(segment, start, end, a, b)`` of the runs of nearby records among ``locs`` (file
+    order): bytes ``[start, end)`` of the segment hold ``locs[a:b]``."""
+    spans: list[tuple[int, int, int, int, int]] = []
+    for p, loc in enumerate(locs):
         if spans and spans[-1][0] == loc.segment and 0 <= loc.offset - spans[-1][2] <= _MERGE_GAP:
-            spans[-1] = (loc.segment, spans[-1][1], max(spans[-1][2], loc.end))
+            seg, start, end, a, _ = spans[-1]
+            spans[-1] = (seg, start, max(end, loc.end), a, p + 1)
         else:
-            spans.append((loc.segment, loc.offset, loc.end))
+            spans.append((loc.segment, loc.offset, loc.end, p, p + 1))
     return spans
 
 
