@@ -15,9 +15,12 @@ of two kinds:
 LMCache reads into an arena of its own allocator: the one its puts wrote ("written") or a
 new one per round ("fresh"); the store is compared with LMCache on each kind.
 
-    store get_many   LmdbStore.get_many in batches of --batch into views of the destination:
-                     one preadv per record, every record verified (xxh3-128 checksum against
-                     the record and the index, header, fingerprint, key, token digest)
+    store get_many   LmdbStore.get_many in batches of --batch into views of the destination,
+                     every record verified (xxh3-128 checksum against the record and the
+                     index, header, fingerprint, key, token digest): natively each record is
+                     handed, as soon as it is looked up, to helper threads that read it in
+                     128 KiB preadv runs and hash each run right away (TIERED_KV_NATIVE=0:
+                     the Python fallback; the table says which ran)
     readv, 1 thread  os.preadv of each record's payload bytes from its segment file, in
                      key order, no checks (the "raw" baseline)
     readv, parallel  the same, the records cut into one run per thread (--threads, default
@@ -254,6 +257,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 times[name].append(s)
                 cpu[name].append(c)
         hot_threads = readers.store._segments.hot_threads
+        from tiered_kv.storage import fastread
+
+        native = fastread.VerifyBatch is not None
     finally:
         readers.close()
     med = {name: gbps(total, statistics.median(ts)) for name, ts in times.items()}
@@ -266,6 +272,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     res: dict[str, Any] = {
         "config": {"records": n, "payload_bytes": nbytes, "total_bytes": total, "batch": args.batch,
                    "rounds": args.rounds, "threads": args.threads, "store_hot_threads": hot_threads,
+                   "store_native": native,
                    "statistic": "median", "destinations": list(DESTINATIONS)},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "write_gbps": gbps(total, write_s),
@@ -289,7 +296,8 @@ def table(res: dict[str, Any]) -> str:
     ok = lambda got, want: "meets" if got >= want else "misses"  # noqa: E731
     lines = [
         f"hot read: {c['records']} records x {c['payload_bytes']:,} B ({c['total_bytes'] / 1e6:.0f} MB), "
-        f"median of {c['rounds']}; store batches of {c['batch']}, {c['store_hot_threads']} hot-read threads",
+        f"median of {c['rounds']}; store batches of {c['batch']}, {c['store_hot_threads']} hot-read threads, "
+        f"{'native' if c.get('store_native') else 'Python'} read path",
         f"{'destination:':<34}" + "".join(f"{k + ' GB/s':>13}{'store/this':>11}{'CPU s/GB':>9}" for k in DESTINATIONS),
     ]
     names = {"store": "store get_many (verified)", "readv_parallel": f"readv, {c['threads']} threads (no checks)",
