@@ -6,11 +6,15 @@
  * 64 KiB, so a record read into a scatter list of pool rows (62 pieces of 0.6-18 KiB for a
  * Flash block) hashes with the GIL held. read_and_hash() does both with the GIL released;
  * read_verify_many() does it for a whole batch of records in one call (one GIL release) and
- * also checks each header's known fields and checksum, as PartsVerifier does in Python; with
- * threads > 1 the batch is shared by the calling thread and threads - 1 helper pthreads,
- * each taking the next record from a shared counter (no GIL, no Python thread hand-off, and
- * no thread left waiting on a fixed share). Each record is hashed right after its preadv,
- * while it is in the CPU's cache.
+ * also checks each header's known fields and checksum, as PartsVerifier does in Python;
+ * VerifyBatch takes the same records one at a time (add), so that reading starts while the
+ * caller prepares the next record, and is waited for by finish(). With threads > 1 a batch
+ * is shared by helper pthreads (started once, kept; no GIL, no Python thread hand-off),
+ * which take records from the front as they are published, and the calling thread, which
+ * takes the rest from the back once it has added them all. Each record is read in runs of
+ * 128 KiB, each hashed right after its preadv, while it is in the CPU's cache; with
+ * cached_only, a record whose pages are not all in the page cache (cachestat) is left
+ * unread for the caller's cold path.
  *
  * xxh3 itself is not reimplemented here: bind_xxh3() takes the addresses of xxHash's public
  * streaming API (XXH3_createState, XXH3_freeState, XXH3_128bits_reset, _update, _digest) as
@@ -425,20 +429,23 @@ job_clear(job_t *j)
     j->held = 0;
 }
 
-/* A batch shared by the threads reading it. Records are published one by one (``added``,
- * release) and each reader takes the next one (``next``, a compare-and-swap) until the
- * batch is closed and every published record is taken. */
+/* A batch shared by the threads reading it. Records are published one by one (``end``)
+ * and the helpers take them from the front; once the batch is closed the calling thread
+ * takes the rest from the back, so that each thread fills a run of the destination of its
+ * own (threads faulting in fresh pages side by side contend for the same page tables). */
 typedef struct {
     job_t *jobs;
     Py_ssize_t cap;
-    Py_ssize_t added;    /* atomic: jobs[0 .. added) are filled */
-    Py_ssize_t next;     /* atomic: the next one to take */
-    int closed;          /* atomic: nothing more is added */
+    Py_ssize_t added;    /* jobs[0 .. added) are filled (written by the adding thread only) */
+    Py_ssize_t next;     /* the next one to take from the front (under pool.mu) */
+    Py_ssize_t end;      /* records [next, end) are left to take (under pool.mu) */
+    int closed;          /* nothing more is added (under pool.mu) */
     int cached_only;     /* a record the page cache lacks is not read: ST_UNCACHED */
     int offered;         /* the helpers were offered it */
     int helpers_wanted;  /* helpers that may join (under pool.mu) */
     int helpers_in;      /* helpers that joined (under pool.mu) */
     int helpers_active;  /* helpers still reading it (under pool.mu) */
+    int failed;          /* a helper ran out of memory */
 } batch_t;
 
 #define MAX_THREADS 64
@@ -460,37 +467,36 @@ static struct {
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL};
 
-/* Read records of b until it is closed and none is left (scratch grown as needed).
- * Returns 0, or -1 when scratch could not be had (records left to the others). */
+/* Read records of b, from the front or (``from_back``) the back, until it is closed and
+ * none is left (scratch grown as needed). Returns 0, or -1 when scratch could not be had
+ * (that record stays a miss: ST_SHORT). */
 static int
-run_jobs(batch_t *b, struct iovec **scratch, Py_ssize_t *room, void *state)
+run_jobs(batch_t *b, int from_back, struct iovec **scratch, Py_ssize_t *room, void *state)
 {
     for (;;) {
-        Py_ssize_t k = __atomic_load_n(&b->next, __ATOMIC_RELAXED);
-        Py_ssize_t avail = __atomic_load_n(&b->added, __ATOMIC_ACQUIRE);
-        if (k < avail) {
-            job_t *j = &b->jobs[k];
-            if (2 * j->count + 2 > *room) {
-                struct iovec *grown = realloc(*scratch, (size_t)(2 * j->count + 2) * sizeof(struct iovec));
-                if (grown == NULL)
-                    return -1;
-                *scratch = grown;
-                *room = 2 * j->count + 2;
-            }
-            if (__atomic_compare_exchange_n(&b->next, &k, k + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-                j->status = verify_one(j, *scratch, state, b->cached_only);
-            continue;
-        }
-        if (__atomic_load_n(&b->closed, __ATOMIC_ACQUIRE)) {
-            if (__atomic_load_n(&b->next, __ATOMIC_RELAXED) >= __atomic_load_n(&b->added, __ATOMIC_ACQUIRE))
-                return 0;
-            continue;
-        }
+        Py_ssize_t k = -1;
         pthread_mutex_lock(&pool.mu);
-        while (!__atomic_load_n(&b->closed, __ATOMIC_ACQUIRE)
-               && __atomic_load_n(&b->next, __ATOMIC_RELAXED) >= __atomic_load_n(&b->added, __ATOMIC_ACQUIRE))
+        for (;;) {
+            if (b->next < b->end) {
+                k = from_back ? --b->end : b->next++;
+                break;
+            }
+            if (b->closed)
+                break;
             pthread_cond_wait(&pool.more, &pool.mu);
+        }
         pthread_mutex_unlock(&pool.mu);
+        if (k < 0)
+            return 0;
+        job_t *j = &b->jobs[k];
+        if (2 * j->count + 2 > *room) {
+            struct iovec *grown = realloc(*scratch, (size_t)(2 * j->count + 2) * sizeof(struct iovec));
+            if (grown == NULL)
+                return -1;
+            *scratch = grown;
+            *room = 2 * j->count + 2;
+        }
+        j->status = verify_one(j, *scratch, state, b->cached_only);
     }
 }
 
@@ -513,7 +519,8 @@ helper_main(void *arg)
         b->helpers_in++;
         b->helpers_active++;
         pthread_mutex_unlock(&pool.mu);
-        run_jobs(b, &scratch, &room, state);
+        if (run_jobs(b, 0, &scratch, &room, state) < 0)
+            b->failed = 1;
         pthread_mutex_lock(&pool.mu);
         if (--b->helpers_active == 0)
             pthread_cond_broadcast(&pool.finished);
@@ -568,21 +575,22 @@ batch_offer(batch_t *b, int threads)
 static void
 batch_publish(batch_t *b, Py_ssize_t k)
 {
-    __atomic_store_n(&b->added, k + 1, __ATOMIC_RELEASE);
-    if (b->offered) {
-        pthread_mutex_lock(&pool.mu);
+    b->added = k + 1;
+    pthread_mutex_lock(&pool.mu);
+    b->end = k + 1;
+    if (b->offered)
         pthread_cond_broadcast(&pool.more);
-        pthread_mutex_unlock(&pool.mu);
-    }
+    pthread_mutex_unlock(&pool.mu);
 }
 
-/* Close b, read what is left on the calling thread, wait for the helpers (GIL released).
- * Returns 0, or -1 out of memory. */
+/* Close b, read what is left on the calling thread (from the back), wait for the helpers
+ * (GIL released). Returns 0, or -1 when a thread ran out of memory (a record unread). */
 static int
 batch_finish(batch_t *b)
 {
     pthread_mutex_lock(&pool.mu);
-    __atomic_store_n(&b->closed, 1, __ATOMIC_RELEASE);
+    b->end = b->added;   /* (the same, unless a publish was never made: read what was filled) */
+    b->closed = 1;
     pthread_cond_broadcast(&pool.more);
     pthread_mutex_unlock(&pool.mu);
     struct iovec *scratch = NULL;
@@ -590,7 +598,7 @@ batch_finish(batch_t *b)
     int rc = -1;
     void *state = xxh_create();
     if (state != NULL) {
-        rc = run_jobs(b, &scratch, &room, state);
+        rc = run_jobs(b, 1, &scratch, &room, state);
         xxh_free(state);
     }
     free(scratch);
@@ -603,8 +611,10 @@ batch_finish(batch_t *b)
         b->offered = 0;
         pthread_mutex_unlock(&pool.mu);
     }
-    /* (a record no thread could take, out of memory: still unread) */
-    return rc == 0 || __atomic_load_n(&b->next, __ATOMIC_RELAXED) >= b->added ? 0 : -1;
+    if (state != NULL && rc == 0 && !b->failed)
+        return 0;
+    /* Out of memory somewhere: any record left untaken is a miss (ST_SHORT, as filled). */
+    return -1;
 }
 
 static PyObject *
@@ -679,7 +689,7 @@ read_verify_many(PyObject *self, PyObject *args)
         if (job_fill(&b.jobs[k], fd, offset, PyTuple_GET_ITEM(item_v[k], 2), PyTuple_GET_ITEM(item_v[k], 3), k) < 0)
             goto done;
     }
-    b.added = n;
+    b.added = b.end = n;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     batch_offer(&b, threads < n ? threads : (int)(n ? n : 1));

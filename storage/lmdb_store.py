@@ -59,9 +59,10 @@ is still writing or committing), so:
   like any other).
 
 Reads: one read transaction looks up every key; the records are then read in parallel
-(from the page cache when it holds them: one ``preadv`` per record straight into the
-caller's buffers, hashed in the same step, shards spread over the CPUs; else adjacent
-records of a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
+(from the page cache when it holds them: straight into the caller's buffers, natively by
+helper threads that take each record as soon as it is prepared, hashed as it is read,
+see :meth:`~tiered_kv.storage.segments.SegmentFiles.batch_read`; else adjacent records of
+a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
 xxh3-128 checksum against the record and the index, fingerprint, key, token digest; see
 :class:`~tiered_kv.storage.record.PartsVerifier`). A record that fails while the index still points at it is corrupt: a miss,
 counted and unindexed. Deleting or evicting a record punches a hole over its bytes.

@@ -31,11 +31,16 @@ checksum), so the bytes a dead writer appended past what the index covers can be
 verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
 not verify stays unindexed and ``gc`` gives it back.
 
-Reads: records whose pages are (3/4 or more) in the page cache (``cachestat``, Linux >=
-6.5; one call per segment when all of the span read is cached) are read one ``preadv``
-each straight into the caller's buffers and hashed in the same call
-(:mod:`~tiered_kv.storage.fastread`), in shards of >= 1 MiB drained by one thread per
-CPU: copies and hashing release the GIL, so they run in parallel. Other extents (records
+Reads: records whose pages are in the page cache (``cachestat``, Linux >= 6.5) are read
+straight into the caller's buffers and hashed as they are read
+(:mod:`~tiered_kv.storage.fastread`). Natively (:meth:`SegmentFiles.batch_read`) each
+record is handed, as soon as the store has prepared it, to helper threads of the native
+module that check it is cached, read it in 128 KiB runs, hash each run at once and check
+it, with no GIL and no Python per record on their side; the calling thread joins them
+once it has handed over the batch. Otherwise (the Python fallback; records 3/4 or more
+cached; one ``cachestat`` per segment when all of the span read is cached) one ``preadv``
+each, in shards of >= 1 MiB drained by one thread per CPU: copies and hashing release the
+GIL, so they run in parallel. Other extents (records
 adjacent in one segment) are read with ``O_DIRECT`` into an aligned bounce buffer
 (parallel, several extents in flight), or with buffered ``preadv`` after
 ``POSIX_FADV_WILLNEED`` when direct I/O is off.
