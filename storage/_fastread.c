@@ -438,7 +438,10 @@ typedef struct {
     Py_ssize_t cap;
     Py_ssize_t added;    /* jobs[0 .. added) are filled (written by the adding thread only) */
     Py_ssize_t next;     /* the next one to take from the front (under pool.mu) */
-    Py_ssize_t end;      /* records [next, end) are left to take (under pool.mu) */
+    Py_ssize_t end;      /* records [next, end) are left to take (under pool.mu; also stored
+                            by a publish, atomically, while no thread takes from the back) */
+    int waiting;         /* helpers waiting for a record (atomic; changed under pool.mu) */
+    int threads;         /* threads to offer it to at its first publish (VerifyBatch) */
     int closed;          /* nothing more is added (under pool.mu) */
     int cached_only;     /* a record the page cache lacks is not read: ST_UNCACHED */
     int offered;         /* the helpers were offered it */
@@ -477,13 +480,20 @@ run_jobs(batch_t *b, int from_back, struct iovec **scratch, Py_ssize_t *room, vo
         Py_ssize_t k = -1;
         pthread_mutex_lock(&pool.mu);
         for (;;) {
-            if (b->next < b->end) {
-                k = from_back ? --b->end : b->next++;
+            Py_ssize_t end = __atomic_load_n(&b->end, __ATOMIC_SEQ_CST);
+            if (b->next < end) {
+                if (from_back)
+                    __atomic_store_n(&b->end, end - 1, __ATOMIC_SEQ_CST);
+                k = from_back ? end - 1 : b->next++;
                 break;
             }
             if (b->closed)
                 break;
-            pthread_cond_wait(&pool.more, &pool.mu);
+            /* (a publish stores end, then reads waiting: one of the two sees the other) */
+            __atomic_add_fetch(&b->waiting, 1, __ATOMIC_SEQ_CST);
+            if (b->next >= __atomic_load_n(&b->end, __ATOMIC_SEQ_CST) && !b->closed)
+                pthread_cond_wait(&pool.more, &pool.mu);
+            __atomic_sub_fetch(&b->waiting, 1, __ATOMIC_SEQ_CST);
         }
         pthread_mutex_unlock(&pool.mu);
         if (k < 0)
@@ -571,16 +581,23 @@ batch_offer(batch_t *b, int threads)
     pthread_mutex_unlock(&pool.mu);
 }
 
-/* Publish job k of b (filled). */
+/* Publish job k of b (filled): a helper waiting for a record is woken; the first publish
+ * of a VerifyBatch offers it to the helpers (then the first one to wake finds a record).
+ * A busy helper costs the publisher no lock and no system call. */
 static void
 batch_publish(batch_t *b, Py_ssize_t k)
 {
     b->added = k + 1;
-    pthread_mutex_lock(&pool.mu);
-    b->end = k + 1;
-    if (b->offered)
+    __atomic_store_n(&b->end, k + 1, __ATOMIC_SEQ_CST);
+    if (k == 0 && b->threads > 1) {
+        batch_offer(b, b->threads);
+        return;
+    }
+    if (b->offered && __atomic_load_n(&b->waiting, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&pool.mu);
         pthread_cond_broadcast(&pool.more);
-    pthread_mutex_unlock(&pool.mu);
+        pthread_mutex_unlock(&pool.mu);
+    }
 }
 
 /* Close b, read what is left on the calling thread (from the back), wait for the helpers
@@ -589,7 +606,6 @@ static int
 batch_finish(batch_t *b)
 {
     pthread_mutex_lock(&pool.mu);
-    b->end = b->added;   /* (the same, unless a publish was never made: read what was filled) */
     b->closed = 1;
     pthread_cond_broadcast(&pool.more);
     pthread_mutex_unlock(&pool.mu);
@@ -765,11 +781,7 @@ vb_init(VerifyBatch *self, PyObject *args, PyObject *kwds)
     }
     self->b.cap = cap;
     self->b.cached_only = cached_only;
-    if (cap > 1 && threads > 1) {
-        Py_BEGIN_ALLOW_THREADS
-        batch_offer(&self->b, threads < cap ? threads : (int)cap);
-        Py_END_ALLOW_THREADS
-    }
+    self->b.threads = cap > 1 ? (threads < cap ? threads : (int)cap) : 1;  /* (offered at the first add) */
     return 0;
 }
 
