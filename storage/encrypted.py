@@ -11,13 +11,20 @@ unchanged, and the wrapper adds authentication::
                encryption={"key_files": ["/etc/tiered-kv/key-2026", "/etc/tiered-kv/key-2025"],
                            "tenant": "acme"})
 
-Reads. The envelopes of one call are read by the backend, in chunks of at most 8
-MiB, into reusable per-thread arenas, and opened on several threads (AES-GCM in
-``cryptography`` >= 50 runs without the GIL), pipelined: while the pool opens one
-chunk, the calling thread reads the next. Each envelope is decrypted straight from the
-arena into the caller's buffer (one pass: no copy of the ciphertext into place first). A
-scatter-list out is decrypted into a per-thread scratch buffer and copied into its
-pieces.
+Reads. On a backend that streams (``supports_streamed_reads``: a Zarr store on S3), each
+envelope is opened on the backend's I/O thread as its response arrives, decrypted
+straight into the caller's buffer (or the pieces of a scatter list), with no staging
+copy: :meth:`~.base.BlockStore.read_each` and :class:`_EnvelopeSink`. The record's xxh3
+checksum is not computed there: the GCM tag, checked on every read, covers every byte
+the checksum covers (the header's identity fields through the associated data), so it
+would be a second pass over the bytes for nothing; plain records keep it. On the other
+backends (LMDB, a local directory) the envelopes of one call are read, checksum-verified,
+in chunks of at most 8 MiB into reusable per-thread arenas, and opened on several
+threads (AES-GCM in ``cryptography`` >= 50 runs without the GIL), pipelined: while the
+pool opens one chunk, the calling thread reads the next. Each envelope is decrypted
+straight from the arena into the caller's buffer; a scatter-list out is decrypted into a
+per-thread scratch buffer and copied into its pieces. A read that fails its tag leaves
+the out buffer zeroed on the streamed path (unspecified, as for any miss, on the other).
 
 Nothing unauthenticated is ever served. Each of these is a miss, counted as
 ``auth_failures`` in :meth:`EncryptedStore.stats`, never bytes and never an exception:
