@@ -504,6 +504,54 @@ def test_clear_is_refused_and_sglang_reports_the_failure(store_url, backends, ca
     assert b.batch_exists(keys) == 2 and b.counters()["store.records"] == 2
 
 
+def _sglang_clear(backend):
+    """SGLang 0.5.23's own clear path, as the endpoint runs it; returns what it reports."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+
+    controller_state = SimpleNamespace(enable_storage=True, storage_backend=backend)
+    controller = SimpleNamespace(clear_storage_backend=lambda: HybridCacheController.clear_storage_backend(
+        controller_state))
+    return StorageAttachment.clear(SimpleNamespace(_cache=SimpleNamespace(cache_controller=controller)))
+
+
+def test_allowed_clear_empties_the_store_and_sglang_reports_it(store_url, backends, caplog):
+    """With "allow_clear": true, SGLang's clear really empties the store, so its "cleared"
+    answer is true; pages written afterwards are stored and read as usual."""
+    pool = env.mla_host_pool()
+    b = _backend(backends, store_url, pool, allow_clear=True)
+    _, _, keys, _ = _store_and_reload(b, pool, 3)
+    with caplog.at_level("WARNING"):
+        assert _sglang_clear(b) is True
+    assert "tiered_kv HiCache storage cleared: 3 records" in caplog.text
+    assert b.batch_exists(keys) == 0 and b.counters()["store.records"] == 0
+    src, dst, _, _ = _store_and_reload(b, pool, 2, seed=5, key_seed=7)
+    assert src == dst
+
+
+def test_allowed_clear_on_a_chain_empties_level_0_only(tmp_path, backends, caplog):
+    """On a chain only the node's own level is emptied: the shared level keeps the fleet's
+    pages, and the backend reads them back from there."""
+    near, far = f"lmdb://{tmp_path / 'near'}", f"zarr://{tmp_path / 'shared'}"
+    pool = env.mla_host_pool()
+    b = _backend(backends, [near, far], pool, allow_clear=True)
+    src, _, keys, _ = _store_and_reload(b, pool, 2)
+    assert b.store.flush(uploads=True, timeout_s=60)
+    with caplog.at_level("WARNING"):
+        assert _sglang_clear(b) is True
+    assert "level 0 of the chain; shared levels are kept" in caplog.text
+    dst = pool.alloc(2 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True] * 2
+    assert env.page_bytes(pool, dst) == src
+
+
+def test_allow_clear_must_be_a_boolean(store_url):
+    with pytest.raises(ValueError, match="allow_clear.*expected true or false"):
+        env.create_backend(env.storage_config(store_url, allow_clear="yes"), env.mla_host_pool())
+
+
 # ---------------------------------------------------------------------- v2: pools
 def _v2_transfers(pools, keys, indices, policies=None):
     policies = policies or {}

@@ -49,9 +49,12 @@ with ``--enable-metrics``), and :meth:`counters` our own page counters
 plus the store's (hits, misses, corrupt, evictions, bytes);
 :meth:`TieredKVHiCacheStorage.of` finds the backend behind SGLang's failure injector.
 
-``clear`` (SGLang's ``POST /hicache/storage-backend/clear``) is refused: the store may be
-shared. It raises, since SGLang 0.5.23's cache controller ignores a returned ``False``;
-SGLang's storage layer then logs the failure and reports it as ``False``.
+``clear`` (SGLang's ``POST /hicache/storage-backend/clear``) is refused by default: the
+store may be shared. It raises, since SGLang 0.5.23's cache controller ignores a returned
+``False``; SGLang's storage layer then logs the failure and reports it as ``False`` (its
+scheduler still answers HTTP 200, an SGLang bug). With ``"allow_clear": true`` in the
+extra config it empties the node's own store (level 0 of a chain; a shared level is
+trimmed by ``tiered-kv gc`` on its own URL), so that the endpoint's answer is true.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
@@ -294,6 +297,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     - ``model_id``: the model part of the namespace (default: SGLang's ``model_name``).
     - ``interface_v1``: SGLang's switch to the zero-copy calls; it also selects which
       record format ``exists`` / ``batch_exists`` look for.
+    - ``allow_clear`` (default ``false``): let :meth:`clear` empty the node's own store
+      (every record of a single store, level 0 of a chain) instead of refusing.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
@@ -322,6 +327,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self.model_id = model_id
         self.tenant = tenant
         self.interface_v1 = bool(extra.get("interface_v1", 0))
+        allow_clear = extra.get("allow_clear", False)
+        if not isinstance(allow_clear, bool):
+            raise ValueError(f"extra_config['allow_clear']: expected true or false, got {allow_clear!r}")
+        self.allow_clear = allow_clear
         self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
         self._kv_format = _PageFormat.BUFFERS if self.interface_v1 else _PageFormat.FLAT
         self._namespace_root = self._namespace(storage_config, model_id=model_id, tenant=tenant)
@@ -664,19 +673,29 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     # ------------------------------------------------------------------ admin
-    def clear(self) -> NoReturn:
-        """Refused, deleting nothing: the store may be shared by other models, tenants and
-        servers. Raises :class:`ClearRefusedError`.
+    def clear(self) -> None:
+        """Empty the node's own store, where the extra config allows it; else refuse.
 
-        It raises rather than returning ``False`` because SGLang 0.5.23's cache controller
-        ignores the returned value; an exception is what its storage layer reports as a
-        failed clear (``Failed to clear hierarchical cache storage backend: ...``). Trim the
-        store with ``open_store(url, layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT).gc(n)``
-        instead (docs/integrations/sglang.md).
+        With ``"allow_clear": true``: every record of a single store, or of level 0 of a
+        chain, is deleted (``BlockStore.gc(0)``); a shared level is left to ``tiered-kv gc``
+        on its own URL, run once for the fleet. Pages SGLang writes while this runs may
+        survive it. Otherwise (the default) nothing is deleted and
+        :class:`ClearRefusedError` is raised: the store may be shared by other models,
+        tenants and servers. It raises rather than returning ``False`` because SGLang
+        0.5.23's cache controller ignores the returned value; an exception is what its
+        storage layer reports as a failed clear (``Failed to clear hierarchical cache
+        storage backend: ...``). Trim a store with ``open_store(url,
+        layout_fingerprint=SGLANG_LAYOUT_FINGERPRINT).gc(n)`` (docs/integrations/sglang.md).
         """
-        raise ClearRefusedError(f"tiered_kv HiCache storage refuses clear(): the store may be shared by other "
-                                f"servers and tenants, nothing was deleted ({self.counters().get('store.records')} "
-                                f"records). Trim it with BlockStore.gc (docs/integrations/sglang.md)")
+        if not self.allow_clear:
+            raise ClearRefusedError(f"tiered_kv HiCache storage refuses clear(): the store may be shared by other "
+                                    f"servers and tenants, nothing was deleted ({self.counters().get('store.records')} "
+                                    f"records). Set extra_config['allow_clear'] to let it empty this node's store, "
+                                    f"or trim it with BlockStore.gc (docs/integrations/sglang.md)")
+        done = self.store.gc(0)
+        level = " (level 0 of the chain; shared levels are kept)" if "level" in done else ""
+        logger.warning("tiered_kv HiCache storage cleared%s: %d records, %d bytes deleted, %d records left",
+                       level, done.get("evicted", 0), done.get("freed_bytes", 0), done.get("records", 0))
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch)."""
