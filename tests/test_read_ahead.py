@@ -155,3 +155,23 @@ def test_close_waits_for_reads_and_stops_reading_ahead(store: LmdbStore) -> None
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="capacity >= 1"):
         ReadAhead(object(), chunk_bytes=CHUNK, capacity=0, record=_record)  # type: ignore[arg-type]
+
+
+def test_a_key_staged_as_a_miss_is_read_again_by_its_next_lookup(store: LmdbStore) -> None:
+    """A lookup raced with an eviction (its read found nothing); once the chunk is stored
+    again, the next lookup reads it again rather than keep the stale miss."""
+    _put(store, ["other"])
+    ra = _read_ahead(store)
+    assert ra.start(["gone"]) == 1                      # its read finds no record
+    assert ra.start(["other"]) == 1
+    other = ra.take(["other"])["other"]
+    other.future.result(30)                             # one reader, in order: "gone" was read first
+    assert ra.deliver(other, np.zeros(CHUNK, np.uint8)) is True
+    _put(store, ["gone"])
+    assert ra.start(["gone"]) == 1                      # read again, not kept as a miss
+    staged = ra.take(["gone"])["gone"]
+    staged.future.result(30)
+    out = np.zeros(CHUNK, np.uint8)
+    assert ra.deliver(staged, out) is True and np.array_equal(out, _payload("gone"))
+    assert ra.stats().dropped == 1
+    ra.close()

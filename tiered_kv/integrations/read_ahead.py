@@ -93,11 +93,16 @@ class ReadAhead(Generic[K]):
     # ------------------------------------------------------------- lookup side
     def start(self, keys: Sequence[K]) -> int:
         """Start one batched read of the ``keys`` not already staged, into free staging
-        rows (dropping the oldest finished entries no load took, when needed). Returns how
-        many were started; keys that find no room are left to their load."""
+        rows (dropping the oldest finished entries no load took, when needed). A key whose
+        staged read found no good record is read again (it may have been stored since).
+        Returns how many were started; keys that find no room are left to their load."""
         with self._lock:
             if self._closed:
                 return 0
+            for k in keys:   # a staged read that found no good record: read again (it may be stored now)
+                if (s := self._staged.get(k)) is not None and s.future.done() and not self._verdict(s):
+                    self._free.append(self._staged.pop(k).slot)
+                    self._stats.dropped += 1
             todo = list(dict.fromkeys(k for k in keys if k not in self._staged))
             self._make_room(len(todo))
             todo = todo[:len(self._free)]
