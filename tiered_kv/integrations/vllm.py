@@ -457,25 +457,26 @@ class TieredKVTier(SecondaryTierManager):
         start = time.monotonic()
         rows = self._rows
         assert rows is not None, "job ran after shutdown"
-        # the chunks a lookup read ahead (index in this job -> its staging entry), the others
-        staged: dict[int, Staged] = {}
-        if self.read_ahead is not None:
-            taken = self.read_ahead.take(keys)
-            staged = {i: taken.pop(k) for i, k in enumerate(keys) if k in taken}
+        read_ahead = self.read_ahead
+        taken = read_ahead.take(keys) if read_ahead is not None else {}
+        staged: dict[int, Staged] = {i: taken.pop(k) for i, k in enumerate(keys) if k in taken}  # index -> entry
         hit = [False] * len(keys)
         try:
-            self._read_into(keys, chunk_ids, [i for i in range(len(keys)) if i not in staged], hit)  # meanwhile,
-            unread = []                                                                    # the staged reads end
+            # first the chunks not read ahead, straight into their rows (the staged reads end meanwhile)
+            self._read_into(keys, chunk_ids, [i for i in range(len(keys)) if i not in staged], hit)
+            unread = []
             while staged:
+                assert read_ahead is not None
                 i, entry = staged.popitem()
-                delivered = self.read_ahead.deliver(entry, rows[chunk_ids[i]])  # type: ignore[union-attr]
+                delivered = read_ahead.deliver(entry, rows[chunk_ids[i]])
                 if delivered is None:
                     unread.append(i)   # not read ahead after all (not started, or the store raised)
                 hit[i] = bool(delivered)
             self._read_into(keys, chunk_ids, unread, hit)
         except Exception as e:
             for entry in staged.values():
-                self.read_ahead.discard(entry)  # type: ignore[union-attr]
+                assert read_ahead is not None
+                read_ahead.discard(entry)
             self._job_failed("load", job_id, keys, e)
             return
         loaded = [k for k, h in zip(keys, hit) if h]
