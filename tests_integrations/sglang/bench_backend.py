@@ -5,7 +5,9 @@ against put_many / get_many of the same records on the same LMDB store (the base
 
 Geometry: DeepSeek-V3/R1-like MLA rows (576 bf16 = 1152 B), 61 layers, 16-token pages
 (1.12 MB a page). Every read is cold: the store writes with O_DIRECT. Prints medians of
---repeat runs, each on a fresh store, as GB/s, the ratio to the bare store, and CPU
+--repeat runs, each on a fresh store, as GB/s, the ratio to the bare store (of the
+medians, and the median of each repeat's own ratio: a repeat runs the three back to back),
+and CPU
 seconds per GB (the whole process, all threads: less sensitive than wall time to other
 jobs on the machine); writes bench/results/sglang_backend.json.
 """
@@ -96,13 +98,18 @@ def main() -> None:
     med = {k: tuple(statistics.median(t[j] for t in v) for j in range(4)) for k, v in runs.items()}
     bw, br = med["store"][:2]
     gb = a.pages * page_mb / 1e3
+    # each repeat runs the three back to back: its own ratios are the least exposed to drift
+    paired = {k: tuple(statistics.median(s[j] / t[j] for s, t in zip(runs["store"], runs[k])) for j in (0, 1))
+              for k in ("page_first", "layer_first")}
     print(f"{a.pages} pages x {page_mb:.2f} MB, medians of {a.repeat}")
-    print(f"{'':28s} {'write GB/s':>10s} {'read GB/s':>10s} {'ratio to store w / r':>22s} {'CPU s/GB w / r':>16s}")
+    print(f"{'':28s} {'write GB/s':>10s} {'read GB/s':>10s} {'ratio to store w / r':>22s} {'paired w / r':>13s} "
+          f"{'CPU s/GB w / r':>16s}")
     for name, label in (("store", "store put_many/get_many"), ("page_first", "adapter v1 page_first"),
                         ("layer_first", "adapter v1 layer_first")):
         w, r, cw, cr = med[name]
         ratio = "(baseline)" if name == "store" else f"{bw / w:.2f} / {br / r:.2f}"
-        print(f"{label:28s} {gb / w:10.2f} {gb / r:10.2f} {ratio:>22s} {cw / gb:7.2f} / {cr / gb:.2f}")
+        pair = "" if name == "store" else f"{paired[name][0]:.2f} / {paired[name][1]:.2f}"
+        print(f"{label:28s} {gb / w:10.2f} {gb / r:10.2f} {ratio:>22s} {pair:>13s} {cw / gb:7.2f} / {cr / gb:.2f}")
     out = Path(__file__).resolve().parents[2] / "bench" / "results" / "sglang_backend.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -111,6 +118,7 @@ def main() -> None:
         "median_gb_s": {k: {"write": gb / v[0], "read": gb / v[1]} for k, v in med.items()},
         "median_cpu_s_per_gb": {k: {"write": v[2] / gb, "read": v[3] / gb} for k, v in med.items()},
         "ratio_to_store": {k: {"write": bw / med[k][0], "read": br / med[k][1]} for k in ("page_first", "layer_first")},
+        "median_paired_ratio_to_store": {k: {"write": v[0], "read": v[1]} for k, v in paired.items()},
         "machine": "2 shared CPU cores, no GPU"}, indent=1))
 
 if __name__ == "__main__":
