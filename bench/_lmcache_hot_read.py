@@ -7,10 +7,13 @@ tiered_kv, and prints one JSON line. The same payloads as the parent (``--record
 backend's files are read once so the page cache holds them, then every round reads every
 chunk back with ``batched_get_blocking`` in batches of ``--batch`` (LMCache's parallel
 read path: its ``disk_io_threads`` = 4 threads, one ``readinto`` per file into memory
-objects of its own CPU allocator, sized here to the data plus a margin); each batch's
-objects are freed once read, as a restore frees them once copied to the GPU. Rounds
-alternate two arenas: "written", the one the puts wrote (as a running server's pinned
-arena is), and "fresh", a new one per round (its pages fault on first write).
+objects of its own CPU allocator, sized here to the data plus a margin). Rounds alternate
+two arenas: "written", the one the puts wrote (as a running server's pinned arena is), and
+"fresh", a new one per round (its pages fault on first write); and two lifetimes: every
+object of the round held until it ends (a destination the size of the data, as the
+store's: the figures compared), or ("_reused") each batch's objects freed once read, as a
+restore that copies them to the GPU frees them: the allocator (address-ordered first fit)
+then hands the same batch-sized memory to every batch, which stays in the CPU's cache.
 """
 
 from __future__ import annotations
@@ -76,19 +79,25 @@ def main() -> int:
         for _ in keys:
             if not stored.acquire(timeout=600):
                 raise SystemExit("LMCache: a put did not complete")
-        times: dict[str, list[float]] = {"written": [], "fresh": []}
+        # held: every object of a round is kept until the round ends, so the reads fill a
+        # destination the size of the data, as the store's do (the target); reused: each
+        # batch's objects are freed once read, so the allocator (address-ordered first fit)
+        # hands the same ~batch-sized memory to the next batch, which stays in CPU cache
+        times: dict[str, list[float]] = {kind: [] for kind in ("written", "fresh", "written_reused", "fresh_reused")}
         files = [Path(d) / f for d, _, fs in os.walk(args.dir) for f in fs]
-        for r in range(2 * args.rounds):
-            kind = "written" if r % 2 == 0 else "fresh"
-            if kind == "fresh":  # a new arena: its pages are written first by these reads
+        for r in range(4 * args.rounds):
+            kind = ("written", "fresh", "written_reused", "fresh_reused")[r % 4]
+            if kind.startswith("fresh"):  # a new arena: its pages are written first by these reads
                 disk.local_cpu_backend = LocalCPUBackend(cfg, memory_allocator=MixedMemoryAllocator(arena))
             else:  # the arena the puts (and earlier reads) wrote, as a running server has it
                 disk.local_cpu_backend = cpu
+            hold = not kind.endswith("reused")
             buf = bytearray(1 << 20)
             for f in files:  # the page cache holds every chunk file
                 with open(f, "rb", buffering=0) as fh:
                     while fh.readinto(buf):
                         pass
+            held = []
             t = time.perf_counter()
             got = {}
             for a in range(0, n, args.batch):
@@ -98,8 +107,13 @@ def main() -> int:
                 for j, o in enumerate(objs):
                     if a + j in samples:
                         got[a + j] = o.tensor.view(-1).numpy().copy()  # (a few, checked after the clock)
-                    o.ref_count_down()
+                    if hold:
+                        held.append(o)
+                    else:
+                        o.ref_count_down()
             times[kind].append(time.perf_counter() - t)
+            for o in held:
+                o.ref_count_down()
             for i, want in expected.items():
                 if not np.array_equal(got[i], want):
                     raise SystemExit(f"LMCache: chunk {i} read back wrong")

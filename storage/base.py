@@ -45,6 +45,7 @@ have streamed bytes into it before a check failed).
 from __future__ import annotations
 
 import abc
+import enum
 import functools
 import itertools
 import os
@@ -53,7 +54,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -71,7 +72,8 @@ from .record import (
     write_segments,
 )
 
-__all__ = ["BlockStore", "EvictionGuard", "PutItem", "StoreStats", "scatter_via_temporaries", "select_victims"]
+__all__ = ["BlockStore", "EvictionGuard", "PayloadSink", "PutItem", "StoreStats", "Unread", "scatter_via_temporaries",
+           "select_victims"]
 
 #: Which of some eviction candidates (``RecordKey`` s, least recently used first) must stay:
 #: returns that subset. Called inside the evicting store's write path, so it must be quick
@@ -82,6 +84,27 @@ _GUARD_BATCH = 256
 #: Guarded records an eviction walks past before it gives up (a put then raises
 #: StoreFullError): bounds the cost of a put when level 0 is full of pending uploads.
 GUARD_SCAN_MAX = 1 << 16
+
+
+class PayloadSink(Protocol):
+    """Takes one record's payload as it arrives (:meth:`BlockStore.read_each`), on the
+    backend's I/O thread, and must authenticate it itself: the backend checked only the
+    header."""
+
+    def write(self, chunk: np.ndarray) -> bool:
+        """The next bytes of the payload (1-D uint8, valid during the call only); False:
+        the rest is not wanted (the backend stops reading this record)."""
+
+    def finish(self) -> Any:
+        """The payload has been written in full, or the sink stopped it: its outcome, which
+        :meth:`BlockStore.read_each` returns."""
+
+
+class Unread(enum.Enum):
+    """What :meth:`BlockStore.read_each` returns for a record whose payload no sink saw."""
+
+    ABSENT = "absent"          # no record, or one whose header failed a check (removed, counted corrupt)
+    OTHER_SIZE = "other size"  # a valid record of another payload size than asked (kept)
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -174,6 +197,9 @@ class BlockStore(abc.ABC):
     supports_scatter_reads: bool = False
     #: Eviction (by a put or ``gc``) skips the records :attr:`eviction_guard` holds.
     supports_eviction_guard: bool = False
+    #: :meth:`read_each` streams each record's payload to a sink as it arrives (an object
+    #: store: the bytes of one response are handled while the others are in flight).
+    supports_streamed_reads: bool = False
 
     #: Set by the owner of the store (a :class:`~tiered_kv.storage.StoreChain` on its level
     #: 0) where ``supports_eviction_guard``; None: every record may be evicted.
@@ -268,6 +294,26 @@ class BlockStore(abc.ABC):
         ``get`` it when it does not know the layout (``tiered-kv sync`` / ``prefetch`` on
         a store of an engine's)."""
         raise NotImplementedError(f"{type(self).__name__}: payload sizes are not known without the layout")
+
+    def read_each(self, keys: Sequence[RecordKey], payload_bytes: Sequence[int],
+                  open_sink: Callable[[int, RecordMeta], PayloadSink]) -> list[Any]:
+        """Stream the payload of each record to a sink, on the I/O threads, as it arrives
+        (where ``supports_streamed_reads``): for payloads that authenticate themselves, such
+        as the envelopes of :class:`~tiered_kv.storage.EncryptedStore`, whose AES-GCM tag
+        covers every byte the record's checksum covers, and which are decrypted straight
+        into place this way (no copy of the ciphertext, no second pass to hash it).
+
+        For each ``keys[i]``: when the record is stored with a payload of
+        ``payload_bytes[i]`` bytes and its header passes every check but the checksum
+        (structure, layout fingerprint, key: :func:`~.record.check_identity`),
+        ``open_sink(i, meta)`` makes its sink, which gets the payload in order
+        (:meth:`PayloadSink.write`) and whose :meth:`PayloadSink.finish` is the result.
+        The record's checksum is not read: the sink is the check. Otherwise the result is
+        an :class:`Unread` (a bad header: removed and counted corrupt, as by
+        :meth:`get_many`). Counts a hit per sink finished, a miss per record unread. A
+        store failing mid-transfer raises (a sink may then have taken part of a payload).
+        """
+        raise NotImplementedError(f"{type(self).__name__}: no streamed reads (supports_streamed_reads is False)")
 
     # --------------------------------------------------------------- helpers
     def put(self, item: PutItem) -> bool:

@@ -248,6 +248,7 @@ class TenantKeys:
     source: str            # the key file it came from (for messages)
     aead: Any = field(repr=False)          # AESGCM under the tenant's AES key
     blind_key: bytes = field(repr=False)   # keys the key tags and header masks
+    aes_key: bytes = field(repr=False)     # the tenant's AES key (for streamed decryption)
 
     def key_tag(self, nonce: bytes) -> bytes:
         """The key tag of an envelope with ``nonce``."""
@@ -256,6 +257,17 @@ class TenantKeys:
     def mask(self, nonce: bytes) -> bytes:
         """The 64-byte mask of the header's parent hash and token digest."""
         return hashlib.blake2b(nonce, key=self.blind_key, digest_size=MASK_BYTES, person=_MASK_PERSON).digest()
+
+    def decryptor(self, nonce: bytes, aad: bytes) -> Any:
+        """A streaming AES-256-GCM decryptor of one envelope, its associated data fed:
+        ``update_into(ciphertext piece, out piece)`` as the pieces arrive, then
+        ``finalize_with_tag(tag)``, which raises InvalidTag unless every byte (and the
+        associated data) is authentic. What it wrote before then is not yet authentic."""
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        d = Cipher(algorithms.AES(self.aes_key), modes.GCM(nonce)).decryptor()
+        d.authenticate_additional_data(aad)
+        return d
 
 
 def derive_tenant_keys(master: bytes, tenant: str | bytes, *, source: str = "") -> TenantKeys:
@@ -268,7 +280,8 @@ def derive_tenant_keys(master: bytes, tenant: str | bytes, *, source: str = "") 
         raise ValueError(f"master key: expected {KEY_FILE_BYTES} bytes")
     okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=None,
                info=_TENANT_INFO + tenant_bytes(tenant)).derive(bytes(master))
-    return TenantKeys(key_id=key_id_of(bytes(master)), source=source, aead=AESGCM(okm[:32]), blind_key=okm[32:])
+    return TenantKeys(key_id=key_id_of(bytes(master)), source=source, aead=AESGCM(okm[:32]), blind_key=okm[32:],
+                      aes_key=okm[:32])
 
 
 def _xor(a: bytes, b: bytes) -> bytes:

@@ -11,13 +11,20 @@ unchanged, and the wrapper adds authentication::
                encryption={"key_files": ["/etc/tiered-kv/key-2026", "/etc/tiered-kv/key-2025"],
                            "tenant": "acme"})
 
-Reads. The envelopes of one call are read by the backend, in chunks of at most 8
-MiB, into reusable per-thread arenas, and opened on several threads (AES-GCM in
-``cryptography`` >= 50 runs without the GIL), pipelined: while the pool opens one
-chunk, the calling thread reads the next. Each envelope is decrypted straight from the
-arena into the caller's buffer (one pass: no copy of the ciphertext into place first). A
-scatter-list out is decrypted into a per-thread scratch buffer and copied into its
-pieces.
+Reads. On a backend that streams (``supports_streamed_reads``: a Zarr store on S3), each
+envelope is opened on the backend's I/O thread as its response arrives, decrypted
+straight into the caller's buffer (or the pieces of a scatter list), with no staging
+copy: :meth:`~.base.BlockStore.read_each` and :class:`_EnvelopeSink`. The record's xxh3
+checksum is not computed there: the GCM tag, checked on every read, covers every byte
+the checksum covers (the header's identity fields through the associated data), so it
+would be a second pass over the bytes for nothing; plain records keep it. On the other
+backends (LMDB, a local directory) the envelopes of one call are read, checksum-verified,
+in chunks of at most 8 MiB into reusable per-thread arenas, and opened on several
+threads (AES-GCM in ``cryptography`` >= 50 runs without the GIL), pipelined: while the
+pool opens one chunk, the calling thread reads the next. Each envelope is decrypted
+straight from the arena into the caller's buffer; a scatter-list out is decrypted into a
+per-thread scratch buffer and copied into its pieces. A read that fails its tag leaves
+the out buffer zeroed on the streamed path (unspecified, as for any miss, on the other).
 
 Nothing unauthenticated is ever served. Each of these is a miss, counted as
 ``auth_failures`` in :meth:`EncryptedStore.stats`, never bytes and never an exception:
@@ -61,8 +68,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .base import BlockStore, PutItem, check_open
-from .crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, EncryptionConfig, Keyring, Opened
+from .base import BlockStore, PutItem, Unread, check_open
+from .crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, TAG_BYTES, EncryptionConfig, Keyring, Opened
 from .errors import StoreError
 from .record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
 from .rekey_journal import JOURNAL_NAME, RekeyJournal, ReplayResult, default_journal_path, failpoint
@@ -139,6 +146,151 @@ def _joined(payload: Any) -> np.ndarray:
     seals one buffer)."""
     views, _ = payload_views(payload)
     return views[0] if len(views) == 1 else np.concatenate(views) if views else np.empty(0, np.uint8)
+
+
+class _EnvelopeSink:
+    """Opens one envelope as a streaming backend hands it over (a
+    :class:`~.base.PayloadSink`, on the backend's I/O thread), straight into the caller's
+    out buffer: no staging copy, no second pass over the bytes.
+
+    The GCM tag covers every byte the record's xxh3 checksum covers (the ciphertext; the
+    envelope head and the record header's key, parent hash, token digest and layout
+    fingerprint through the associated data), so the backend skips the checksum
+    (:meth:`~.base.BlockStore.read_each`) and a sealed read makes one pass over the
+    bytes, as a plain read's copy does.
+
+    An envelope that arrives in one chunk into a one-piece out (an object store's
+    response usually is one chunk) is opened in one call of the key's cached AES-GCM
+    context. Otherwise the head names the key and nonce, each ciphertext chunk is
+    decrypted into the out pieces as it arrives (a streaming GCM decryptor) and the tag,
+    last, decides. Plaintext is written before the tag is checked: when it fails, or the
+    read does not finish (:meth:`discard`), the out pieces are zeroed, so no
+    unauthenticated byte is left in a buffer, let alone served."""
+
+    __slots__ = ("_store", "_key", "_meta", "_segs", "_digest", "_skip", "_head", "_found", "_dec", "_tag",
+                 "_left", "_piece", "_pos", "_wrote", "_read")
+
+    def __init__(self, store: EncryptedStore, key: RecordKey, meta: RecordMeta, segs: Any,
+                 digest: bytes | None, skip_current: bool) -> None:
+        self._store = store
+        self._key = key
+        self._meta = meta            # the backend's header fields (parent hash, digest: masked)
+        self._segs = segs            # OutSegments: where the plaintext goes, in order
+        self._digest = digest
+        self._skip = skip_current
+        self._head = bytearray()
+        self._found: Opened | None = None
+        self._dec: Any = None        # the streaming GCM decryptor, once the head named a key of ours
+        self._tag = bytearray()
+        self._left = segs.nbytes     # ciphertext bytes still to come
+        self._piece = 0              # the out piece, and the offset in it, of the next byte
+        self._pos = 0
+        self._wrote = False
+        self._read: _Read | None = None  # the outcome, once decided
+
+    def write(self, chunk: np.ndarray) -> bool:
+        if self._dec is None:
+            if not self._head and len(self._segs) == 1 and chunk.nbytes == self._segs.nbytes + ENVELOPE_OVERHEAD:
+                self._open_whole(chunk)
+                return False
+            take = HEAD_BYTES - len(self._head)
+            self._head += memoryview(chunk[:take])
+            chunk = chunk[take:]
+            if len(self._head) < HEAD_BYTES:
+                return True
+            aad = self._identify(self._head)
+            if aad is None:
+                return False
+            assert self._found is not None
+            self._dec = self._found.keys.decryptor(self._found.nonce, aad)
+        n = min(self._left, chunk.nbytes)
+        if n:
+            self._decrypt(chunk[:n])
+            self._left -= n
+            chunk = chunk[n:]
+        if chunk.nbytes:
+            self._tag += memoryview(chunk)
+        return True
+
+    def _identify(self, head: Any) -> bytes | None:
+        """The associated data of the envelope whose head is ``head``; None (decided:
+        FOREIGN or SKIPPED) when it is not ours to open."""
+        store, m = self._store, self._meta
+        found = store.keyring.identify(head, m.parent_hash, m.token_digest)
+        if found is None:
+            self._read = _Read(_Outcome.FOREIGN)
+            return None
+        if self._skip and found.keys is store.keyring.current:
+            self._read = _Read(_Outcome.SKIPPED, key_id=found.keys.key_id)
+            return None
+        self._found = found
+        return store.keyring.aad(bytes(head[:HEAD_BYTES]), self._key, found.parent_hash, found.token_digest,
+                                 store.layout_fingerprint)
+
+    def _open_whole(self, env: np.ndarray) -> None:
+        """The whole envelope at once, into the one out piece."""
+        from cryptography.exceptions import InvalidTag
+
+        aad = self._identify(env[:HEAD_BYTES])
+        if aad is None:
+            return
+        found = self._found
+        assert found is not None
+        self._wrote = True
+        try:
+            found.keys.aead.decrypt_into(found.nonce, env[HEAD_BYTES:], aad, self._segs[0])
+        except InvalidTag:
+            self._decide(found, authentic=False)
+        else:
+            self._decide(found, authentic=True)
+
+    def _decrypt(self, data: np.ndarray) -> None:
+        self._wrote = True
+        segs = self._segs
+        while data.nbytes:
+            dst = segs[self._piece]
+            room = dst.nbytes - self._pos
+            if not room:
+                self._piece += 1
+                self._pos = 0
+                continue
+            n = min(room, data.nbytes)
+            self._dec.update_into(data[:n], dst[self._pos:self._pos + n])
+            self._pos += n
+            data = data[n:]
+
+    def _decide(self, found: Opened, *, authentic: bool) -> None:
+        if not authentic:
+            self.discard()
+            self._read = _Read(_Outcome.FORGED, key_id=found.keys.key_id)
+        elif self._digest is not None and bytes(self._digest) != found.token_digest:
+            self._read = _Read(_Outcome.DIGEST, key_id=found.keys.key_id)
+        else:
+            meta = RecordMeta(key=self._key, parent_hash=found.parent_hash, token_digest=found.token_digest,
+                              layout_fingerprint=self._store.layout_fingerprint, payload_bytes=self._segs.nbytes)
+            self._read = _Read(_Outcome.OK, meta, found.keys.key_id)
+
+    def finish(self) -> _Read:
+        from cryptography.exceptions import InvalidTag
+
+        if self._read is None:
+            found = self._found
+            assert found is not None and self._left == 0 and len(self._tag) == TAG_BYTES  # (the backend's sizes)
+            try:
+                self._dec.finalize_with_tag(bytes(self._tag))
+            except InvalidTag:
+                self._decide(found, authentic=False)
+            else:
+                self._decide(found, authentic=True)
+        assert self._read is not None
+        return self._read
+
+    def discard(self) -> None:
+        """Zero the out pieces unless they hold an authenticated payload (a tag that
+        failed, or a read that raised before the tag)."""
+        if self._wrote and (self._read is None or self._read.outcome is not _Outcome.OK):
+            for seg in self._segs:
+                seg.fill(0)
 
 
 class EncryptedStore(BlockStore):
@@ -358,7 +510,56 @@ class EncryptedStore(BlockStore):
               skip_current: bool = False, remove: bool = True) -> list[_Read]:
         """Read, authenticate and decrypt each record into ``segs[i]`` (OutSegments).
         ``remove``: remove the records no holder of their key can read (FORGED, DIGEST).
-        ``skip_current``: leave records under the current key undecrypted (``SKIPPED``).
+        ``skip_current``: leave records under the current key undecrypted (``SKIPPED``)."""
+        if self._inner.supports_streamed_reads:
+            reads = self._read_streamed(keys, segs, digests, skip_current)
+        else:
+            reads = self._read_chunked(keys, segs, digests, skip_current)
+        if remove and not self.readonly:
+            removed = 0
+            for key, r in zip(keys, reads):
+                if r.outcome in (_Outcome.FORGED, _Outcome.DIGEST):
+                    try:
+                        gone = self._inner.delete(key)
+                    except (StoreError, OSError):
+                        gone = False  # still a miss on every read; the next reader tries again
+                    removed += gone and r.outcome is _Outcome.FORGED
+            self._counters.add(auth_removed=removed)
+        return reads
+
+    def _read_streamed(self, keys: list[RecordKey], segs: list[Any], digests: list[bytes | None],
+                       skip_current: bool) -> list[_Read]:
+        """:meth:`_read` on a backend that streams (an object store): each envelope is
+        opened on the backend's I/O thread as its response arrives, the ciphertext
+        decrypted chunk by chunk straight into the caller's buffer (see
+        :class:`_EnvelopeSink`); nothing is staged, nothing hashed twice."""
+        sinks: list[_EnvelopeSink | None] = [None] * len(keys)
+
+        def open_sink(i: int, meta: RecordMeta) -> _EnvelopeSink:
+            sinks[i] = sink = _EnvelopeSink(self, keys[i], meta, segs[i], digests[i], skip_current)
+            return sink
+
+        try:
+            results = self._inner.read_each(keys, [s.nbytes + ENVELOPE_OVERHEAD for s in segs], open_sink)
+        except BaseException:
+            for sink in sinks:
+                if sink is not None:
+                    sink.discard()
+            raise
+        reads = []
+        for key, seg, r in zip(keys, segs, results):
+            if r is Unread.ABSENT:
+                r = _ABSENT
+            elif r is Unread.OTHER_SIZE:
+                r = _Read(_Outcome.FOREIGN)  # (the stored size of a foreign record says nothing)
+            elif r.outcome is _Outcome.OK:
+                self._sizes.setdefault(key.kind, seg.nbytes)
+            reads.append(r)
+        return reads
+
+    def _read_chunked(self, keys: list[RecordKey], segs: list[Any], digests: list[bytes | None],
+                      skip_current: bool) -> list[_Read]:
+        """:meth:`_read` on a backend that reads whole records (LMDB, a local directory).
 
         Pipelined over chunks of at most ``_CHUNK_BYTES`` of envelopes, two arenas per
         thread: while the pool opens chunk k, this thread reads chunk k+1 into the other
@@ -391,16 +592,6 @@ class EncryptedStore(BlockStore):
                 reads[i] = r
                 if r.outcome is _Outcome.OK:
                     self._sizes.setdefault(keys[i].kind, segs[i].nbytes)
-        if remove and not self.readonly:
-            removed = 0
-            for key, r in zip(keys, reads):
-                if r.outcome in (_Outcome.FORGED, _Outcome.DIGEST):
-                    try:
-                        gone = self._inner.delete(key)
-                    except (StoreError, OSError):
-                        gone = False  # still a miss on every read; the next reader tries again
-                    removed += gone and r.outcome is _Outcome.FORGED
-            self._counters.add(auth_removed=removed)
         return reads
 
     def _inner_get(self, keys: list[RecordKey], envs: list[np.ndarray]) -> list[Any]:

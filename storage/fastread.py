@@ -16,8 +16,12 @@ ended first). Two implementations, with the same results:
   released only for pieces over 64 KiB).
 
 Natively, :data:`read_verify_many` also reads and checks a whole batch of records in one
-call (the header checks of :class:`~tiered_kv.storage.record.PartsVerifier` included), so
-that the threads reading a hot batch hold the GIL once per batch, not per record.
+call (the header checks of :class:`~tiered_kv.storage.record.PartsVerifier` included), the
+GIL released once, spread over helper threads of its own (kept between calls) that take
+the next record as they finish one; :data:`VerifyBatch` does the same for records handed
+over one at a time, so that the helpers read the first ones while the caller prepares the
+next. Each record is read in runs of 128 KiB, each hashed right after it is read, while it
+is in the CPU's cache.
 
 :data:`NATIVE` says which one is in use; ``TIERED_KV_NATIVE=0`` in the environment forces
 the Python one (tests run both).
@@ -32,8 +36,9 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["FAILED", "NATIVE", "SHORT", "VERIFIED", "digest_parts", "native_read_and_hash",
-           "native_read_verify_many", "python_read_and_hash", "read_and_hash", "read_verify_many"]
+__all__ = ["FAILED", "NATIVE", "SHORT", "UNCACHED", "VERIFIED", "VerifyBatch", "digest_parts", "native_VerifyBatch",
+           "native_read_and_hash", "native_read_verify_many", "python_read_and_hash", "read_and_hash",
+           "read_verify_many"]
 
 _XXH3_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
                  "XXH3_128bits_digest")
@@ -130,5 +135,18 @@ if native_read_and_hash is not None:
     from . import _fastread  # type: ignore[attr-defined]
 
     native_read_verify_many = _fastread.read_verify_many
+#: ``VerifyBatch(capacity, threads=1, cached_only=False)`` (native only; None otherwise):
+#: :data:`read_verify_many` fed one record at a time (``add(fd, offset, bufs, expect)``,
+#: then ``finish() -> list[int]``), so that helper threads read and check the first records
+#: while the caller prepares the next ones. ``cached_only``: a record whose pages are not
+#: all in the page cache is not read (status :data:`UNCACHED`: the caller reads it on its
+#: cold path). The same verdicts as read_verify_many.
+VerifyBatch: Any = None
+native_VerifyBatch: Any = None
+if native_read_and_hash is not None:
+    native_VerifyBatch = _fastread.VerifyBatch
+#: read_verify_many / VerifyBatch status of a record left unread (``cached_only``)
+UNCACHED = 3
 if NATIVE:
     read_verify_many = native_read_verify_many
+    VerifyBatch = native_VerifyBatch

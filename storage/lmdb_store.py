@@ -59,9 +59,10 @@ is still writing or committing), so:
   like any other).
 
 Reads: one read transaction looks up every key; the records are then read in parallel
-(from the page cache when it holds them: one ``preadv`` per record straight into the
-caller's buffers, hashed in the same step, shards spread over the CPUs; else adjacent
-records of a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
+(from the page cache when it holds them: straight into the caller's buffers, natively by
+helper threads that take each record as soon as it is prepared, hashed as it is read,
+see :meth:`~tiered_kv.storage.segments.SegmentFiles.batch_read`; else adjacent records of
+a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
 xxh3-128 checksum against the record and the index, fingerprint, key, token digest; see
 :class:`~tiered_kv.storage.record.PartsVerifier`). A record that fails while the index still points at it is corrupt: a miss,
 counted and unindexed. Deleting or evicting a record punches a hole over its bytes.
@@ -415,6 +416,7 @@ class LmdbStore(BlockStore):
         self._access_since = time.monotonic()
         self._last_ns = 0
         self._closed = True
+        self._verifier: PartsVerifier | None = None
 
         if (self.path / "zarr.json").exists():
             raise StoreError(f"{self.path}: this directory holds a Zarr block store; open it with "
@@ -1106,43 +1108,53 @@ class LmdbStore(BlockStore):
         An index entry whose length does not fit in its segment file (torn, or corrupt:
         e.g. an absurd length) fails without allocating anything of that size."""
         fp = self.layout_fingerprint
-        verifier = PartsVerifier(fp)
+        verifier = self._parts_verifier()
+        expectation = verifier.expectation
         tasks: list[ReadTask] = []
         heads = np.empty((len(jobs), HEADER_BYTES), np.uint8)
         tails = np.empty((len(jobs), CHECKSUM_BYTES), np.uint8)
         odd: list[tuple[int, RecordKey, Location, Any, bytes | None]] = []
         info: dict[int, tuple[RecordKey, bytes, bytes | None]] = {}
         failed: list[int] = []
-        for i, key, value, out, digest in jobs:
-            found = unpack_entry(value)
-            if found is None:
-                failed.append(i)
-                continue
-            loc, checksum = found
-            info[i] = (key, checksum, digest)
-            payload_bytes = loc.length - HEADER_BYTES - CHECKSUM_BYTES
-            if out is None:
-                if payload_bytes < 0 or not self._segments.holds(loc):
-                    failed.append(i)
-                    continue
-                out = as_out_segments(np.empty(payload_bytes, np.uint8))
-            if payload_bytes < 0 or out.nbytes != payload_bytes:
-                odd.append((i, key, loc, out, digest))
-                continue
-            tasks.append(ReadTask(i, loc, heads[len(tasks)], out, tails[len(tasks)],
-                                  expect=verifier.expectation(key, loc.length, checksum, digest)))
 
         def check(t: ReadTask) -> None:  # in the reading thread, while the record is in the CPU cache
             key, checksum, digest = info[t.index]
             t.result = verifier.verify(t.header.tobytes(), t.digest, t.tail, key=key, record_bytes=t.loc.length,
                                        checksum=checksum, token_digest=digest)
 
-        if tasks:
-            self._segments.read(tasks, check)
+        # Each task is handed to the reader as soon as it is made: natively, helper threads
+        # read and check the first records while this loop prepares the next ones.
+        reader = self._segments.batch_read(len(jobs), sum(out.nbytes for _, _, _, out, _ in jobs if out is not None),
+                                           check)
+        try:
+            for i, key, value, out, digest in jobs:
+                if len(value) != _ENTRY.size:
+                    failed.append(i)  # not an index entry
+                    continue
+                seg, offset, length, checksum = _ENTRY.unpack(value)
+                loc = Location(seg, offset, length)
+                payload_bytes = length - (HEADER_BYTES + CHECKSUM_BYTES)
+                if out is None:
+                    if payload_bytes < 0 or not self._segments.holds(loc):
+                        failed.append(i)
+                        continue
+                    out = as_out_segments(np.empty(payload_bytes, np.uint8))
+                if payload_bytes < 0 or out.nbytes != payload_bytes:
+                    odd.append((i, key, loc, out, digest))
+                    continue
+                info[i] = (key, checksum, digest)
+                k = len(tasks)
+                task = ReadTask(i, loc, heads[k], out, tails[k], expect=expectation(key, length, checksum, digest))
+                tasks.append(task)
+                reader.add(task)
+        finally:
+            reader.finish()
         metas: dict[int, RecordMeta] = {}
-        for t in tasks:
+        head_bytes = heads.tobytes()  # (one copy for the batch: each meta slices its fields)
+        for k, t in enumerate(tasks):
             if t.verified:  # checked by the native batch read
-                t.result = verifier.meta(t.header.tobytes(), info[t.index][0], t.loc.length)
+                t.result = verifier.meta(head_bytes[k * HEADER_BYTES:(k + 1) * HEADER_BYTES], info[t.index][0],
+                                         t.loc.length)
             if t.result is None:
                 failed.append(t.index)
             else:
@@ -1168,6 +1180,13 @@ class LmdbStore(BlockStore):
             write_segments(out, whole[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes])
             metas[i] = meta
         return metas, sorted(failed)
+
+    def _parts_verifier(self) -> PartsVerifier:
+        """The verifier of this store's fingerprint (made once: it holds no per-record state)."""
+        v = self._verifier
+        if v is None or v.fingerprint != self.layout_fingerprint:
+            v = self._verifier = PartsVerifier(self.layout_fingerprint)
+        return v
 
     def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:

@@ -63,6 +63,7 @@ __all__ = [
     "OutSegments",
     "PartsVerifier",
     "as_out_segments",
+    "check_identity",
     "decode_record",
     "encode_record",
     "encode_record_into",
@@ -425,6 +426,18 @@ def verify_record_parts(header: Any, payload: Any, checksum: Any, *, parsed: Rec
     if got != bytes(checksum):
         raise CorruptRecordError(RecordCheck.CHECKSUM,
                                  f"stored xxh3-128 {bytes(checksum).hex()}, computed {got.hex()}")
+    return check_identity(parsed, expect_key=expect_key, expect_fingerprint=expect_fingerprint,
+                          expect_token_digest=expect_token_digest)
+
+
+def check_identity(parsed: RecordHeader, *, expect_key: RecordKey, expect_fingerprint: str,
+                   expect_token_digest: bytes | None = None) -> RecordMeta:
+    """The identity checks of a parsed header (fingerprint, key, token digest when given)
+    and the record's meta; CorruptRecordError naming the first that fails.
+
+    No checksum: :func:`verify_record_parts` runs these after it. On its own this is the
+    header check of a record whose payload authenticates itself (a sealed envelope, see
+    :meth:`~tiered_kv.storage.base.BlockStore.read_each`)."""
     if parsed.fingerprint != fingerprint_field(expect_fingerprint):
         stored = parsed.fingerprint.rstrip(b"\0").decode("ascii", "replace")
         raise CorruptRecordError(RecordCheck.FINGERPRINT,

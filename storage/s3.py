@@ -12,8 +12,9 @@ content-addressed, write-once record store needs::
 
 and, for the Zarr backend's records: :func:`stat` (one HEAD: size and last-modified time),
 :func:`list_objects` (the same for every key under a prefix), :func:`get_bytes` (a whole
-object) and :func:`get_parts_into` (an object scattered into several buffers, e.g. a
-record's header, the caller's payload buffer and the checksum).
+object), :func:`get_parts_into` (an object scattered into several buffers, e.g. a
+record's header, the caller's payload buffer and the checksum) and :func:`get_stream`
+(an object's bytes as they arrive, e.g. to decrypt each chunk straight into place).
 
 URL: ``zarr+s3://BUCKET[/PREFIX][?endpoint=URL&region=R&allow_http=true&OPTION=VALUE...]``
 (``s3://`` is accepted too). Each setting comes from, first to last: a keyword of
@@ -99,6 +100,7 @@ __all__ = [
     "get_bytes",
     "get_into",
     "get_parts_into",
+    "get_stream",
     "list_keys",
     "list_objects",
     "open_object_store",
@@ -524,6 +526,39 @@ def get_bytes(store: S3Store, key: str) -> memoryview | None:
     return memoryview(data)
 
 
+def get_stream(store: S3Store, key: str) -> tuple[int, Iterator[np.ndarray]] | None:
+    """Start reading the object at ``key``: its size and its bytes as they arrive, in
+    order (1-D uint8 views, at most about 1 MiB apiece), or None if absent.
+
+    The chunks add up to exactly the size announced: a transfer that ends short or runs
+    long raises (:class:`ObjectStoreUnavailable`, :class:`ObjectStoreError`) from the
+    iterator, as do failures of the store. Closing the iterator early drops the rest of
+    the response."""
+    _check_key(key)
+    result = _get(store, key)
+    if result is None:
+        return None
+    size = int(result.meta["size"])
+
+    def chunks() -> Iterator[np.ndarray]:
+        got = 0
+        try:
+            for chunk in result.stream(min_chunk_size=1 << 20):
+                src = np.frombuffer(chunk, dtype=np.uint8)
+                if got + src.nbytes > size:
+                    raise ObjectStoreError(f"get {key!r}: the store sent more than the {size} bytes it announced",
+                                           op="get", key=key)
+                got += src.nbytes
+                yield src
+        except (BaseError, OSError) as e:
+            raise _translate(e, store, op="get", key=key) from e
+        if got != size:
+            raise ObjectStoreUnavailable(f"get {key!r}: transfer ended after {got} of {size} bytes",
+                                         op="get", key=key)
+
+    return size, chunks()
+
+
 def get_parts_into(store: S3Store, key: str, outs: Sequence[Any]) -> int | None:
     """Read the object at ``key`` into ``outs`` back to back; its size, or None if absent.
 
@@ -533,39 +568,27 @@ def get_parts_into(store: S3Store, key: str, outs: Sequence[Any]) -> int | None:
     tell "another size" from "absent". If the transfer fails part-way, the contents of
     ``outs`` are unspecified.
     """
-    _check_key(key)
     dests = [as_byte_array(o, writable=True, name=f"outs[{i}]") for i, o in enumerate(outs)]
     total = sum(d.nbytes for d in dests)
-    result = _get(store, key)
-    if result is None:
+    started = get_stream(store, key)
+    if started is None:
         return None
-    size = int(result.meta["size"])
+    size, chunks = started
     if size != total:
+        chunks.close()
         return size
     views = [d for d in dests if d.nbytes]
     pos = 0  # offset in views[0]
-    got = 0
-    try:
-        for chunk in result.stream(min_chunk_size=1 << 20):
-            src = np.frombuffer(chunk, dtype=np.uint8)
-            if got + src.nbytes > size:
-                raise ObjectStoreError(f"get {key!r}: the store sent more than the {size} bytes it announced",
-                                       op="get", key=key)
-            got += src.nbytes
-            while src.nbytes:
-                dst = views[0]
-                n = min(src.nbytes, dst.nbytes - pos)
-                dst[pos:pos + n] = src[:n]
-                src = src[n:]
-                pos += n
-                if pos == dst.nbytes:
-                    views.pop(0)
-                    pos = 0
-    except (BaseError, OSError) as e:
-        raise _translate(e, store, op="get", key=key) from e
-    if got != size:
-        raise ObjectStoreUnavailable(f"get {key!r}: transfer ended after {got} of {size} bytes",
-                                     op="get", key=key)
+    for src in chunks:
+        while src.nbytes:
+            dst = views[0]
+            n = min(src.nbytes, dst.nbytes - pos)
+            dst[pos:pos + n] = src[:n]
+            src = src[n:]
+            pos += n
+            if pos == dst.nbytes:
+                views.pop(0)
+                pos = 0
     return size
 
 

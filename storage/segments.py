@@ -31,11 +31,16 @@ checksum), so the bytes a dead writer appended past what the index covers can be
 verified and indexed (the store's recovery, under :meth:`SegmentFiles.sealed`); what does
 not verify stays unindexed and ``gc`` gives it back.
 
-Reads: records whose pages are (3/4 or more) in the page cache (``cachestat``, Linux >=
-6.5; one call per segment when all of the span read is cached) are read one ``preadv``
-each straight into the caller's buffers and hashed in the same call
-(:mod:`~tiered_kv.storage.fastread`), in shards of >= 1 MiB drained by one thread per
-CPU: copies and hashing release the GIL, so they run in parallel. Other extents (records
+Reads: records whose pages are in the page cache (``cachestat``, Linux >= 6.5) are read
+straight into the caller's buffers and hashed as they are read
+(:mod:`~tiered_kv.storage.fastread`). Natively (:meth:`SegmentFiles.batch_read`) each
+record is handed, as soon as the store has prepared it, to helper threads of the native
+module that check it is cached, read it in 128 KiB runs, hash each run at once and check
+it, with no GIL and no Python per record on their side; the calling thread joins them
+once it has handed over the batch. Otherwise (the Python fallback; records 3/4 or more
+cached; one ``cachestat`` per segment when all of the span read is cached) one ``preadv``
+each, in shards of >= 1 MiB drained by one thread per CPU: copies and hashing release the
+GIL, so they run in parallel. Other extents (records
 adjacent in one segment) are read with ``O_DIRECT`` into an aligned bounce buffer
 (parallel, several extents in flight), or with buffered ``preadv`` after
 ``POSIX_FADV_WILLNEED`` when direct I/O is off.
@@ -308,6 +313,23 @@ class _OpenSegments:
             yield entry.fd
         finally:
             self._release(entry)
+
+    @contextmanager
+    def use_many(self, segs: Sequence[int]) -> Iterator[dict[int, int]]:
+        """Buffered read fds of the segments ``segs`` for the ``with`` block, as
+        ``{segment: fd}``; a segment that cannot be opened (gc unlinked it, no descriptor
+        to spare) is left out, so its records are misses."""
+        entries: dict[int, _OpenFd] = {}
+        try:
+            for seg in segs:
+                try:
+                    entries[seg] = self._acquire(seg, False)
+                except OSError:
+                    continue
+            yield {seg: e.fd for seg, e in entries.items()}
+        finally:
+            for e in entries.values():
+                self._release(e)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -710,10 +732,11 @@ class SegmentFiles:
         if time.monotonic() - self._swept > _SWEEP_S:
             self._swept = time.monotonic()
             self.forget_removed()
-        hot, cold = self._hot_and_cold(_extents(tasks))
+        hot, cold = self._hot_and_cold(tasks)
         jobs: list[Callable[[], None]] = [functools.partial(self._read_cold, ext, then) for ext in cold]
-        shards = deque(self._shards(hot))
-        if shards:
+        if hot and fastread.read_verify_many is not None and all(t.expect is not None for t in hot):
+            jobs.insert(0, functools.partial(self._read_checked, hot))  # one native call: threads of its own
+        elif shards := deque(self._shards(hot)):
             # Readers take the next shard as they finish one: a thread that runs late (a
             # busy CPU) holds up the call by one shard, not by a fixed share.
             drain = functools.partial(self._drain, shards, then)
@@ -730,27 +753,40 @@ class SegmentFiles:
             for f in futures:
                 f.result()
 
-    def _hot_and_cold(self, extents: list[list[ReadTask]]) -> tuple[list[ReadTask], list[list[ReadTask]]]:
-        """The records of ``extents`` (file order) the page cache holds, and the extents it
-        does not. One ``cachestat`` per segment when all of the span read there is cached
-        (the common hot case), else one per extent. Extents of a segment that is gone are
+    def batch_read(self, capacity: int, nbytes: int, then: Callable[[ReadTask], None] | None = None) -> BatchRead:
+        """A read of up to ``capacity`` tasks (about ``nbytes`` of payload) handed over one
+        at a time (:meth:`BatchRead.add`), then :meth:`BatchRead.finish`: the same
+        results as :meth:`read` of them all. Natively, a task with ``expect`` whose record
+        the page cache holds is read and checked by helper threads as soon as it is added
+        (see :class:`BatchRead`)."""
+        if time.monotonic() - self._swept > _SWEEP_S:
+            self._swept = time.monotonic()
+            self.forget_removed()
+        return BatchRead(self, capacity, self.hot_threads if nbytes >= 2 * _MIN_SHARD else 1, then)
+
+    def _hot_and_cold(self, tasks: list[ReadTask]) -> tuple[list[ReadTask], list[list[ReadTask]]]:
+        """The records of ``tasks`` the page cache holds (file order), and the extents
+        (runs of nearby records, see :func:`_extents`) it does not. One ``cachestat`` per
+        segment when all of the span read there is cached (the common hot case: then no
+        extents are formed), else one per extent. Records of a segment that is gone are
         left out (misses)."""
+        by_seg: dict[int, list[ReadTask]] = {}
+        for t in tasks:
+            by_seg.setdefault(t.loc.segment, []).append(t)
         hot: list[ReadTask] = []
         cold: list[list[ReadTask]] = []
-        i = 0
-        while i < len(extents):
-            seg = extents[i][0].loc.segment
-            j = i + 1
-            while j < len(extents) and extents[j][0].loc.segment == seg:
-                j += 1
-            group, i = extents[i:j], j
+        for seg in sorted(by_seg):
+            group = by_seg[seg]
+            group.sort(key=_offset)
             try:
                 with self._files.use(seg, direct=False) as fd:
-                    first, end = group[0][0].loc.offset, group[-1][-1].loc.end
+                    first, end = group[0].loc.offset, group[-1].loc.end
                     whole = _LIBC.cached_pages(fd, first, end - first)
-                    all_hot = whole is None or whole[0] >= whole[1]  # (unknown: read buffered)
-                    for ext in group:
-                        if all_hot or self._cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
+                    if whole is None or whole[0] >= whole[1]:  # (unknown: read buffered)
+                        hot.extend(group)
+                        continue
+                    for ext in _extents(group):
+                        if self._cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
                             hot.extend(ext)
                         else:
                             cold.append(ext)
@@ -810,6 +846,31 @@ class SegmentFiles:
                     _read_group(fd, group, then)
             except OSError:
                 continue
+
+    def _read_checked(self, tasks: list[ReadTask]) -> None:
+        """Read and check ``tasks`` (file order, each with ``expect``) from the page cache
+        in one native :func:`~tiered_kv.storage.fastread.read_verify_many` call for the
+        whole batch (sets ``ok`` and ``verified``): the GIL is released once, and a batch
+        of at least two shards' bytes is spread over :attr:`hot_threads` threads that the
+        call starts itself, each taking the next record as it finishes one. Segments are
+        taken at most ``max_open_segments`` at a time (the fd bound); a segment that cannot
+        be opened is a miss of its records."""
+        many = fastread.read_verify_many
+        assert many is not None
+        segs = list(dict.fromkeys(t.loc.segment for t in tasks))  # (file order: grouped by segment)
+        limit = max(1, self._files.limit)
+        for a in range(0, len(segs), limit):
+            with self._files.use_many(segs[a:a + limit]) as fds:
+                group = [t for t in tasks if t.loc.segment in fds] if len(segs) > 1 else (tasks if fds else [])
+                if not group:
+                    continue
+                total = sum(t.loc.length for t in group)
+                threads = self.hot_threads if total >= 2 * _MIN_SHARD else 1
+                statuses = many([(fds[t.loc.segment], t.loc.offset, [t.header, *t.payload, t.tail], t.expect)
+                                 for t in group], threads)
+            for t, status in zip(group, statuses):
+                t.ok = status != fastread.SHORT
+                t.verified = status == fastread.VERIFIED
 
     def _read_cold(self, ext: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
         """Read an extent the page cache does not hold: ``O_DIRECT`` into a bounce buffer
@@ -984,6 +1045,81 @@ class SegmentFiles:
         self._files.close()
 
 
+class BatchRead:
+    """Tasks read as they are handed over (made by :meth:`SegmentFiles.batch_read`).
+
+    Natively (:data:`~tiered_kv.storage.fastread.VerifyBatch`), each task with ``expect``
+    goes straight to a native batch whose helper threads (``threads - 1`` of them; the
+    caller joins in :meth:`finish`) check that the page cache holds the record, read it and
+    check it, while the caller prepares the next task: the Python work of a batch overlaps
+    its reads. :meth:`finish` sets ``ok`` and ``verified`` of those, and reads the rest
+    (records not all in the page cache, tasks without ``expect``, everything when the
+    native helper is not in use) through :meth:`SegmentFiles.read`. At most
+    ``max_open_segments`` descriptors are held: a batch spanning more segments is finished
+    and a new one started. A segment that cannot be opened is a miss of its records.
+    """
+
+    def __init__(self, files: SegmentFiles, capacity: int, threads: int,
+                 then: Callable[[ReadTask], None] | None) -> None:
+        self._files = files
+        self._left = capacity
+        self._threads = threads
+        self._then = then
+        self._native: Any = None          # the native batch in flight, if any
+        self._sent: list[ReadTask] = []   # its tasks, in order
+        self._fds: dict[int, _OpenFd] = {}
+        self._missing: set[int] = set()   # segments that could not be opened
+        self._later: list[ReadTask] = []  # read in finish(), through SegmentFiles.read
+
+    def add(self, task: ReadTask) -> None:
+        self._left -= 1
+        make = fastread.VerifyBatch
+        if make is None or task.expect is None:
+            self._later.append(task)
+            return
+        seg = task.loc.segment
+        entry = self._fds.get(seg)
+        if entry is None:
+            if seg in self._missing:
+                return  # (ok stays False: a miss)
+            if len(self._fds) >= self._files._files.limit:
+                self._flush()
+            try:
+                entry = self._fds[seg] = self._files._files._acquire(seg, False)
+            except OSError:
+                self._missing.add(seg)
+                return
+        if self._native is None:
+            self._native = make(self._left + 1, self._threads, True)
+        self._native.add(entry.fd, task.loc.offset, [task.header, *task.payload, task.tail], task.expect)
+        self._sent.append(task)
+
+    def _flush(self) -> None:
+        """Finish the native batch in flight (its verdicts into its tasks; those the page
+        cache lacked to ``_later``) and let go of its descriptors."""
+        try:
+            if self._native is not None:
+                statuses = self._native.finish()
+                for t, status in zip(self._sent, statuses):
+                    if status == fastread.UNCACHED:
+                        self._later.append(t)
+                    else:
+                        t.ok = status != fastread.SHORT
+                        t.verified = status == fastread.VERIFIED
+        finally:
+            self._native, self._sent = None, []
+            for entry in self._fds.values():
+                self._files._files._release(entry)
+            self._fds = {}
+
+    def finish(self) -> None:
+        """Wait for every task added: read, and checked natively or by ``then``."""
+        self._flush()
+        if self._later:
+            later, self._later = self._later, []
+            self._files.read(later, self._then)
+
+
 #: Buffers one ``preadv`` takes at most (the kernel's UIO_MAXIOV).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -1070,6 +1206,10 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _offset(t: ReadTask) -> int:
+    return t.loc.offset
 
 
 def _extents(tasks: list[ReadTask]) -> list[list[ReadTask]]:

@@ -12,15 +12,27 @@ A ZarrStore keeps its records as raw objects under string keys (see the layout i
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from .record import FORMAT_VERSION, RecordKey, RecordKind, RecordMeta
+from .base import PayloadSink, Unread
+from .record import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    RecordKey,
+    RecordKind,
+    RecordMeta,
+    check_identity,
+    decode_record,
+    parse_header,
+    record_size,
+)
 from .writer import StoreWriter
 
 __all__ = ["ATTR", "DIR_KINDS", "IoPool", "KIND_DIRS", "META_KEY", "Objects", "STORE_FORMAT_VERSION", "group_metadata",
@@ -109,6 +121,8 @@ class Objects(abc.ABC):
     #: Listing costs requests (an object store): list at open only when bounded, and
     #: check an existing record on put by its size, not by reading it.
     remote: bool = False
+    #: :meth:`read_stream` is implemented (records can be streamed to sinks).
+    streams: bool = False
 
     @abc.abstractmethod
     def read_meta(self) -> bytes | None: ...
@@ -148,4 +162,48 @@ class Objects(abc.ABC):
 
     def sync(self) -> None:
         """Make the objects written since the last call durable."""
+
+    def read_stream(self, name: str) -> tuple[int, Iterator[np.ndarray]] | None:
+        """Object ``name``'s size and its bytes in order as they arrive (1-D uint8 chunks,
+        adding up to the size; closing the iterator drops the rest), or None if absent."""
+        raise NotImplementedError(f"{type(self).__name__}: no streamed reads")
+
+    def read_to_sink(self, name: str, key: RecordKey, fingerprint: str, payload_bytes: int,
+                     open_sink: Callable[[RecordMeta], PayloadSink]) -> Any:
+        """One record of :meth:`~.base.BlockStore.read_each`: its header checked (raises
+        CorruptRecordError), then its payload streamed to ``open_sink(meta)``; the sink's
+        outcome, or an :class:`~.base.Unread`. The checksum's bytes are dropped unread."""
+        started = self.read_stream(name)
+        if started is None:
+            return Unread.ABSENT
+        size, chunks = started
+        with contextlib.closing(chunks):
+            if size != record_size(payload_bytes):
+                chunks.close()
+                whole = self.read_whole(name)  # corrupt (removed), or a valid record of another size
+                if whole is None:
+                    return Unread.ABSENT
+                decode_record(whole, expect_key=key, expect_fingerprint=fingerprint)
+                return Unread.OTHER_SIZE
+            head = bytearray()
+            sink: PayloadSink | None = None
+            left = payload_bytes  # payload bytes the sink has yet to get
+            for chunk in chunks:
+                if sink is None:
+                    take = HEADER_BYTES - len(head)
+                    head += memoryview(chunk[:take])
+                    chunk = chunk[take:]
+                    if len(head) < HEADER_BYTES:
+                        continue
+                    meta = check_identity(parse_header(head, size), expect_key=key, expect_fingerprint=fingerprint)
+                    sink = open_sink(meta)
+                n = min(left, chunk.nbytes)
+                if n:
+                    left -= n
+                    if not sink.write(chunk[:n]):
+                        break
+                if not left:
+                    break  # (what follows is the checksum)
+            assert sink is not None  # (the size covers a header)
+            return sink.finish()
 

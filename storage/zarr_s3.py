@@ -8,7 +8,7 @@ into the caller's buffer and verify it there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ class S3Objects(Objects):
 
     local = False
     remote = True
+    streams = True
 
     def __init__(self, store: Any, where: str) -> None:
         self.store = store  # obstore.store.S3Store, keys relative to its prefix
@@ -80,6 +81,9 @@ class S3Objects(Objects):
         parsed = parse_header(header, size)
         return verify_record_parts(header, out, checksum, parsed=parsed, expect_key=key,
                                    expect_fingerprint=fingerprint, expect_token_digest=digest)
+
+    def read_stream(self, name: str) -> tuple[int, Iterator[np.ndarray]] | None:
+        return _s3.get_stream(self.store, name)
 
     def exists(self, name: str) -> bool:
         return _s3.exists(self.store, name)

@@ -76,14 +76,16 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .base import (
     BlockStore,
+    PayloadSink,
     PutItem,
     StoreStats,
+    Unread,
     check_open,
     payload_of_record,
     scatter_via_temporaries,
@@ -167,6 +169,7 @@ class ZarrStore(BlockStore):
         self.path: Path | None = getattr(self._objects, "root", None)
         self.supports_multiprocess = self._objects.local or self._objects.remote
         self.supports_shared_writers = True
+        self.supports_streamed_reads = self._objects.streams
         self.where = (str(self.path) if self.path is not None
                       else getattr(self._objects, "where", None) or repr(url_or_path))
         self._stats = StoreStats()
@@ -450,6 +453,39 @@ class ZarrStore(BlockStore):
                 self._stats.add(hits=1)
                 metas.append(outcome)
         return metas
+
+    def read_each(self, keys: Sequence[RecordKey], payload_bytes: Sequence[int],
+                  open_sink: Callable[[int, RecordMeta], PayloadSink]) -> list[Any]:
+        """See :meth:`~.base.BlockStore.read_each` (on an object store: each record on an
+        I/O thread, its payload handed over chunk by chunk as the response arrives)."""
+        check_open(self._closed, self.where)
+        if not self.supports_streamed_reads:
+            return super().read_each(keys, payload_bytes, open_sink)
+        keys = list(keys)
+        if len(payload_bytes) != len(keys):
+            raise ValueError(f"payload_bytes: expected one per key ({len(keys)}), got {len(payload_bytes)}")
+        outcomes = self._io.map(lambda i: self._objects.read_to_sink(
+            object_name(keys[i]), keys[i], self.layout_fingerprint, payload_bytes[i],
+            lambda meta: open_sink(i, meta)), range(len(keys)))
+        results: list[Any] = []
+        for key, n, outcome in zip(keys, payload_bytes, outcomes):
+            if isinstance(outcome, CorruptRecordError):
+                self._objects.remove(object_name(key))  # (immutable: a bad one stays bad)
+                self._forget(key)
+                self._stats.add(corrupt=1, misses=1)
+                outcome = Unread.ABSENT
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            elif outcome is Unread.ABSENT:
+                self._forget(key)
+                self._stats.add(misses=1)
+            elif outcome is Unread.OTHER_SIZE:
+                self._stats.add(misses=1)
+            else:
+                self._accessed(key, record_size(n))
+                self._stats.add(hits=1)
+            results.append(outcome)
+        return results
 
     def contains(self, key: RecordKey) -> bool:
         check_open(self._closed, self.where)

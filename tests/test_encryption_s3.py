@@ -252,3 +252,180 @@ def test_rekey_of_a_bucket_killed_mid_batch_then_run_again_loses_nothing(
         for it, out in zip(items, _read(s, items)):
             assert out is not None
             np.testing.assert_array_equal(out, it.payload)
+
+
+# ---------------------------------------------------------------- the streamed read path
+# On S3 a sealed read opens each envelope on the I/O thread as its response arrives,
+# straight into the caller's buffer, and skips the record's xxh3 (the GCM tag covers the
+# same bytes): BlockStore.read_each. These tests pin that path (the staging path is made
+# to fail) and cut the responses into odd pieces, so heads, ciphertext and tags straddle
+# chunk boundaries and scatter-list pieces.
+def _streamed_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered_kv.storage.zarr_s3 import S3Objects
+
+    def staged(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a sealed read took the staging path (S3Objects.read_into), not read_each")
+
+    monkeypatch.setattr(S3Objects, "read_into", staged)
+
+
+def _rechunk(monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...], *, cut_after: int | None = None,
+             names: set[str] | None = None) -> None:
+    """S3 responses handed over in pieces of ``sizes`` (cycled); with ``cut_after``, the
+    responses of ``names`` fail (store unavailable) after that many bytes."""
+    from tiered_kv.storage.s3 import ObjectStoreUnavailable
+    from tiered_kv.storage.zarr_s3 import S3Objects
+
+    real = S3Objects.read_stream
+
+    def read_stream(self: S3Objects, name: str):
+        started = real(self, name)
+        if started is None:
+            return None
+        size, chunks = started
+        data = np.concatenate(list(chunks))
+
+        def pieces():
+            pos, k = 0, 0
+            while pos < size:
+                if cut_after is not None and (names is None or name in names) and pos >= cut_after:
+                    raise ObjectStoreUnavailable(f"get {name!r}: connection dropped (test)", op="get", key=name)
+                n = sizes[k % len(sizes)]
+                yield data[pos:pos + n]
+                pos, k = pos + n, k + 1
+
+        return size, pieces()
+
+    monkeypatch.setattr(S3Objects, "read_stream", read_stream)
+
+
+def _scatter(n: int) -> list[np.ndarray]:
+    """An out of uneven pieces (one empty) adding up to ``n`` bytes, filled with 0xAB."""
+    cuts = [0, 5, 5, 4099, n // 2 + 3, n - 17, n]
+    return [np.full(b - a, 0xAB, np.uint8) for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("chunks", [None, (1, 27, 29, 4096, 65521), (200_000,)], ids=["as-sent", "odd", "wide"])
+@pytest.mark.parametrize("scatter", [False, True], ids=["one-out", "scatter"])
+def test_streamed_sealed_reads_land_in_place_and_forgeries_are_zeroed_counted_misses(
+        server: SeaweedFS, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        chunks: tuple[int, ...] | None, scatter: bool) -> None:
+    """Through read_each: authentic envelopes decrypt exactly into the caller's buffer
+    (one piece or a scatter list, however the response is cut); a flipped ciphertext byte
+    under the stale checksum, one under a fixed checksum and a damaged tag are each an
+    auth failure and a miss whose out buffer is left zeroed (no unauthenticated plaintext,
+    no byte claimed as a hit), and are removed so a put restores them."""
+    enc = {"key_files": [_keyfile(tmp_path, "a.key")], "tenant": "tenant-a"}
+    items = [_item(_key(100 + i)) for i in range(6)]
+    with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
+        assert store.put_many(items) == [True] * 6
+    objects = _bucket_objects(server, url)
+    bucket = open_object_store(parse_s3_url(url, **_creds(server)))
+    names = [object_name(it.key) for it in items]
+    stale = bytearray(objects[names[0]])           # 1. ciphertext flipped, checksum left stale
+    stale[HEADER_BYTES + 28 + N // 2] ^= 0x10
+    fixed = _reencoded(objects[names[1]], flip_at=28 + N // 3)   # 2. flipped, checksum fixed
+    tag = _reencoded(objects[names[2]], flip_at=N + ENVELOPE_OVERHEAD - 1)  # 3. tag damaged
+    for name, blob in zip(names, (stale, fixed, tag)):
+        obstore.put(bucket, name, bytes(blob))
+
+    _streamed_only(monkeypatch)
+    if chunks is not None:
+        _rechunk(monkeypatch, chunks)
+    with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
+        assert store.inner.supports_streamed_reads
+        outs = [_scatter(N) if scatter else np.full(N, 0xAB, np.uint8) for _ in items]
+        metas = store.get_many([it.key for it in items], outs, token_digests=[it.token_digest for it in items])
+        got = [np.concatenate(o) if scatter else o for o in outs]
+        assert [m is None for m in metas] == [True] * 3 + [False] * 3
+        for it, m, out in zip(items[3:], metas[3:], got[3:]):
+            np.testing.assert_array_equal(out, it.payload)
+            assert (m.parent_hash, m.token_digest, m.payload_bytes) == (it.parent_hash, it.token_digest, N)
+        for out in got[:3]:
+            assert not out.any()  # zeroed: neither plaintext of a forgery nor the old bytes
+        s = store.stats()
+        assert (s["hits"], s["misses"], s["auth_failures"], s["auth_removed"], s["corrupt"]) == (3, 3, 3, 3, 0)
+        assert store.put_many(items[:3]) == [True] * 3
+        assert all(o is not None for o in _read(store, items))
+
+
+def _reencoded(raw: bytes, *, flip_at: int) -> bytes:
+    """Stored record ``raw`` with byte ``flip_at`` of its envelope flipped, checksum fixed."""
+    hdr = parse_header(raw, len(raw))
+    body = bytearray(raw[HEADER_BYTES:-16])
+    body[flip_at] ^= 0x01
+    from tiered_kv.storage import RecordKey
+
+    return bytes(encode_record(key=RecordKey(hdr.kind, hdr.block_hash), parent_hash=hdr.parent_hash,
+                               token_digest=hdr.token_digest, layout_fingerprint=FP,
+                               payload=np.frombuffer(bytes(body), np.uint8)))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("scatter", [False, True], ids=["one-out", "scatter"])
+def test_a_sealed_read_cut_off_mid_transfer_raises_and_leaves_no_plaintext(
+        server: SeaweedFS, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scatter: bool) -> None:
+    """The store drops a response half-way through the ciphertext: the read raises the
+    store's error (as a plain read does), and the half decrypted before the tag could be
+    checked is zeroed in the caller's buffer."""
+    from tiered_kv.storage.s3 import ObjectStoreUnavailable
+
+    enc = {"key_files": [_keyfile(tmp_path, "a.key")], "tenant": "tenant-a"}
+    items = [_item(_key(200 + i)) for i in range(3)]
+    with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
+        store.put_many(items)
+    _streamed_only(monkeypatch)
+    _rechunk(monkeypatch, (4096,), cut_after=N // 2, names={object_name(items[1].key)})
+    with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
+        outs = [_scatter(N) if scatter else np.full(N, 0xAB, np.uint8) for _ in items]
+        with pytest.raises(ObjectStoreUnavailable, match="connection dropped"):
+            store.get_many([it.key for it in items], outs)
+        cut = np.concatenate(outs[1]) if scatter else outs[1]
+        assert not cut.any()
+        assert store.stats()["hits"] == 0
+
+
+@pytest.mark.s3
+def test_read_each_checks_headers_and_streams_payloads_in_order(server: SeaweedFS, url: str) -> None:
+    """The backend half of the streamed path, on a plain S3 store: each stored record of
+    the size asked reaches its sink whole and in order, with its header's meta; an absent
+    record, one of another size (kept) and one whose header fails its checks (removed,
+    counted corrupt) are Unread and open no sink."""
+    from tiered_kv.storage import ZarrStore
+    from tiered_kv.storage.base import Unread
+
+    items = [_item(_key(300 + i)) for i in range(5)]
+    items[3] = _item(_key(303), n=N - 8)
+    with ZarrStore(url, layout_fingerprint=FP, **_creds(server)) as store:
+        store.put_many(items[:4])
+        bucket = open_object_store(parse_s3_url(url, **_creds(server)))
+        src = _bucket_objects(server, url)[object_name(items[0].key)]
+        obstore.put(bucket, object_name(items[2].key), src)  # 0's record under 2's name: its key check fails
+
+        class Collect:
+            def __init__(self, meta) -> None:
+                self.meta, self.parts = meta, []
+
+            def write(self, chunk: np.ndarray) -> bool:
+                self.parts.append(chunk.copy())
+                return True
+
+            def finish(self):
+                return self.meta, np.concatenate(self.parts)
+
+        opened: list[int] = []
+
+        def open_sink(i: int, meta):
+            opened.append(i)
+            return Collect(meta)
+
+        got = store.read_each([it.key for it in items], [N] * 5, open_sink)
+        assert sorted(opened) == [0, 1]
+        for it, (meta, data) in zip(items[:2], got[:2]):
+            np.testing.assert_array_equal(data, it.payload)
+            assert (meta.key, meta.parent_hash, meta.token_digest) == (it.key, it.parent_hash, it.token_digest)
+        assert got[2:] == [Unread.ABSENT, Unread.OTHER_SIZE, Unread.ABSENT]
+        st = store.stats()
+        assert (st["hits"], st["corrupt"], st["misses"]) == (2, 1, 3)
+        assert not store.contains(items[2].key) and store.contains(items[3].key)

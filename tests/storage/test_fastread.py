@@ -32,6 +32,7 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(fastread, "read_and_hash", fn)
     monkeypatch.setattr(fastread, "read_verify_many",
                         fastread.native_read_verify_many if request.param == "native" else None)
+    monkeypatch.setattr(fastread, "VerifyBatch", fastread.native_VerifyBatch if request.param == "native" else None)
     return fn
 
 
@@ -135,11 +136,22 @@ def test_shards_cover_every_record_once_in_order(monkeypatch: pytest.MonkeyPatch
 
 
 # ------------------------------------------------------------------ get_many through either implementation
-def test_hot_get_many_spreads_over_threads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A hot batch of several MiB is cut into shards that the calling thread and
-    ``hot_threads - 1`` I/O threads drain (which thread reads which shard depends on
-    timing), and every record comes back whole and verified."""
+def test_hot_get_many_spreads_over_threads(impl, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A hot batch of several MiB is read by ``hot_threads`` threads and every record comes
+    back whole and verified: natively by one native batch with ``hot_threads - 1`` helper
+    threads of its own (records handed to it as they are prepared); in Python cut into
+    shards that the calling thread and ``hot_threads - 1`` I/O threads drain (which thread
+    reads which record depends on timing)."""
     monkeypatch.setattr(segments, "_cpus", lambda: 4)
+    made: list[tuple[int, int, bool]] = []
+    if fastread.VerifyBatch is not None:  # (native)
+        real = fastread.VerifyBatch
+
+        def batch(capacity: int, threads: int = 1, cached_only: bool = False):
+            made.append((capacity, threads, cached_only))
+            return real(capacity, threads, cached_only)
+
+        monkeypatch.setattr(fastread, "VerifyBatch", batch)
     keys = [make_key(i) for i in range(12)]
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP, io_threads=4, direct_io=False) as store:
         store.put_many([item_for(k, 500_000) for k in keys])
@@ -152,10 +164,14 @@ def test_hot_get_many_spreads_over_threads(monkeypatch: pytest.MonkeyPatch, tmp_
         monkeypatch.setattr(pool, "submit", lambda fn, *a: submitted.append(fn) or real_submit(fn, *a))
         outs = [np.empty(500_000, np.uint8) for _ in keys]
         metas = store.get_many(keys, outs, token_digests=[digest_for(k) for k in keys])
+        assert store.stats()["hits"] == 12
     assert all(metas)
     for k, out in zip(keys, outs):
         np.testing.assert_array_equal(out, payload_for(k, 500_000))
-    assert len(submitted) == 3  # 6 MB in 5 shards: the caller and 3 pool threads drain them
+    if impl is IMPLS.get("native"):
+        assert made == [(12, 4, True)] and submitted == []  # one native batch, 3 helpers
+    else:
+        assert len(submitted) == 3  # 6 MB in 5 shards: the caller and 3 pool threads drain them
 
 
 @pytest.mark.parametrize("direct_io", [False, True])
@@ -254,3 +270,214 @@ def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> N
         assert status == [fastread.SHORT]  # past the end of the file
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------ the native batch, fed one record at a time
+def _records_file(tmp_path: Path, sizes: list[int]) -> tuple[int, list[tuple[int, int, bytes]]]:
+    """A file of encoded records (key i, sizes[i] of payload) after 100 bytes of junk:
+    ``(fd, [(offset, record bytes, checksum)])``."""
+    from tiered_kv.storage.record import encode_record
+
+    blob, places = bytearray(b"\x07" * 100), []
+    for i, n in enumerate(sizes):
+        key = make_key(i)
+        rec = encode_record(key=key, parent_hash=bytes(32), token_digest=digest_for(key), layout_fingerprint=FP,
+                            payload=payload_for(key, n))
+        places.append((len(blob), len(rec), bytes(rec[-16:])))
+        blob += rec
+    path = tmp_path / "records.bin"
+    path.write_bytes(bytes(blob))
+    return os.open(path, os.O_RDONLY), places
+
+
+def _items(fd: int, places: list[tuple[int, int, bytes]], *, pieces: int = 1):
+    """read_verify_many items for the records of _records_file (payloads cut in ``pieces``)."""
+    from tiered_kv.storage.record import PartsVerifier
+
+    v, items = PartsVerifier(FP), []
+    for i, (off, n, checksum) in enumerate(places):
+        payload = n - 160
+        cuts = [payload * j // pieces for j in range(pieces + 1)]
+        bufs = [np.zeros(HEADER_BYTES, np.uint8), *(np.zeros(b - a, np.uint8) for a, b in zip(cuts, cuts[1:])),
+                np.zeros(CHECKSUM_BYTES, np.uint8)]
+        items.append((fd, off, bufs, v.expectation(make_key(i), n, checksum, digest_for(make_key(i)))))
+    return items
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("pieces", [1, 7])
+def test_verify_batch_gives_read_verify_many_verdicts(tmp_path: Path, threads: int, pieces: int) -> None:
+    """Records handed over one at a time come out as the one-call batch says, whatever the
+    threads: good ones verified and filled (a payload over several 128 KiB runs, in pieces),
+    a flipped payload byte and a wrong index checksum failed, a record past the end of the
+    file short."""
+    sizes = [300_000, 0, 5000, 700_000, 1, 140_000]
+    fd, places = _records_file(tmp_path, sizes)
+    try:
+        places[3] = (places[3][0], places[3][1], bytes(16))  # the index's checksum differs
+        os.close(fd)
+        path = tmp_path / "records.bin"
+        raw = bytearray(path.read_bytes())
+        raw[places[5][0] + 160 + 70_000] ^= 1  # a payload byte of record 5
+        path.write_bytes(bytes(raw))
+        fd = os.open(path, os.O_RDONLY)
+        places.append((len(raw) - 1000, 5160, bytes(16)))  # runs past the end: short
+        want = [0, 0, 0, 2, 0, 2, 1]
+        one = _items(fd, places, pieces=pieces)
+        assert fastread.native_read_verify_many(one, threads) == want
+        fed = _items(fd, places, pieces=pieces)
+        batch = fastread.native_VerifyBatch(len(fed), threads)
+        assert [batch.add(*item) for item in fed] == list(range(len(fed)))
+        assert batch.finish() == want
+        for (_, _, a, _), (_, _, b, _) in zip(one, fed):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+        for i in (0, 1, 2, 4):
+            np.testing.assert_array_equal(np.concatenate(fed[i][2][1:-1]), payload_for(make_key(i), sizes[i]))
+        with pytest.raises(RuntimeError, match="finished"):
+            batch.finish()
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_verify_batch_rejects_bad_items_and_stays_usable(tmp_path: Path) -> None:
+    fd, places = _records_file(tmp_path, [4000, 4000])
+    try:
+        items = _items(fd, places)
+        batch = fastread.native_VerifyBatch(2, 2)
+        with pytest.raises(ValueError, match="expect must be"):
+            batch.add(fd, places[0][0], items[0][2], b"short")
+        with pytest.raises(ValueError, match="header first"):
+            batch.add(fd, places[0][0], [np.zeros(10, np.uint8), np.zeros(16, np.uint8)], items[0][3])
+        with pytest.raises((TypeError, BufferError, ValueError)):
+            batch.add(fd, places[0][0], [bytes(144), np.zeros(16, np.uint8)], items[0][3])
+        batch.add(*items[0])
+        batch.add(*items[1])
+        with pytest.raises(ValueError, match="holds 2 records"):
+            batch.add(*items[1])
+        assert batch.finish() == [0, 0]
+        abandoned = fastread.native_VerifyBatch(2, 2)  # never finished: dropping it waits for its helpers
+        abandoned.add(*_items(fd, places)[0])
+        del abandoned
+        assert fastread.native_read_verify_many(_items(fd, places), 2) == [0, 0]  # the helpers are free again
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_verify_batch_cached_only_leaves_what_the_page_cache_lacks(tmp_path: Path) -> None:
+    """``cached_only``: a record not (all) in the page cache is not read (status 3, its
+    buffers untouched), so that the store reads it on its cold path."""
+    fd, places = _records_file(tmp_path, [200_000, 200_000])
+    try:
+        if segments._LIBC.cached_pages(fd, 0, 4096) is None:
+            pytest.skip("no cachestat here: every record counts as cached")
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if segments._LIBC.cached_pages(fd, places[1][0], places[1][1])[0] != 0:
+            pytest.skip("this filesystem keeps the pages cached")
+        os.pread(fd, places[0][1], places[0][0])  # record 0 back in the page cache...
+        os.posix_fadvise(fd, places[1][0], places[1][1], os.POSIX_FADV_DONTNEED)  # ...not (all of) record 1
+        items = _items(fd, places)
+        batch = fastread.native_VerifyBatch(2, 2, True)
+        for item in items:
+            batch.add(*item)
+        assert batch.finish() == [fastread.VERIFIED, fastread.UNCACHED]
+        assert not items[1][2][1].any()
+    finally:
+        os.close(fd)
+
+
+def _break_records(path: Path, keys: list, n: int) -> None:
+    """In the store at ``path``: flip a payload byte of keys[1], the payload length in the
+    header of keys[2], make the index entry of keys[3] claim 4 KiB more, and cut the
+    segment inside keys[-1] (a torn tail)."""
+    import lmdb
+
+    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
+
+    env = lmdb.open(str(path), max_dbs=4, subdir=True)
+    db = env.open_db(b"records")
+    with env.begin(write=True) as txn:
+        locs = {k: unpack_entry(txn.get(k.to_bytes(), db=db)) for k in keys}
+        loc, checksum = locs[keys[3]]
+        txn.put(keys[3].to_bytes(), pack_entry(Location(loc.segment, loc.offset, loc.length + 4096), checksum), db=db)
+    env.close()
+    seg_file = path / "segments" / segments.segment_name(locs[keys[1]][0].segment)
+    raw = bytearray(seg_file.read_bytes())
+    raw[locs[keys[1]][0].offset + HEADER_BYTES + n // 2] ^= 0x40
+    raw[locs[keys[2]][0].offset + 136] ^= 0x01
+    last = locs[keys[-1]][0]
+    seg_file.write_bytes(bytes(raw[:last.offset + last.length // 2]))
+
+
+@pytest.mark.parametrize("n", [4096, 600_000])
+def test_get_many_batch_path_counts_broken_records_as_misses(impl, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path, n: int) -> None:
+    """Through the batch read (natively: helper threads; in Python: shards), hot: a flipped
+    payload byte, a wrong length in a header, an index entry with a wrong length and a torn
+    tail are each a counted corrupt miss, and removed; every other record, read into one
+    buffer or a scatter list, is whole. The same answers either implementation."""
+    monkeypatch.setattr(segments, "_cpus", lambda: 2)
+    keys = [make_key(i) for i in range(8)]
+    path = tmp_path / "s"
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
+        store.put_many([item_for(k, n) for k in keys])
+    _break_records(path, keys, n)
+    for f in (path / "segments").iterdir():
+        f.read_bytes()  # hot
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
+        outs: list[object] = [np.zeros(n, np.uint8) for _ in keys]
+        outs[4] = [np.zeros(n // 3, np.uint8), np.zeros(n - n // 3, np.uint8)]
+        metas = store.get_many(keys, outs, token_digests=[digest_for(k) for k in keys])
+        assert [m is not None for m in metas] == [True, False, False, False, True, True, True, False]
+        for i in (0, 4, 5, 6):
+            got = np.concatenate(outs[i]) if isinstance(outs[i], list) else outs[i]
+            np.testing.assert_array_equal(got, payload_for(keys[i], n))
+            assert metas[i].payload_bytes == n and metas[i].token_digest == digest_for(keys[i])
+        s = store.stats()
+        assert (s["hits"], s["misses"], s["corrupt"]) == (4, 4, 4)
+        assert [k in store for k in keys] == [True, False, False, False, True, True, True, False]
+
+
+def test_get_many_over_more_segments_than_open_descriptors(impl, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """A batch whose records lie in more segments than ``max_open_segments`` is read whole,
+    and afterwards no more than that many descriptors stay open."""
+    keys = [make_key(i) for i in range(7)]
+    path = tmp_path / "s"
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False, segment_bytes=4096) as store:
+        for k in keys:
+            store.put_many([item_for(k, 300_000)])
+        assert len(store._segments.segment_ids()) >= 5
+    for f in (path / "segments").iterdir():
+        f.read_bytes()
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False, max_open_segments=2) as store:
+        outs = [np.zeros(300_000, np.uint8) for _ in keys]
+        assert all(store.get_many(keys, outs))
+        for k, out in zip(keys, outs):
+            np.testing.assert_array_equal(out, payload_for(k, 300_000))
+        assert store._segments.open_files <= 2
+
+
+def test_concurrent_get_many_share_the_helpers(impl, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Threads reading at once (one of them gets the native helpers, the others read
+    alone) all get every record whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(segments, "_cpus", lambda: 2)
+    keys = [make_key(i) for i in range(16)]
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, direct_io=False) as store:
+        store.put_many([item_for(k, 400_000) for k in keys])
+        for f in (tmp_path / "s" / "segments").iterdir():
+            f.read_bytes()
+
+        def read(r: int) -> bool:
+            outs = [np.zeros(400_000, np.uint8) for _ in keys]
+            ok = all(store.get_many(keys, outs))
+            return ok and all(np.array_equal(o, payload_for(k, 400_000)) for k, o in zip(keys, outs))
+
+        with ThreadPoolExecutor(3) as pool:
+            assert all(pool.map(read, range(9)))
