@@ -146,8 +146,9 @@ class ReadAhead(Generic[K]):
         """Copy ``staged``'s verified bytes into ``out`` (``[chunk_bytes] uint8``): True.
         False: its read found no good record (absent, corrupt, foreign: the load's miss,
         as a read by the load would have found). None: not read (the read raised, or had
-        not started: it is cancelled); the caller reads the chunk itself. Waits for a read
-        in progress. Gives the staging row back."""
+        not started: it is cancelled, and with it the read of the other chunks of its
+        lookup's batch, which their loads then read themselves); the caller reads the chunk
+        itself. Waits for a read in progress. Gives the staging row back."""
         verdict = self._verdict(staged)
         rows = self._rows   # (None once closed)
         if verdict and rows is not None:
