@@ -205,6 +205,72 @@ def test_layer_first_pages_are_written_and_read_in_place(tmp_path, backends, mon
     assert b.batch_get_v1(keys, pool.alloc(3 * PAGE)) == [True, False, True]
 
 
+@pytest.mark.parametrize("pool_kind", ["mla", "mha"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_page_views_are_the_buffers_the_pool_reports(store_url, backends, pool_kind, layout):
+    """Each page's scatter list is exactly the host pool's buffers of that page, as
+    ``get_page_buffer_meta`` reports them (address and size, in order): 1-D writable
+    views, never copies, whatever runs of equal strides they were built from."""
+    pool = env.mla_host_pool(layout) if pool_kind == "mla" else env.mha_host_pool(layout)
+    b = _backend(backends, store_url, pool, is_mla=pool_kind == "mla")
+    pool.alloc(PAGE)                     # so the pages below do not start at slot 0
+    idx = pool.alloc(4 * PAGE)
+    idx = torch.cat([idx[2 * PAGE:], idx[:2 * PAGE]])   # pages out of address order
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    pages = b._page_views(b._binding(PoolName.KV), env.page_keys(4), idx)
+    pieces = [piece for page in pages for piece in page]
+    assert [p.ctypes.data for p in pieces] == [int(x) for x in ptrs]
+    assert [p.nbytes for p in pieces] == [int(x) for x in sizes]
+    assert all(p.ndim == 1 and p.flags.c_contiguous and p.flags.writeable for p in pieces)
+    assert all(page.nbytes == sum(p.nbytes for p in page) for page in pages)
+
+
+def test_page_pieces_join_only_buffers_of_one_size_at_one_stride():
+    """Runs of buffers (one strided view each) are found on every page alike; any other
+    arrangement falls back to one view per buffer, at the same addresses."""
+    import numpy as np
+
+    from tiered_kv.integrations.sglang import _buffer_runs, _page_pieces
+
+    host = np.zeros(1 << 16, np.uint8)
+    base = host.ctypes.data
+    # MHA layer_first-like: K of 3 layers at stride 4096, then V of 3 layers at stride 4096
+    ptrs = np.array([[base + o + page * 64 for o in (0, 4096, 8192, 20000, 24096, 28192)]
+                     for page in range(3)], np.int64)
+    sizes = (64,) * 6
+    assert _buffer_runs(ptrs, sizes) == [(0, 3, 4096), (3, 6, 4096)]
+    # one page with another step between buffers 1 and 2: those two are no longer joined
+    odd = ptrs.copy()
+    odd[1, 2] += 128
+    assert _buffer_runs(odd, sizes) == [(0, 2, 4096), (2, 3, 0), (3, 6, 4096)]
+    # buffers of different sizes, or overlapping ones (a step below the size), stand alone
+    assert _buffer_runs(ptrs, (64, 64, 32, 64, 64, 64)) == [(0, 2, 4096), (2, 3, 0), (3, 6, 4096)]
+    assert _buffer_runs(ptrs[:, :3], (8192,) * 3) == [(0, 1, 0), (1, 2, 0), (2, 3, 0)]
+    for p, s in ((ptrs, sizes), (odd, sizes), (ptrs[:, :3], (8192,) * 3)):
+        pages = _page_pieces(p, s)
+        got = [[(v.ctypes.data, v.nbytes) for v in page] for page in pages]
+        assert got == [[(int(a), n) for a, n in zip(row, s)] for row in p]
+        assert all(np.shares_memory(v, host) for page in pages for v in page)
+
+
+def test_a_pool_reporting_other_buffer_sizes_is_refused(store_url, backends, monkeypatch):
+    """The sizes of every page's buffers are checked against the bound layout, not only
+    the first page's: a mismatch is a ValueError, nothing is read or written."""
+    pool = env.mla_host_pool("layer_first")
+    b = _backend(backends, store_url, pool)
+    idx = pool.alloc(2 * PAGE)
+    meta = pool.get_page_buffer_meta
+
+    def short_last_buffer(indices):
+        ptrs, sizes = meta(indices)
+        return ptrs, list(sizes[:-1]) + [sizes[-1] - 1]
+
+    monkeypatch.setattr(pool, "get_page_buffer_meta", short_last_buffer)
+    with pytest.raises(ValueError, match="expected 3 buffers"):
+        b.batch_set_v1(env.page_keys(2), idx)
+    assert b.counters()["store.records"] == 0
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_mha_tp_ranks_keep_their_own_heads_apart(store_url, backends, layout):
     """An MHA model's TP ranks store the same page keys with different bytes (their own

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -434,3 +435,58 @@ def test_an_encrypted_tier_seals_chunks_and_a_wrong_key_only_misses(tmp_path: Pa
     assert c.load(keys) == {k: None for k in keys}
     assert c.tier.store.stats()["auth_failures"] == 4
     assert c.counter(tiered("LOAD_MISSES")) == 4
+
+
+def _evicted(engine: Engine, seed: str, n: int) -> list:
+    """``n`` chunks stored, then pushed out of the 8-chunk primary tier: only the store has them."""
+    keys = chunk_keys(seed, n)
+    engine.store(keys)
+    engine.wait_jobs()
+    engine.store(chunk_keys(f"{seed}-evictor", 8))
+    engine.wait_jobs()
+    assert not any(engine.primary_holds(k) for k in keys)
+    return keys
+
+
+def test_a_lookup_reads_ahead_what_the_load_then_copies(tmp_path: Path, engines: list[Engine],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks a lookup finds are read (verified) on the read-ahead thread as soon as it
+    answers; the load job copies them into the rows vLLM allotted and reads nothing itself."""
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", num_chunks=8)
+    engines.append(engine)
+    keys = _evicted(engine, "ahead", 6)
+    store = engine.tier.store
+    readers: list[tuple[str, int]] = []
+    real_get = store.get_many
+
+    def spy(record_keys, outs, **kw):  # type: ignore[no-untyped-def]
+        readers.append((threading.current_thread().name, len(record_keys)))
+        return real_get(record_keys, outs, **kw)
+
+    monkeypatch.setattr(store, "get_many", spy)
+    assert engine.load(keys) == {k: chunk_bytes(k) for k in keys}
+    assert [(name.startswith("tiered_kv_read_ahead"), n) for name, n in readers] == [(True, 6)]
+    assert engine.counter(tiered("CHUNKS_LOADED")) == 6
+    assert engine.counter(tiered("CHUNKS_READ_AHEAD")) == 6
+    assert engine.counter(tiered("READ_AHEAD_DROPPED")) == 0
+    assert store.stats()["hits"] == 6                   # each chunk read once
+
+
+@pytest.mark.parametrize("staging_chunks", [0, 2])
+def test_without_room_to_read_ahead_the_load_reads_the_store(tmp_path: Path, engines: list[Engine],
+                                                             staging_chunks: int) -> None:
+    """``read_ahead_bytes`` bounds the staging rows (0: no read-ahead): chunks a lookup could
+    not read ahead are read by the load straight into their rows, the same bytes."""
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", num_chunks=8, read_ahead_bytes=staging_chunks * CHUNK_BYTES)
+    engines.append(engine)
+    assert (engine.tier.read_ahead is None) == (staging_chunks == 0)
+    keys = _evicted(engine, "bounded", 6)
+    assert engine.load(keys) == {k: chunk_bytes(k) for k in keys}
+    assert engine.counter(tiered("CHUNKS_LOADED")) == 6
+    assert engine.counter(tiered("CHUNKS_READ_AHEAD")) == staging_chunks
+    assert engine.tier.store.stats()["hits"] == 6
+
+
+def test_read_ahead_bytes_must_be_a_non_negative_int(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="read_ahead_bytes: expected an int >= 0"):
+        Engine(f"lmdb://{tmp_path / 'store'}", read_ahead_bytes=-1)

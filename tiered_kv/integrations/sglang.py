@@ -94,6 +94,7 @@ from ..storage import (
     open_store,
 )
 from ..storage.crypto import default_tenant
+from ..storage.record import OutSegments
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "ClearRefusedError", "TieredKVHiCacheStorage"]
 
@@ -208,20 +209,67 @@ class _HostSpan:
         self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
-def _host_views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[np.ndarray]:
-    """Writable uint8 views of the host buffers at ``ptrs`` of ``sizes`` bytes (no copy).
+def _buffer_runs(ptrs: np.ndarray, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """The buffers of a page grouped into runs ``(first, end, stride)`` of columns
+    ``first..end-1`` of ``ptrs`` that hold one size at one stride (>= the size: rows
+    never overlap) in every page; ``stride`` 0 for a run of one.
 
-    The addresses come from the host pool's ``get_page_buffer_meta``: CPU (pinned)
-    memory the pool owns and keeps alive while SGLang holds the pages. One array spans
-    them all and each buffer is a slice of it (a page of a layer_first pool has a buffer
-    per layer: thousands per batch); only the buffers' own bytes are ever touched.
+    ``ptrs``: ``[n_pages, per_page] int64`` host addresses, ``sizes``: ``[per_page]``
+    bytes. A layer_first MLA page is one run (a buffer per layer, ``layer_stride``
+    apart); an MHA layer_first page two (K per layer, then V per layer)::
+
+        page i:  L0 ---- stride ---> L1 ---- stride ---> L2 ...   (one run: rows of a 2-D view)
     """
-    if not ptrs:
+    per_page = len(sizes)
+    steps = np.diff(ptrs, axis=1)                        # [n_pages, per_page - 1]
+    same = (steps == steps[:1]).all(axis=0).tolist()     # column j -> j+1: one step on every page
+    step0 = steps[0].tolist()
+    runs: list[tuple[int, int, int]] = []
+    first = 0
+    while first < per_page:
+        size, end, stride = sizes[first], first + 1, 0
+        if end < per_page and same[first] and sizes[end] == size and step0[first] >= size:
+            stride = step0[first]
+            while end < per_page and same[end - 1] and step0[end - 1] == stride and sizes[end] == size:
+                end += 1
+        runs.append((first, end, stride))
+        first = end
+    return runs
+
+
+def _page_pieces(ptrs: np.ndarray, sizes: tuple[int, ...]) -> list[OutSegments]:
+    """Per page, writable uint8 views of its host buffers, in place (no copy).
+
+    ``ptrs``: ``[n_pages, per_page] int64`` addresses from the host pool's
+    ``get_page_buffer_meta``, ``sizes``: each buffer's bytes. That is CPU (pinned) memory
+    the pool owns and keeps alive while SGLang holds the pages. One array spans them all;
+    a run of buffers at one stride (:func:`_buffer_runs`: a layer_first page's layers)
+    is one strided 2-D view whose rows are the buffers, so a page of 61 layers costs one
+    array and one ``list()``, not 61 slices. Each page is an
+    :class:`~tiered_kv.storage.record.OutSegments`: the scatter list the store reads
+    into (every piece is by construction a 1-D, C-contiguous, writable uint8 view).
+    """
+    n_pages, per_page = ptrs.shape
+    if n_pages == 0:
         return []
-    lo = min(ptrs)
-    hi = max(p + n for p, n in zip(ptrs, sizes))
+    page_bytes = sum(sizes)
+    lo = int(ptrs.min())
+    hi = int((ptrs + np.asarray(sizes, dtype=np.int64)).max())
     span = np.asarray(_HostSpan(lo, hi - lo))
-    return [span[p - lo:p - lo + n] for p, n in zip(ptrs, sizes)]
+    runs = _buffer_runs(ptrs, sizes)
+    starts = (ptrs[:, [first for first, _, _ in runs]] - lo).tolist()   # [n_pages, n_runs] offsets
+    u8 = np.dtype(np.uint8)
+    pages: list[OutSegments] = []
+    for offsets in starts:
+        pieces: list[np.ndarray] = []
+        for (first, end, stride), off in zip(runs, offsets):
+            size = sizes[first]
+            if end - first == 1:
+                pieces.append(span[off:off + size])
+            else:
+                pieces.extend(np.ndarray((end - first, size), u8, span, off, (stride, 1)))
+        pages.append(OutSegments(pieces, page_bytes))
+    return pages
 
 
 def _config_str(extra: dict[str, Any], name: str, default: str | None = None) -> str | None:
@@ -396,8 +444,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return binding
 
     def _page_views(self, binding: _PoolBinding, keys: Sequence[str],
-                    host_indices: torch.Tensor) -> list[list[np.ndarray]]:
-        """Per page, writable views of its host buffers (``binding.buffer_bytes`` each)."""
+                    host_indices: torch.Tensor) -> list[OutSegments]:
+        """Per page, writable views of its host buffers (``binding.buffer_bytes`` each), in
+        the pool's memory (see :func:`_page_pieces`)."""
         n = len(keys)
         if host_indices.numel() != n * binding.page_size:
             raise ValueError(f"host_indices of pool {binding.name!r}: expected {n} pages x page_size "
@@ -406,11 +455,12 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             return []
         ptrs, sizes = binding.pool.get_page_buffer_meta(host_indices.cpu())
         per_page = len(binding.buffer_bytes)
-        if len(ptrs) != n * per_page or tuple(sizes[:per_page]) != binding.buffer_bytes:
+        if len(ptrs) != n * per_page or len(sizes) != n * per_page or np.any(
+                np.asarray(sizes, dtype=np.int64).reshape(n, per_page) != binding.buffer_bytes):
             raise ValueError(f"pool {binding.name!r}: expected {per_page} buffers of {binding.buffer_bytes} bytes "
-                             f"per page, the pool reported {len(ptrs)} buffers for {n} pages")
-        flat = _host_views([int(p) for p in ptrs], binding.buffer_bytes * n)
-        return [flat[i * per_page:(i + 1) * per_page] for i in range(n)]
+                             f"per page, the pool reported {len(ptrs)} buffers of sizes {sorted(set(sizes))} for "
+                             f"{n} pages")
+        return _page_pieces(np.asarray(ptrs, dtype=np.int64).reshape(n, per_page), binding.buffer_bytes)
 
     # ------------------------------------------------------------------ page I/O
     def _exists_prefix(self, binding: _PoolBinding, fmt: _PageFormat, keys: Sequence[str]) -> list[bool]:

@@ -24,6 +24,10 @@ What it does, per :class:`vllm.v1.kv_offload.tiering.base.SecondaryTierManager`:
   on a thread pool of ``io_threads``; the scheduler thread never touches the store.
   Stores read the primary rows in place (no copy before the record encoding); loads are
   verified reads straight into the primary rows.
+- Read-ahead (``read_ahead_bytes``, :mod:`tiered_kv.integrations.read_ahead`): the chunks
+  a lookup finds are read (verified) into staging rows as soon as the lookup answers, a
+  scheduler step before vLLM submits their load; the load job then copies them into the
+  primary rows it is given and reads the others straight into theirs.
 - A record that fails verification (checksum, key, layout, token digest) is a *failed
   key* of its load job (``JobResult.successful_keys`` lists the others), so vLLM
   recomputes that chunk: bad bytes are never handed to the engine. A store that is
@@ -58,6 +62,9 @@ Counters (``get_stats``; Prometheus names)::
     vllm:kv_offload_tiered_kv_chunks_stored          chunks written to the store
     vllm:kv_offload_tiered_kv_chunks_present         chunks a store job found already stored
     vllm:kv_offload_tiered_kv_chunks_loaded          chunks loaded (verified)
+    vllm:kv_offload_tiered_kv_chunks_read_ahead      of those, chunks a lookup had read ahead
+    vllm:kv_offload_tiered_kv_read_ahead_dropped     chunks read ahead that no load took (evicted
+                                                     for newer lookups) or whose read failed
     vllm:kv_offload_tiered_kv_load_misses            chunks a load could not deliver:
                                                      evicted since the lookup, or corrupt
     vllm:kv_offload_tiered_kv_job_errors{error=}     jobs the store failed: full, unavailable,
@@ -111,6 +118,7 @@ from ..storage import (
     open_store,
 )
 from ..storage.crypto import default_tenant
+from .read_ahead import ReadAhead, Staged
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -124,6 +132,8 @@ _NAMESPACE_TAG = b"tiered_kv.vllm.v1"
 _KEY_DIGEST_TAG = b"vllm.offload_key\0"
 _FINGERPRINT_PREFIX = "vllm-"
 _FINGERPRINT_HEX = 32 - len(_FINGERPRINT_PREFIX)   # the record header holds 32 ascii bytes
+#: Staging memory for chunks read ahead from their lookup (TieredKVTier's read_ahead_bytes).
+DEFAULT_READ_AHEAD_BYTES = 256 << 20
 
 
 class TieredKVTierMetrics:
@@ -132,6 +142,8 @@ class TieredKVTierMetrics:
     CHUNKS_STORED = "vllm:kv_offload_tiered_kv_chunks_stored"
     CHUNKS_PRESENT = "vllm:kv_offload_tiered_kv_chunks_present"
     CHUNKS_LOADED = "vllm:kv_offload_tiered_kv_chunks_loaded"
+    CHUNKS_READ_AHEAD = "vllm:kv_offload_tiered_kv_chunks_read_ahead"
+    READ_AHEAD_DROPPED = "vllm:kv_offload_tiered_kv_read_ahead_dropped"
     LOAD_MISSES = "vllm:kv_offload_tiered_kv_load_misses"
     JOB_ERRORS = "vllm:kv_offload_tiered_kv_job_errors"
     LOOKUP_ERRORS = "vllm:kv_offload_tiered_kv_lookup_errors"
@@ -243,10 +255,13 @@ class _StoreLookup(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         try:
-            return tier.store.contains_many([tier.keys.record_key(k) for k in keys])
+            found = tier.store.contains_many([tier.keys.record_key(k) for k in keys])
         except Exception:
             tier.counters.add(TieredKVTierMetrics.LOOKUP_ERRORS)
             raise   # AsyncLookupManager logs it and answers MISS for the batch
+        if tier.read_ahead is not None:   # a hit is promoted next step: start reading it now
+            tier.read_ahead.start([k for k, hit in zip(keys, found) if hit])
+        return found
 
 
 def _config_keys() -> list[str]:
@@ -297,6 +312,8 @@ class TieredKVTier(SecondaryTierManager):
       chain it seals every level; to seal one level only, put it in that level's
       ``store_options["level_options"]`` entry instead (its tenant defaults the same way).
     - ``io_threads`` (default 4): worker threads running store and load jobs.
+    - ``read_ahead_bytes`` (default 256 MiB): staging memory for chunks read ahead of
+      their load, from the lookup that found them (whole chunks; 0: no read-ahead).
     - ``enable_kv_events``, ``locality``: as vLLM's ``fs`` tier.
 
     An unknown key is a :class:`TypeError` that lists the valid ones.
@@ -307,7 +324,8 @@ class TieredKVTier(SecondaryTierManager):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str, *,
                  store: str | Sequence[str], tenant: str = "", model_id: str | None = None,
                  max_bytes: int | None = None, store_options: dict[str, Any] | None = None,
-                 io_threads: int = 4, enable_kv_events: bool = False, locality: str | None = None,
+                 io_threads: int = 4, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+                 enable_kv_events: bool = False, locality: str | None = None,
                  encryption: EncryptionConfig | dict[str, Any] | None = None,
                  backpressure_detector: BackpressureDetector | None = None, **unknown: Any) -> None:
         if unknown:
@@ -316,6 +334,8 @@ class TieredKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads: expected an int >= 1, got {io_threads!r}")
+        if isinstance(read_ahead_bytes, bool) or not isinstance(read_ahead_bytes, int) or read_ahead_bytes < 0:
+            raise ValueError(f"read_ahead_bytes: expected an int >= 0, got {read_ahead_bytes!r}")
         if store_options is not None and not isinstance(store_options, dict):
             raise ValueError(f"store_options: expected a dict, got {type(store_options).__name__}")
         if not isinstance(store, (str, list, tuple)) or not store:
@@ -348,6 +368,11 @@ class TieredKVTier(SecondaryTierManager):
         #: ``[num_chunks, chunk_bytes] uint8``: the primary tier's buffer, row c = chunk c (vLLM
         #: exposes it as int8); shares its memory.
         self._rows: np.ndarray | None = np.asarray(primary_kv_view).view(np.uint8)
+        staging_rows = read_ahead_bytes // self.block_size_bytes
+        self.read_ahead: ReadAhead[OffloadKey] | None = None
+        if staging_rows:
+            self.read_ahead = ReadAhead(self.store, chunk_bytes=self.block_size_bytes, capacity=staging_rows,
+                                        record=lambda k: (self.keys.record_key(k), self.keys.key_digest(k)))
         self._info = TieredKVTierInfo(tiered_kv_store=_display_url(store), tiered_kv_tenant=tenant,
                                       tiered_kv_namespace=self.keys.namespace.hex()[:16],
                                       tiered_kv_layout=self.keys.layout_fingerprint,
@@ -427,17 +452,34 @@ class TieredKVTier(SecondaryTierManager):
                                       transfer_bytes=len(keys) * self.block_size_bytes), keys, False))
 
     def _load_job(self, job_id: JobId, keys: list[OffloadKey], chunk_ids: list[int]) -> None:
-        """Pool thread: verified reads of ``keys`` straight into the primary rows ``chunk_ids``."""
+        """Pool thread: ``keys`` into the primary rows ``chunk_ids``: the chunks a lookup read
+        ahead copied from staging, the others read (verified) straight into their rows."""
         start = time.monotonic()
         rows = self._rows
         assert rows is not None, "job ran after shutdown"
+        read_ahead = self.read_ahead
+        taken = read_ahead.take(keys) if read_ahead is not None else {}
+        staged: dict[int, Staged] = {i: taken.pop(k) for i, k in enumerate(keys) if k in taken}  # index -> entry
+        hit = [False] * len(keys)
         try:
-            metas = self.store.get_many([self.keys.record_key(k) for k in keys], [rows[c] for c in chunk_ids],
-                                        token_digests=[self.keys.key_digest(k) for k in keys])
+            # first the chunks not read ahead, straight into their rows (the staged reads end meanwhile)
+            self._read_into(keys, chunk_ids, [i for i in range(len(keys)) if i not in staged], hit)
+            unread = []
+            while staged:
+                assert read_ahead is not None
+                i, entry = staged.popitem()
+                delivered = read_ahead.deliver(entry, rows[chunk_ids[i]])
+                if delivered is None:
+                    unread.append(i)   # not read ahead after all (not started, or the store raised)
+                hit[i] = bool(delivered)
+            self._read_into(keys, chunk_ids, unread, hit)
         except Exception as e:
+            for entry in staged.values():
+                assert read_ahead is not None
+                read_ahead.discard(entry)
             self._job_failed("load", job_id, keys, e)
             return
-        loaded = [k for k, m in zip(keys, metas) if m is not None]
+        loaded = [k for k, h in zip(keys, hit) if h]
         self.counters.add(TieredKVTierMetrics.CHUNKS_LOADED, len(loaded))
         self.counters.add(TieredKVTierMetrics.LOAD_MISSES, len(keys) - len(loaded))
         ok = len(loaded) == len(keys)
@@ -446,6 +488,19 @@ class TieredKVTier(SecondaryTierManager):
                            transfer_time=time.monotonic() - start,
                            transfer_bytes=len(loaded) * self.block_size_bytes)
         self._finished.put((result, keys, True))
+
+    def _read_into(self, keys: list[OffloadKey], chunk_ids: list[int], which: list[int], hit: list[bool]) -> None:
+        """One verified ``get_many`` of ``keys[i]`` straight into primary row ``chunk_ids[i]``,
+        for ``i`` in ``which``; sets ``hit[i]``."""
+        if not which:
+            return
+        rows = self._rows
+        assert rows is not None, "job ran after shutdown"
+        picked = [keys[i] for i in which]
+        metas = self.store.get_many([self.keys.record_key(k) for k in picked], [rows[chunk_ids[i]] for i in which],
+                                    token_digests=[self.keys.key_digest(k) for k in picked])
+        for i, m in zip(which, metas):
+            hit[i] = m is not None
 
     def _job_failed(self, what: str, job_id: JobId, keys: list[OffloadKey], exc: BaseException) -> None:
         kind = _error_kind(exc, self.store)
@@ -496,6 +551,12 @@ class TieredKVTier(SecondaryTierManager):
                 documentation="KV chunks a tiered_kv store job found already stored (write-once)."),
             m.CHUNKS_LOADED: OffloadingCounterMetadata(
                 documentation="KV chunks loaded from the tiered_kv store, verified."),
+            m.CHUNKS_READ_AHEAD: OffloadingCounterMetadata(
+                documentation="KV chunks loaded from the tiered_kv store that a lookup had read ahead "
+                              "(verified, then copied into the primary tier by the load)."),
+            m.READ_AHEAD_DROPPED: OffloadingCounterMetadata(
+                documentation="KV chunks the tiered_kv tier read ahead that no load took (dropped for newer "
+                              "lookups), or whose read failed (the load then read them from the store)."),
             m.LOAD_MISSES: OffloadingCounterMetadata(
                 documentation="KV chunks a tiered_kv load could not deliver: evicted since the lookup, or a "
                               "record that failed verification (recomputed by vLLM)."),
@@ -507,6 +568,10 @@ class TieredKVTier(SecondaryTierManager):
         }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        if self.read_ahead is not None:
+            ra = self.read_ahead.stats()
+            self.counters.add(TieredKVTierMetrics.CHUNKS_READ_AHEAD, ra.delivered)
+            self.counters.add(TieredKVTierMetrics.READ_AHEAD_DROPPED, ra.dropped)
         values = self.counters.take()
         if not values:
             return None
@@ -528,6 +593,8 @@ class TieredKVTier(SecondaryTierManager):
         and drop the view of the primary buffer, so vLLM can unmap it."""
         self._lookup.shutdown()
         self._pool.shutdown(wait=True)
+        if self.read_ahead is not None:
+            self.read_ahead.close()
         self.store.close()
         self._rows = None
 
