@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from .layout import KVLayout
+from .thread_pool import started_pool
 
 __all__ = ["DiskTier", "DiskTierClosedError"]
 
@@ -84,7 +85,8 @@ class DiskTier:
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
             raise ValueError(f"read_threads: expected a positive int, got {read_threads!r}")
         self.read_threads = read_threads
-        self._readers: ThreadPoolExecutor | None = None  # started by the first read_async
+        # (started now, not by the first read: see tiered_kv.thread_pool)
+        self._readers: ThreadPoolExecutor | None = started_pool(read_threads, "tiered-kv-read")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-disk")
         self._pending: deque[Future[None]] = deque()
         self._lock = threading.Lock()
@@ -221,7 +223,7 @@ class DiskTier:
         """Run ``job`` (which reads through :meth:`read_many`, and may copy what it read
         into place) on one of the ``read_threads`` reader threads."""
         if self._readers is None:
-            self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="tiered-kv-read")
+            self._readers = started_pool(self.read_threads, "tiered-kv-read")
         return self._readers.submit(job)
 
     # ------------------------------------------------------------------ admin
