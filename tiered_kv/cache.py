@@ -47,6 +47,7 @@ from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
 from .prefix import PrefixHasher, token_array, token_digest, tokens_to_bytes
 from .request import Request, as_token_list
+from .resume_reader import prepare_destination
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
 from .transfer import CopyEngine, CopyHandle
@@ -135,6 +136,7 @@ class TieredKVCache(TierMoves):
              "snapshots_elided",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
+        self._resume_dest = prepare_destination(self)
 
     def _store_writer(self, salt: str | bytes) -> object:
         """What a store created by this cache records about its writer (model id, a hash

@@ -64,7 +64,8 @@ if TYPE_CHECKING:
 DEFAULT_BATCH = 8
 
 __all__ = ["DEFAULT_BATCH", "DiskBatch", "DiskResume", "Destination", "HostRecords", "PoolRows", "StagingRing",
-           "choose_destination", "id_runs"]
+           "choose_destination", "id_runs",
+           "prepare_destination"]
 
 
 @dataclass(slots=True)
@@ -369,6 +370,18 @@ def choose_destination(moves: TierMoves, current: Destination | None) -> Destina
     if isinstance(current, StagingRing):  # replaced: the uploads out of the old ring finish first
         current.drain()
     return new
+
+
+def prepare_destination(moves: TierMoves) -> Destination | None:
+    """The destination made when the cache is, where it is only views of the pools
+    (:class:`PoolRows`: CPU pools, default settings), so that the first cold ``open()``
+    does not build it (about 2 ms of Python) before its first disk read. None otherwise
+    (a staging ring is allocated when first needed); :func:`choose_destination` still
+    decides on each open, and keeps this one while the settings select it."""
+    if moves.disk is None or moves.host is not None or moves.device.type != "cpu":
+        return None
+    dest = choose_destination(moves, None) if moves.resume_read_into_pools and moves.hisparse is None else None
+    return dest if isinstance(dest, PoolRows) else None
 
 
 # ------------------------------------------------------------------ the pipeline
