@@ -279,35 +279,6 @@ record_cached(int fd, long long offset, Py_ssize_t length)
 #endif
 }
 
-/* preadv until the iovecs are full or the file ends. Returns the bytes read, or -1 (read
- * error). */
-static Py_ssize_t
-read_run(int fd, struct iovec *iov, int n, off_t offset)
-{
-    Py_ssize_t got = 0;
-    while (n > 0) {
-        ssize_t r = preadv(fd, iov, n, offset + got);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        if (r == 0)
-            break;
-        got += r;
-        while (n > 0 && (size_t)r >= iov->iov_len) {
-            r -= (ssize_t)iov->iov_len;
-            iov++;
-            n--;
-        }
-        if (n > 0 && r > 0) {
-            iov->iov_base = (char *)iov->iov_base + r;
-            iov->iov_len -= (size_t)r;
-        }
-    }
-    return got;
-}
-
 /* Read job j in runs of about RUN_BYTES (scratch: room for 2 * j->count iovecs), hashing
  * header + payload as it goes, then check it. */
 static int
@@ -340,7 +311,7 @@ verify_one(job_t *j, struct iovec *scratch, void *state, int cached_only)
             }
         }
         memcpy(keep, run, (size_t)m * sizeof(struct iovec));
-        Py_ssize_t got = read_run(j->fd, run, m, (off_t)(j->offset + pos));
+        Py_ssize_t got = preadv_full(j->fd, run, m, (off_t)(j->offset + pos));
         if (got < (Py_ssize_t)len)
             return ST_SHORT;   /* end of file or a read error: a miss */
         for (int k = 0; k < hashed; k++)
