@@ -838,13 +838,13 @@ static PyTypeObject VerifyBatchType = {
 
 /* An int64 array argument of `count` values, C-contiguous (numpy int64): its buffer. */
 static int
-int64_arg(PyObject *o, Py_buffer *view, Py_ssize_t count, const char *name)
+int64_arg(PyObject *o, Py_buffer *view, Py_ssize_t count, const char *fn, const char *name)
 {
     if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     if (view->len != count * (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_Format(PyExc_ValueError, "read_verify_rows: %s: expected %zd int64 values (%zd bytes), got %zd bytes",
-                     name, count, count * (Py_ssize_t)sizeof(int64_t), view->len);
+        PyErr_Format(PyExc_ValueError, "%s: %s: expected %zd int64 values (%zd bytes), got %zd bytes",
+                     fn, name, count, count * (Py_ssize_t)sizeof(int64_t), view->len);
         PyBuffer_Release(view);
         return -1;
     }
@@ -857,6 +857,113 @@ int64_at(const Py_buffer *view, Py_ssize_t i)
     int64_t v;
     memcpy(&v, (const char *)view->buf + i * (Py_ssize_t)sizeof(int64_t), sizeof(v));
     return v;
+}
+
+/* The plan of read_verify_rows and verify_rows: n records of m pieces each; piece j of
+ * record k is lengths[j] bytes at byte offsets[k, j] of dests[dest_of[j]], and record k is
+ * checked against expects[k] (elen bytes: EXPECT_BYTES or EXPECT_WITH_DIGEST). */
+typedef struct {
+    PyObject *dests;  /* PySequence_Fast of the dests argument */
+    Py_buffer *dv;    /* [nd] the dests' buffers, the first `held` of them held */
+    Py_ssize_t nd, held;
+    Py_buffer lengths, dest_of, offsets, expects;
+    int have_lengths, have_dest_of, have_offsets, have_expects;
+    Py_ssize_t n, m, elen, payload;  /* payload: sum(lengths) */
+} row_plan_t;
+
+static void
+row_plan_release(row_plan_t *p)
+{
+    for (Py_ssize_t d = 0; d < p->held; d++)
+        PyBuffer_Release(&p->dv[d]);
+    if (p->have_lengths)
+        PyBuffer_Release(&p->lengths);
+    if (p->have_dest_of)
+        PyBuffer_Release(&p->dest_of);
+    if (p->have_offsets)
+        PyBuffer_Release(&p->offsets);
+    if (p->have_expects)
+        PyBuffer_Release(&p->expects);
+    PyMem_Free(p->dv);
+    Py_XDECREF(p->dests);
+}
+
+/* Take the plan of n records (fn: the caller, for errors) and check that every piece lies
+ * within its buffer, before anything is read or written (no overflow: offset <= len - length
+ * with both sides non-negative). 0, or -1 with an exception set; row_plan_release() the plan
+ * (zero-initialised) either way. */
+static int
+row_plan_take(row_plan_t *p, const char *fn, Py_ssize_t n, PyObject *dests_o, PyObject *dest_of_o,
+              PyObject *lengths_o, PyObject *offsets_o, PyObject *expects_o)
+{
+    char what[64];
+    p->n = n;
+    PyOS_snprintf(what, sizeof(what), "%s: dests must be a sequence of buffers", fn);
+    p->dests = PySequence_Fast(dests_o, what);
+    if (p->dests == NULL)
+        return -1;
+    p->nd = PySequence_Fast_GET_SIZE(p->dests);
+    p->dv = PyMem_Calloc((size_t)(p->nd ? p->nd : 1), sizeof(Py_buffer));
+    if (p->dv == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **dest_items = PySequence_Fast_ITEMS(p->dests);
+    for (Py_ssize_t d = 0; d < p->nd; d++) {
+        if (PyObject_GetBuffer(dest_items[d], &p->dv[d], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        p->held = d + 1;
+    }
+    if (PyObject_GetBuffer(lengths_o, &p->lengths, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    p->have_lengths = 1;
+    Py_ssize_t m = p->m = p->lengths.len / (Py_ssize_t)sizeof(int64_t);
+    if (m < 1 || p->lengths.len % (Py_ssize_t)sizeof(int64_t) || m > INT_MAX - 2) {
+        PyErr_Format(PyExc_ValueError, "%s: lengths: expected int64 values, at least one", fn);
+        return -1;
+    }
+    if (int64_arg(dest_of_o, &p->dest_of, m, fn, "dest_of") < 0)
+        return -1;
+    p->have_dest_of = 1;
+    if (int64_arg(offsets_o, &p->offsets, n * m, fn, "offsets") < 0)
+        return -1;
+    p->have_offsets = 1;
+    if (PyObject_GetBuffer(expects_o, &p->expects, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    p->have_expects = 1;
+    Py_ssize_t elen = p->elen = n ? p->expects.len / n : 0;
+    if (n && (p->expects.len % n || (elen != EXPECT_BYTES && elen != EXPECT_WITH_DIGEST))) {
+        PyErr_Format(PyExc_ValueError, "%s: expects: expected uint8 [%zd, %d or %d], got %zd bytes",
+                     fn, n, EXPECT_BYTES, EXPECT_WITH_DIGEST, p->expects.len);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        int64_t d = int64_at(&p->dest_of, j), len = int64_at(&p->lengths, j);
+        if (d < 0 || d >= p->nd || len < 0 || len > p->dv[d].len) {
+            PyErr_Format(PyExc_ValueError, "%s: piece %zd: dest %lld of %zd, length %lld: "
+                         "expected a dest index and a length within it", fn, j, (long long)d, p->nd, (long long)len);
+            return -1;
+        }
+        p->payload += (Py_ssize_t)len;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        for (Py_ssize_t j = 0; j < m; j++) {
+            int64_t off = int64_at(&p->offsets, k * m + j), d = int64_at(&p->dest_of, j);
+            if (off < 0 || off > p->dv[d].len - int64_at(&p->lengths, j)) {
+                PyErr_Format(PyExc_ValueError, "%s: offsets[%zd, %zd] = %lld: expected a piece "
+                             "within dests[%lld] (%zd bytes)", fn, k, j, (long long)off, (long long)d, p->dv[d].len);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Where piece j of record k lands. */
+static char *
+row_plan_piece(const row_plan_t *p, Py_ssize_t k, Py_ssize_t j)
+{
+    return (char *)p->dv[int64_at(&p->dest_of, j)].buf + int64_at(&p->offsets, k * p->m + j);
 }
 
 PyDoc_STRVAR(read_verify_rows_doc,
@@ -881,84 +988,28 @@ read_verify_rows(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "read_verify_rows: xxh3 is not bound (bind_xxh3)");
         return NULL;
     }
-    PyObject *dests = PySequence_Fast(dests_o, "read_verify_rows: dests must be a sequence of buffers");
-    if (dests == NULL)
+    Py_buffer where = {0};
+    if (PyObject_GetBuffer(where_o, &where, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dests), held = 0;
-    Py_buffer *dv = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
-    Py_buffer lengths = {0}, dest_of = {0}, offsets = {0}, where = {0}, expects = {0};
-    int have_lengths = 0, have_dest_of = 0, have_offsets = 0, have_where = 0, have_expects = 0;
+    row_plan_t plan = {0};
     struct iovec *iov = NULL, *scratch = NULL;
     PyObject **exp = NULL;
     PyObject *result = NULL;
-    if (dv == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    PyObject **dest_items = PySequence_Fast_ITEMS(dests);
-    for (Py_ssize_t d = 0; d < nd; d++) {
-        if (PyObject_GetBuffer(dest_items[d], &dv[d], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        held = d + 1;
-    }
-    if (PyObject_GetBuffer(lengths_o, &lengths, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_lengths = 1;
-    Py_ssize_t m = lengths.len / (Py_ssize_t)sizeof(int64_t);
-    if (m < 1 || lengths.len % (Py_ssize_t)sizeof(int64_t) || m > INT_MAX - 2) {
-        PyErr_SetString(PyExc_ValueError, "read_verify_rows: lengths: expected int64 values, at least one");
-        goto done;
-    }
-    if (PyObject_GetBuffer(where_o, &where, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_where = 1;
     Py_ssize_t n = where.len / (Py_ssize_t)(2 * sizeof(int64_t));
     if (where.len % (Py_ssize_t)(2 * sizeof(int64_t))) {
         PyErr_SetString(PyExc_ValueError, "read_verify_rows: where: expected int64 [n, 2] (fd, offset)");
         goto done;
     }
-    if (int64_arg(dest_of_o, &dest_of, m, "dest_of") < 0)
+    if (row_plan_take(&plan, "read_verify_rows", n, dests_o, dest_of_o, lengths_o, offsets_o, expects_o) < 0)
         goto done;
-    have_dest_of = 1;
-    if (int64_arg(offsets_o, &offsets, n * m, "offsets") < 0)
-        goto done;
-    have_offsets = 1;
-    if (PyObject_GetBuffer(expects_o, &expects, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_expects = 1;
-    Py_ssize_t elen = n ? expects.len / n : 0;
-    if (n && (expects.len % n || (elen != EXPECT_BYTES && elen != EXPECT_WITH_DIGEST))) {
-        PyErr_Format(PyExc_ValueError, "read_verify_rows: expects: expected uint8 [%zd, %d or %d], got %zd bytes",
-                     n, EXPECT_BYTES, EXPECT_WITH_DIGEST, expects.len);
-        goto done;
-    }
-    /* Every piece within its buffer, checked before anything is read (no overflow:
-     * offset <= len - length with both sides non-negative). */
-    Py_ssize_t want = HEADER_BYTES + DIGEST_BYTES;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        int64_t d = int64_at(&dest_of, j), len = int64_at(&lengths, j);
-        if (d < 0 || d >= nd || len < 0 || len > dv[d].len) {
-            PyErr_Format(PyExc_ValueError, "read_verify_rows: piece %zd: dest %lld of %zd, length %lld: "
-                         "expected a dest index and a length within it", j, (long long)d, nd, (long long)len);
-            goto done;
-        }
-        want += (Py_ssize_t)len;
-    }
     for (Py_ssize_t k = 0; k < n; k++) {
         int64_t fd = int64_at(&where, 2 * k), at = int64_at(&where, 2 * k + 1);
         if (fd < 0 || fd > INT_MAX || at < 0) {
             PyErr_Format(PyExc_ValueError, "read_verify_rows: where[%zd]: expected a fd and an offset >= 0", k);
             goto done;
         }
-        for (Py_ssize_t j = 0; j < m; j++) {
-            int64_t off = int64_at(&offsets, k * m + j), d = int64_at(&dest_of, j);
-            if (off < 0 || off > dv[d].len - int64_at(&lengths, j)) {
-                PyErr_Format(PyExc_ValueError, "read_verify_rows: offsets[%zd, %zd] = %lld: expected a piece "
-                             "within dests[%lld] (%zd bytes)", k, j, (long long)off, (long long)d, dv[d].len);
-                goto done;
-            }
-        }
     }
+    Py_ssize_t m = plan.m, elen = plan.elen, want = HEADER_BYTES + plan.payload + DIGEST_BYTES;
     iov = PyMem_Calloc((size_t)(m + 2), sizeof(struct iovec));
     scratch = PyMem_Calloc((size_t)(2 * (m + 2)), sizeof(struct iovec));  /* (verify_one's runs) */
     exp = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
@@ -969,7 +1020,7 @@ read_verify_rows(PyObject *self, PyObject *args)
         goto done;
     }
     for (Py_ssize_t k = 0; k < n; k++) {  /* each record's expect as verify_one takes it */
-        exp[k] = PyBytes_FromStringAndSize((const char *)expects.buf + k * elen, elen);
+        exp[k] = PyBytes_FromStringAndSize((const char *)plan.expects.buf + k * elen, elen);
         if (exp[k] == NULL) {
             Py_CLEAR(result);
             goto done;
@@ -989,8 +1040,8 @@ read_verify_rows(PyObject *self, PyObject *args)
         iov[m + 1].iov_len = DIGEST_BYTES;
         for (Py_ssize_t k = 0; k < n; k++) {
             for (Py_ssize_t j = 0; j < m; j++) {
-                iov[j + 1].iov_base = (char *)dv[int64_at(&dest_of, j)].buf + int64_at(&offsets, k * m + j);
-                iov[j + 1].iov_len = (size_t)int64_at(&lengths, j);
+                iov[j + 1].iov_base = row_plan_piece(&plan, k, j);
+                iov[j + 1].iov_len = (size_t)int64_at(&plan.lengths, j);
             }
             job_t job = {.fd = (int)int64_at(&where, 2 * k), .offset = int64_at(&where, 2 * k + 1),
                          .iov = iov, .views = NULL, .count = m + 2, .held = 0, .want = want,
@@ -1005,26 +1056,14 @@ read_verify_rows(PyObject *self, PyObject *args)
         PyErr_NoMemory();
     }
 done:
-    for (Py_ssize_t d = 0; d < held; d++)
-        PyBuffer_Release(&dv[d]);
-    if (have_lengths)
-        PyBuffer_Release(&lengths);
-    if (have_dest_of)
-        PyBuffer_Release(&dest_of);
-    if (have_offsets)
-        PyBuffer_Release(&offsets);
-    if (have_where)
-        PyBuffer_Release(&where);
-    if (have_expects)
-        PyBuffer_Release(&expects);
+    row_plan_release(&plan);
+    PyBuffer_Release(&where);
     if (exp != NULL)
         for (Py_ssize_t k = 0; k < n; k++)
             Py_XDECREF(exp[k]);
     PyMem_Free(exp);
-    PyMem_Free(dv);
     PyMem_Free(iov);
     PyMem_Free(scratch);
-    Py_DECREF(dests);
     return result;
 }
 
@@ -1055,81 +1094,23 @@ verify_rows(PyObject *self, PyObject *args)
         PyBuffer_Release(&src);
         return NULL;
     }
+    row_plan_t plan = {0};
     PyObject *result = NULL;
     Py_ssize_t n = at.len / (Py_ssize_t)sizeof(int64_t);
     if (at.len % (Py_ssize_t)sizeof(int64_t)) {
         PyErr_SetString(PyExc_ValueError, "verify_rows: at: expected int64 [n]");
-        goto out;
-    }
-    /* the plan: checked as read_verify_rows checks it */
-    PyObject *dests = PySequence_Fast(dests_o, "verify_rows: dests must be a sequence of buffers");
-    if (dests == NULL)
-        goto out;
-    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dests), held = 0;
-    Py_buffer *dv = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
-    Py_buffer lengths = {0}, dest_of = {0}, offsets = {0}, expects = {0};
-    int have_lengths = 0, have_dest_of = 0, have_offsets = 0, have_expects = 0;
-    void *state = NULL;
-    if (dv == NULL) {
-        PyErr_NoMemory();
         goto done;
     }
-    PyObject **dest_items = PySequence_Fast_ITEMS(dests);
-    for (Py_ssize_t d = 0; d < nd; d++) {
-        if (PyObject_GetBuffer(dest_items[d], &dv[d], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        held = d + 1;
-    }
-    if (PyObject_GetBuffer(lengths_o, &lengths, PyBUF_C_CONTIGUOUS) < 0)
+    if (row_plan_take(&plan, "verify_rows", n, dests_o, dest_of_o, lengths_o, offsets_o, expects_o) < 0)
         goto done;
-    have_lengths = 1;
-    Py_ssize_t m = lengths.len / (Py_ssize_t)sizeof(int64_t);
-    if (m < 1 || lengths.len % (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_SetString(PyExc_ValueError, "verify_rows: lengths: expected int64 values, at least one");
-        goto done;
-    }
-    if (int64_arg(dest_of_o, &dest_of, m, "dest_of") < 0)
-        goto done;
-    have_dest_of = 1;
-    if (int64_arg(offsets_o, &offsets, n * m, "offsets") < 0)
-        goto done;
-    have_offsets = 1;
-    if (PyObject_GetBuffer(expects_o, &expects, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_expects = 1;
-    Py_ssize_t elen = n ? expects.len / n : 0;
-    if (n && (expects.len % n || (elen != EXPECT_BYTES && elen != EXPECT_WITH_DIGEST))) {
-        PyErr_Format(PyExc_ValueError, "verify_rows: expects: expected uint8 [%zd, %d or %d], got %zd bytes",
-                     n, EXPECT_BYTES, EXPECT_WITH_DIGEST, expects.len);
-        goto done;
-    }
-    Py_ssize_t payload = 0;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        int64_t d = int64_at(&dest_of, j), len = int64_at(&lengths, j);
-        if (d < 0 || d >= nd || len < 0 || len > dv[d].len) {
-            PyErr_Format(PyExc_ValueError, "verify_rows: piece %zd: dest %lld of %zd, length %lld: "
-                         "expected a dest index and a length within it", j, (long long)d, nd, (long long)len);
-            goto done;
-        }
-        payload += (Py_ssize_t)len;
-    }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        for (Py_ssize_t j = 0; j < m; j++) {
-            int64_t off = int64_at(&offsets, k * m + j), d = int64_at(&dest_of, j);
-            if (off < 0 || off > dv[d].len - int64_at(&lengths, j)) {
-                PyErr_Format(PyExc_ValueError, "verify_rows: offsets[%zd, %zd] = %lld: expected a piece "
-                             "within dests[%lld] (%zd bytes)", k, j, (long long)off, (long long)d, dv[d].len);
-                goto done;
-            }
-        }
-    }
     result = PyBytes_FromStringAndSize(NULL, n);
     if (result == NULL)
         goto done;
     unsigned char *status = (unsigned char *)PyBytes_AS_STRING(result);
+    Py_ssize_t m = plan.m, elen = plan.elen, payload = plan.payload;
     int nomem = 0;
     Py_BEGIN_ALLOW_THREADS
-    state = xxh_create();
+    void *state = xxh_create();
     if (state == NULL) {
         nomem = 1;
     } else {
@@ -1142,7 +1123,7 @@ verify_rows(PyObject *self, PyObject *args)
             }
             const unsigned char *header = (const unsigned char *)src.buf + a;
             const unsigned char *tail = header + HEADER_BYTES + payload;
-            const unsigned char *e = (const unsigned char *)expects.buf + k * elen;
+            const unsigned char *e = (const unsigned char *)plan.expects.buf + k * elen;
             if (memcmp(header, e, ID_BYTES) != 0 || memcmp(header + LENGTH_AT, e + ID_BYTES, 8) != 0
                     || memcmp(tail, e + ID_BYTES + 8, DIGEST_BYTES) != 0
                     || (elen == EXPECT_WITH_DIGEST && memcmp(header + DIGEST_AT, e + EXPECT_BYTES, 32) != 0)) {
@@ -1159,8 +1140,8 @@ verify_rows(PyObject *self, PyObject *args)
             }
             const unsigned char *p = header + HEADER_BYTES;
             for (Py_ssize_t j = 0; j < m; j++) {  /* verified: now into the pieces */
-                size_t len = (size_t)int64_at(&lengths, j);
-                memcpy((char *)dv[int64_at(&dest_of, j)].buf + int64_at(&offsets, k * m + j), p, len);
+                size_t len = (size_t)int64_at(&plan.lengths, j);
+                memcpy(row_plan_piece(&plan, k, j), p, len);
                 p += len;
             }
             status[k] = ST_OK;
@@ -1173,19 +1154,7 @@ verify_rows(PyObject *self, PyObject *args)
         PyErr_NoMemory();
     }
 done:
-    for (Py_ssize_t d = 0; d < held; d++)
-        PyBuffer_Release(&dv[d]);
-    if (have_lengths)
-        PyBuffer_Release(&lengths);
-    if (have_dest_of)
-        PyBuffer_Release(&dest_of);
-    if (have_offsets)
-        PyBuffer_Release(&offsets);
-    if (have_expects)
-        PyBuffer_Release(&expects);
-    PyMem_Free(dv);
-    Py_DECREF(dests);
-out:
+    row_plan_release(&plan);
     PyBuffer_Release(&src);
     PyBuffer_Release(&at);
     return result;
