@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tiered_kv.layout import EntryFormat, KVLayout, LayerKind
@@ -77,3 +80,12 @@ def lmdb_raw_write(path: Path, kb: bytes, data: bytes) -> None:
             txn.put(kb, pack_entry(new, checksum), db=db)
     finally:
         env.close()
+
+
+def console_script() -> str:
+    """The installed ``tiered-kv`` next to this interpreter (the venv's), else on PATH."""
+    local = Path(sys.executable).parent / "tiered-kv"
+    found = str(local) if local.exists() else shutil.which("tiered-kv")
+    if found is None:
+        pytest.fail("the tiered-kv console script is not installed (pip install -e .)")
+    return found

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tiered_kv.cli import main
 from tiered_kv.cli.main import ExitCode, command_modules
+
+from _util import console_script
 
 FLASH_1M_CLASSICAL = 4037279744
 PRO_BF16_1M_CLASSICAL = 10326376448
@@ -150,18 +150,9 @@ def test_every_command_module_is_registered() -> None:
     assert "main" not in names
 
 
-def _console_script() -> str:
-    """The installed ``tiered-kv`` next to this interpreter (the venv's), else on PATH."""
-    local = Path(sys.executable).parent / "tiered-kv"
-    found = str(local) if local.exists() else shutil.which("tiered-kv")
-    if found is None:
-        pytest.fail("the tiered-kv console script is not installed (pip install -e .)")
-    return found
-
-
 def test_console_script_json() -> None:
     proc = subprocess.run(
-        [_console_script(), "plan", "--model", "deepseek-v4-flash", "--context", "1M", "--json"],
+        [console_script(), "plan", "--model", "deepseek-v4-flash", "--context", "1M", "--json"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -175,7 +166,7 @@ def test_console_script_json() -> None:
 
 def test_console_script_bad_argument_exits_2() -> None:
     proc = subprocess.run(
-        [_console_script(), "plan", "--model", "tiny", "--entry-format", "fp8"],
+        [console_script(), "plan", "--model", "tiny", "--entry-format", "fp8"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

@@ -10,7 +10,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,8 @@ import pytest
 pytest.importorskip("cryptography", reason="encryption needs the cryptography package")
 
 from tiered_kv.cli import main  # noqa: E402
+
+from _util import console_script  # noqa: E402
 
 
 def _json(capsys) -> dict:
@@ -101,15 +102,6 @@ def test_rekey_rotates_and_a_second_run_finds_nothing_left(sealed, capsys, monke
     assert report["totals"]["cached_tokens"] > 0
 
 
-def _console_script() -> str:
-    """The installed ``tiered-kv`` next to this interpreter (the venv's), else on PATH."""
-    local = Path(sys.executable).parent / "tiered-kv"
-    found = str(local) if local.exists() else shutil.which("tiered-kv")
-    if found is None:
-        pytest.fail("the tiered-kv console script is not installed (pip install -e .)")
-    return found
-
-
 def test_rekey_killed_mid_batch_then_run_again_loses_nothing(sealed, capsys) -> None:
     """``tiered-kv rekey`` killed (SIGKILL, at a failpoint) after removing its second
     batch and before writing it again: the batch is in the journal; run again, it is
@@ -120,7 +112,7 @@ def test_rekey_killed_mid_batch_then_run_again_loses_nothing(sealed, capsys) -> 
     args = ["rekey", "--store", str(store), "--key-file", k2, "--old-key-file", k1, "--tenant", "acme",
             "--batch", "5", "--json"]
     env = {**os.environ, "TIERED_KV_FAILPOINT": "rekey-deleted:2"}
-    proc = subprocess.run([_console_script(), *args], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([console_script(), *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     journal = store / "rekey-journal"
     assert journal.is_file() and stat.S_IMODE(journal.stat().st_mode) == 0o600

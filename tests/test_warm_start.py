@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ import pytest
 from tiered_kv.cli._common import BUNDLED_PROMPTS, Progress, load_prompts
 from tiered_kv.cli.main import ExitCode, main
 from tiered_kv.tokenizer import VOCAB_SIZE, decode, encode
+
+from _util import console_script
 
 # shared by prompts "a" and "b": 2 full blocks of 128 byte-tokens, then they differ
 SYSTEM = ("You are the on-call assistant for a KV-cache service. Answer briefly and name the tier "
@@ -34,15 +34,6 @@ def _prompts() -> list[dict]:
 def write_prompts(path: Path, prompts: list[dict] | None = None) -> Path:
     path.write_text("".join(json.dumps(p) + "\n" for p in (prompts or _prompts())))
     return path
-
-
-def _console_script() -> str:
-    """The installed ``tiered-kv`` next to this interpreter (the venv's), else on PATH."""
-    local = Path(sys.executable).parent / "tiered-kv"
-    found = str(local) if local.exists() else shutil.which("tiered-kv")
-    if found is None:
-        pytest.fail("the tiered-kv console script is not installed (pip install -e .)")
-    return found
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -120,7 +111,7 @@ def test_console_script_warm_run_in_another_process(tmp_path: Path, capsys: pyte
     prompts = write_prompts(tmp_path / "p.jsonl", _prompts()[:2])
     store = tmp_path / "store"
     warm_json(capsys, str(store), prompts)
-    proc = subprocess.run([_console_script(), "warm-start", "--store", f"lmdb://{store}", "--prompts",
+    proc = subprocess.run([console_script(), "warm-start", "--store", f"lmdb://{store}", "--prompts",
                            str(prompts), "--json"], check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
