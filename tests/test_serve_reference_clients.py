@@ -284,7 +284,7 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
     (b'{"prompt": "ok \\ud800"}', "prompt", "expected valid Unicode text, got a lone surrogate U+D800 at character 3"),
     (b'{"prompt": ' + DEEP + b"}", None, "JSON nested too deeply"),
     (b'{"prompt": "a", "max_tokens": ' + b"[" * 500 + b"]" * 500 + b"}", "max_tokens",
-     "max_tokens: expected an integer >= 1, got [[[[[["),
+     "max_tokens: expected an integer >= 1, got a list of lists: [[[[["),
     (b'{"prompt": "a", "model": "' + b"m" * 100_000 + b'"}', "model", "does not exist"),
 ])
 def test_bad_bodies_get_400_json(server: Server, body: bytes, param: str | None, message: str) -> None:
@@ -293,6 +293,37 @@ def test_bad_bodies_get_400_json(server: Server, body: bytes, param: str | None,
     code = 404 if param == "model" else 400
     assert (status, err["code"], err["param"]) == (code, code, param) and message in err["message"]
     assert len(err["message"]) < 500  # a bad value is shown short
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"prompt": [True]}, "prompt", "got a list of booleans: [true]"),
+    ({"prompt": [1.5]}, "prompt", "got a list of floats: [1.5]"),
+    ({"prompt": [1, True, 2.5]}, "prompt", "got a list of integers, booleans and floats: [1, true, 2.5]"),
+    ({"prompt": {"text": "hi"}}, "prompt", 'got an object: {"text": "hi"}'),
+    ({"prompt": ["a", "b"]}, "prompt", 'got a list of strings: ["a", "b"] (a batch of 2 prompts: send one '
+                                       "prompt per request)"),
+    ({"prompt": [[1], [2]]}, "prompt", "got a list of lists: [[1], [2]] (a batch of 2 prompts"),
+    ({"prompt": [None]}, "prompt", "got a list of nulls: [null]"),
+    ({"prompt": 7}, "prompt", "got an integer: 7"),
+    ({"prompt": None}, "prompt", "got null"),
+    ({"max_tokens": 3}, "prompt", 'got none (the body has no "prompt")'),
+    ({"prompt": "x", "stream_options": [1]}, "stream_options", "stream_options: expected an object, got a list "
+                                                               "of integers: [1]"),
+    ({"prompt": "x", "stream_options": [True]}, "stream_options", "got a list of booleans: [true]"),
+    ({"prompt": "x", "stream_options": []}, "stream_options", "got an empty list"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options",
+     'stream_options.include_usage: expected true or false, got a string: "yes"'),
+    ({"prompt": "x", "stream": 1}, "stream", "stream: expected true or false, got an integer: 1"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens", "max_tokens: expected an integer >= 1, got a float: 1.5"),
+    ({"prompt": "x", "n": True}, "n", "n: this server supports only 1, got a boolean: true"),
+    ({"prompt": "x", "echo": 0}, "echo", "echo: this server supports only false, got an integer: 0"),
+    ({"prompt": "x", "model": ["m"]}, "model", "model: expected a string"),
+    ([{"prompt": "x"}], None, 'body: expected a JSON object, got a list of objects: [{"prompt": "x"}]'),
+])
+def test_type_errors_name_what_was_sent(server: Server, body: object, param: str | None, message: str) -> None:
+    status, _, raw = server.raw(post(json.dumps(body).encode()))
+    err = json.loads(raw)["error"]
+    assert (status, err["code"], err["param"]) == (400, 400, param) and message in err["message"], err["message"]
 
 
 def test_a_body_shorter_than_its_content_length_gets_400(server: Server) -> None:
