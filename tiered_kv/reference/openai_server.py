@@ -17,26 +17,32 @@ them) besides ``text``, and ``usage.prompt_tokens_details.cached_tokens`` says h
 prompt tokens came from the cache (GPU pool or store), as OpenAI and vLLM report it.
 
 The model and its cache are :class:`~.engine.ReferenceEngine`'s and the body's validation
-:mod:`.protocol`'s (both re-exported here). Concurrency: requests are served on threads,
-but the cache is single-threaded, so one lock (:attr:`ReferenceEngine.lock`) serializes
-every use of the model and the cache; ``/health`` and ``/v1/models`` do not take it.
-After each completion the engine waits for the request's store writes and persists the store's counters
-(:meth:`ReferenceEngine.sync_store`), so ``tiered-kv stats`` and ``warm-start --store``
-see them as soon as the answer ends: a stream does it before its final ``data: [DONE]``,
-a plain answer right after it is sent (so that its time stays the first token's).
+:mod:`.protocol`'s (both re-exported here). Concurrency: requests are served on threads
+and take their steps through the model in turns (see :mod:`.engine`): while others run,
+a request waits at most one step of each for its next token. ``/health`` and
+``/v1/models`` take no turn. After each completion the engine waits for the request's
+store writes and persists the store's counters (:meth:`ReferenceEngine.sync_store`), so
+``tiered-kv stats`` and ``warm-start --store`` see them as soon as the answer ends: a
+stream does it before its final ``data: [DONE]``, a plain answer right after it is sent
+(so that its time stays the first token's).
 
 No client can hold the server (:mod:`._connection`):
 
 * a request (line, headers, body) must arrive within ``request_timeout_s`` of connecting
   (one absolute deadline, not a timeout that restarts on every byte), else the connection
   is closed (408 when the body is late);
-* tokens are made under the lock but never sent under it: a stream's bytes are queued and
-  sent as the client takes them, the rest after the lock is released, within
-  ``send_timeout_s``; a plain answer is sent after the lock too;
-* between tokens the request checks its connection: a client that left (or a server
-  that is stopping) ends it (outcome ``cancelled``), and the model goes to the next one;
-* :meth:`_Server.stop` stops accepting, gives open connections ``grace_s``, then cuts
-  the rest (cancel + socket shutdown): it returns within about ``grace_s + cut_wait_s``.
+* a stream's bytes are queued and sent as the client takes them; what it leaves unread is
+  bounded: more than ``stream_buffer_bytes``, or bytes of which it took none for
+  ``send_timeout_s``, and the stream is cut (outcome ``cancelled``, reason
+  ``unread_bytes`` / ``send_timeout``, the connection reset); a plain answer goes out
+  within ``send_timeout_s``;
+* between steps the request checks its connection: a client that left ends it (reason
+  ``client_left``), and its turns go to the others;
+* :meth:`_Server.stop` drains: it stops accepting, closes the connections whose request
+  has not arrived yet, gives the requests in flight ``grace_s`` to finish, then cuts the
+  rest (reason ``shutdown``): a cut stream ends with an error event and no ``[DONE]``, a
+  cut plain request gets 503; never an answer that looks complete. It returns within
+  about ``grace_s + 2 * cut_wait_s``.
 
 Errors are OpenAI's JSON shape for every status, including http.server's own (a bad
 request line, too many headers); a route with another method is 405 with ``Allow``.
@@ -54,23 +60,26 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ._connection import ClientGone, DeadlineReader, StreamSender, peer_gone
+from ._connection import STREAM_BUFFER_BYTES, ClientGone, DeadlineReader, StreamSender, peer_gone
 from .engine import Completion, ReferenceEngine, RequestCancelled
 from .protocol import CompletionRequest, RequestError
 
-__all__ = ["Completion", "CompletionRequest", "ReferenceEngine", "RequestCancelled", "RequestError", "make_server"]
+__all__ = ["STREAM_BUFFER_BYTES", "Completion", "CompletionRequest", "ReferenceEngine", "RequestCancelled",
+           "RequestError", "Stopped", "make_server"]
 
 #: seconds from connecting by which a request (line, headers, body) must have arrived
 REQUEST_TIMEOUT_S = 30.0
 #: seconds an answer (or a stream's unsent rest) may take to go out to a slow client
 SEND_TIMEOUT_S = 10.0
-#: seconds :meth:`_Server.stop` lets open connections finish before it cuts them
-SHUTDOWN_GRACE_S = 2.0
-#: seconds :meth:`_Server.stop` then waits for the cut connections' threads
+#: seconds :meth:`_Server.stop` lets the requests in flight finish before it cuts them
+DRAIN_TIMEOUT_S = 30.0
+#: seconds :meth:`_Server.stop` then waits for the cut requests to end (twice: before and
+#: after it shuts their sockets down)
 CUT_WAIT_S = 1.0
 
 #: path -> the one method it takes and the handler method that answers it
@@ -94,8 +103,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile.close()
         self.rfile = io.BufferedReader(DeadlineReader(self.connection,
                                                       time.monotonic() + self.server.request_timeout_s))
-        #: set by _Server.stop when it cuts this connection
-        self._cut = self.server.cut_event(self.request)
+        #: this connection's record with the server (its cut event, set by _Server.stop)
+        self._conn = self.server.conn(self.request)
         #: the stream's sender once a stream started (errors then go into the stream)
         self._sender: StreamSender | None = None
         #: the completion's outcome, once counted (see _count)
@@ -137,6 +146,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---------------------------------------------------------- routes
     def _route(self) -> None:
+        if not self.server.begin(self.request):  # the server is draining and closed this connection
+            self.close_connection = True
+            return
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         route = _ROUTES.get(path)
         if route is None:
@@ -179,8 +191,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._count("rejected" if err.status < 500 else "failed")
             self._send_error(err)
             return
-        except (RequestCancelled, ClientGone):
-            self._count("cancelled")  # the client left or the server is stopping; the request was closed
+        except RequestCancelled as exc:  # the request was closed; say so to the client if it can hear it
+            self._count("cancelled", exc.reason)
+            self._cancelled(exc)
+            return
+        except ClientGone:  # the answer could not go out: the client left or did not read it in time
+            self._count("cancelled", "client_left")
             return
         except Exception as exc:  # a broken invariant: answer 500, keep the server up, say what
             self._count("failed")
@@ -196,17 +212,49 @@ class _Handler(BaseHTTPRequestHandler):
         if not request.stream:
             engine.sync_store()  # after the answer, which is the first token's time
 
-    def _count(self, outcome: str) -> None:
+    def _count(self, outcome: str, reason: str | None = None) -> None:
         """Count this request's outcome once: the first one counted stands (a completion
         whose client leaves while its answer goes out stays ``ok``)."""
         if self._outcome is None:
             self._outcome = outcome
-            self.server.engine.count(outcome)
+            self.server.engine.count(outcome, reason)
 
-    def _abandoned(self) -> bool:
-        """Whether the request in progress should stop: the server cut its connection
-        (shutdown), or its client left."""
-        return self._cut.is_set() or peer_gone(self.connection)
+    def _abandoned(self) -> str | None:
+        """Why the request in progress should stop, or None: the server cut its connection
+        (``shutdown``), or its client left (``client_left``)."""
+        if self._conn.cut.is_set():
+            return "shutdown"
+        if (self._sender is not None and self._sender.broken) or peer_gone(self.connection):
+            return "client_left"
+        return None
+
+    def _cancelled(self, exc: RequestCancelled) -> None:
+        """End a cancelled completion's answer. Cut at shutdown: a stream gets an error
+        event and no ``[DONE]``, a plain request 503, so neither looks complete. A slow
+        reader's stream is reset at once (what it left unread is dropped). A client that
+        left gets nothing."""
+        sender = self._sender
+        if exc.reason == "shutdown":
+            err = RequestError(HTTPStatus.SERVICE_UNAVAILABLE,
+                               f"the server is shutting down and cut this request at its drain deadline ({exc}); "
+                               f"the answer is incomplete", kind="ServiceUnavailableError")
+            with contextlib.suppress(ClientGone):
+                if sender is not None and sender.started:
+                    sender.offer(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                    sender.drain(self.server.send_timeout_s)  # stop() shuts the socket if it takes too long
+                else:
+                    self._send_error(err)
+        elif exc.reason in ("unread_bytes", "send_timeout"):
+            assert sender is not None
+            unread = sender.unread_bytes()
+            sender.abandon()
+            self.close_connection = True
+            with contextlib.suppress(OSError):  # a reset: the kernel drops the unsent bytes too
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            limit = (f"more than {sender.max_unread_bytes} bytes unread" if exc.reason == "unread_bytes" else
+                     f"no byte taken for {self.server.send_timeout_s:g} s")
+            self.server.log_error(f"{self.address_string()}: stream cut after {exc}: {limit} "
+                                  f"({unread} bytes unread)")
 
     def _read_json(self) -> object:
         try:
@@ -248,12 +296,13 @@ class _Handler(BaseHTTPRequestHandler):
         """Server-sent events: one ``data: {chunk}`` per token, then the usage chunk when
         ``stream_options.include_usage``, then ``data: [DONE]``.
 
-        Tokens are made under the model lock and queued on a :class:`StreamSender`, which
-        sends what the client takes at once; the rest goes after the lock is released,
-        within the send timeout. A client that stops reading holds only its own answer.
+        Tokens are queued on a :class:`StreamSender`, which sends what the client takes at
+        once. Between tokens the stream stops if its client left more than the stream
+        buffer unread or took nothing for the send timeout (see :meth:`_cancelled`). The
+        end (the finish, usage and ``[DONE]``) goes out within the send timeout.
         """
         engine = self.server.engine
-        sender = self._sender = StreamSender(self.connection)
+        sender = self._sender = StreamSender(self.connection, max_unread_bytes=self.server.stream_buffer_bytes)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -264,13 +313,15 @@ class _Handler(BaseHTTPRequestHandler):
                 obj["usage"] = usage
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-        def on_token(token: int) -> None:  # under the model lock: queues, never blocks
+        def on_token(token: int) -> None:  # between this request's turns: queues, never blocks
             if not sender.started:  # the head goes out with the first token: errors before it are plain 4xx
                 sender.start(self._stream_head())
             sender.offer(event([{"index": 0, "text": decoder.decode(bytes([token])), "token_ids": [token],
                                  "logprobs": None, "finish_reason": None}]))
 
-        done = engine.complete(request, on_token, cancelled=lambda: sender.broken or self._abandoned())
+        send_timeout_s = self.server.send_timeout_s
+        done = engine.complete(request, on_token,
+                               cancelled=lambda: self._abandoned() or sender.overrun(send_timeout_s))
         self._count("ok")  # every token is made; before [DONE], so a client that reads it sees it counted
         tail = decoder.decode(b"", final=True)
         sender.offer(event([{"index": 0, "text": tail, "token_ids": [], "logprobs": None, "finish_reason": "length"}]))
@@ -296,9 +347,35 @@ def _usage(done: Completion) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
+#: SO_LINGER on, 0 s: close() resets the connection and drops what is unsent
+_LINGER_RESET = b"\x01\x00\x00\x00\x00\x00\x00\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """What :meth:`_Server.stop` did to the connections still open when it was called."""
+
+    #: connections whose request had not arrived yet: closed at once
+    closed: int
+    #: connections whose request was still in flight at the drain deadline: cut
+    cut: int
+
+
+class _Conn:
+    """The server's record of one open connection."""
+
+    __slots__ = ("cut", "busy")
+
+    def __init__(self) -> None:
+        #: set by stop(): the request stops at its next step, or the connection is closed
+        self.cut = threading.Event()
+        #: its request has arrived (it is in flight): stop() lets it finish, up to the deadline
+        self.busy = False
+
+
 class _Server(ThreadingHTTPServer):
-    """A daemon thread per connection; :meth:`stop` ends them all within a bound,
-    whatever the clients do (see the module docstring)."""
+    """A daemon thread per connection; :meth:`stop` drains them and ends them all within a
+    bound, whatever the clients do (see the module docstring)."""
 
     daemon_threads = True
     block_on_close = False
@@ -306,22 +383,29 @@ class _Server(ThreadingHTTPServer):
     max_body = 16 << 20
 
     def __init__(self, address: tuple[str, int], engine: ReferenceEngine, log: Callable[[str], None] | None, *,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, send_timeout_s: float = SEND_TIMEOUT_S,
+                 stream_buffer_bytes: int = STREAM_BUFFER_BYTES) -> None:
         for name, value in (("request_timeout_s", request_timeout_s), ("send_timeout_s", send_timeout_s)):
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+        if isinstance(stream_buffer_bytes, bool) or not isinstance(stream_buffer_bytes, int) \
+                or stream_buffer_bytes < 1:
+            raise ValueError(f"stream_buffer_bytes: expected an integer >= 1, got {stream_buffer_bytes!r}")
         self.engine = engine
         self.log = log
         self.request_timeout_s = request_timeout_s
         self.send_timeout_s = send_timeout_s
-        #: open connections -> the event that cuts them (set by stop)
-        self._live: dict[socket.socket, threading.Event] = {}
+        self.stream_buffer_bytes = stream_buffer_bytes
+        #: open connections -> their record
+        self._live: dict[socket.socket, _Conn] = {}
         self._live_changed = threading.Condition()
+        #: stop() was called: no request starts any more
+        self._draining = False
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._live_changed:
-            self._live[request] = threading.Event()
+            self._live[request] = _Conn()
         try:
             super().process_request(request, client_address)  # starts the connection's thread
         except BaseException:
@@ -339,9 +423,21 @@ class _Server(ThreadingHTTPServer):
             self._live.pop(request, None)
             self._live_changed.notify_all()
 
-    def cut_event(self, request: Any) -> threading.Event:
+    def conn(self, request: Any) -> _Conn:
+        """The record of the open connection ``request``."""
         with self._live_changed:
-            return self._live.setdefault(request, threading.Event())
+            return self._live.setdefault(request, _Conn())
+
+    def begin(self, request: Any) -> bool:
+        """The request of connection ``request`` has arrived: mark it in flight. False when
+        the server is draining and closed the connection first (the client got no answer,
+        so it may safely send the request again, elsewhere)."""
+        with self._live_changed:
+            conn = self._live.setdefault(request, _Conn())
+            if conn.cut.is_set():
+                return False
+            conn.busy = True
+            return True
 
     def open_connections(self) -> int:
         with self._live_changed:
@@ -357,27 +453,42 @@ class _Server(ThreadingHTTPServer):
             return
         super().handle_error(request, client_address)
 
-    def stop(self, grace_s: float = SHUTDOWN_GRACE_S, cut_wait_s: float = CUT_WAIT_S) -> int:
-        """Stop serving, within about ``grace_s + cut_wait_s`` seconds whatever the clients do.
+    def stop(self, grace_s: float = DRAIN_TIMEOUT_S, cut_wait_s: float = CUT_WAIT_S) -> Stopped:
+        """Drain and stop, within about ``grace_s + 2 * cut_wait_s`` seconds whatever the
+        clients do.
 
         Call it from another thread than :meth:`serve_forever`'s. New connections are
-        refused; the open ones get ``grace_s`` seconds to finish. Each one left then is cut:
-        its request stops at the next token (:class:`RequestCancelled`) and its socket is
-        shut down, which wakes a thread blocked reading or sending. Threads that still
-        run ``cut_wait_s`` later are daemon threads, left behind. Returns the number cut.
+        refused, and the open ones whose request has not arrived yet (idle, or sending
+        slowly) are closed at once. The requests in flight get ``grace_s`` seconds to
+        finish. Each one left then is cut: it stops at its next step and says so (a
+        stream's error event, a 503; see ``_Handler._cancelled``); ``cut_wait_s`` later the
+        sockets still open are shut down, which wakes a thread blocked reading or
+        sending. Threads that still run ``cut_wait_s`` after that are daemon threads,
+        left behind.
         """
         self.shutdown()      # serve_forever returns: no more accepts
         self.server_close()  # the listening socket is closed (the handler threads are not joined)
         with self._live_changed:
+            self._draining = True
+            idle = [sock for sock, conn in self._live.items() if not conn.busy]
+            for sock in idle:
+                self._live[sock].cut.set()  # begin() now refuses it
+        for sock in idle:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._live_changed:
             self._live_changed.wait_for(lambda: not self._live, timeout=grace_s)
-            left = list(self._live.items())
-        for sock, cut in left:
-            cut.set()
+            left = [(sock, conn) for sock, conn in self._live.items() if sock not in idle]
+            for _, conn in left:
+                conn.cut.set()
+            self._live_changed.wait_for(lambda: not self._live, timeout=cut_wait_s)  # they say why, and end
+            stuck = list(self._live)
+        for sock in stuck:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         with self._live_changed:
             self._live_changed.wait_for(lambda: not self._live, timeout=cut_wait_s)
-        return len(left)
+        return Stopped(closed=len(idle), cut=len(left))
 
     def log_error(self, message: str) -> None:
         if self.log is not None:
@@ -392,16 +503,19 @@ class _Server(ThreadingHTTPServer):
 
 def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0, *,
                 log: Callable[[str], None] | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                send_timeout_s: float = SEND_TIMEOUT_S) -> _Server:
+                send_timeout_s: float = SEND_TIMEOUT_S, stream_buffer_bytes: int = STREAM_BUFFER_BYTES) -> _Server:
     """A bound (not yet serving) HTTP server for ``engine``; ``port`` 0 picks a free port
-    (``server.url`` says which). Run ``serve_forever()`` on a thread; ``stop()`` ends it
-    within a bound (see :meth:`_Server.stop`). ``log`` receives one line per request
-    (None: quiet). ``request_timeout_s``: the deadline of each request's arrival;
-    ``send_timeout_s``: how long an answer may take to go out."""
+    (``server.url`` says which). Run ``serve_forever()`` on a thread; ``stop()`` drains
+    and ends it within a bound (see :meth:`_Server.stop`). ``log`` receives one line per
+    request (None: quiet). ``request_timeout_s``: the deadline of each request's arrival;
+    ``send_timeout_s``: how long an answer may take to go out, and how long a stream's
+    client may take no byte of what waits for it; ``stream_buffer_bytes``: how many bytes
+    a stream's client may leave unread before the stream is cut."""
+    options = {"request_timeout_s": request_timeout_s, "send_timeout_s": send_timeout_s,
+               "stream_buffer_bytes": stream_buffer_bytes}
     if ":" in host:
         class _Server6(_Server):
             address_family = socket.AF_INET6
 
-        return _Server6((host, port), engine, log, request_timeout_s=request_timeout_s,
-                        send_timeout_s=send_timeout_s)
-    return _Server((host, port), engine, log, request_timeout_s=request_timeout_s, send_timeout_s=send_timeout_s)
+        return _Server6((host, port), engine, log, **options)
+    return _Server((host, port), engine, log, **options)
