@@ -681,8 +681,9 @@ def test_clients_that_leave_early_print_no_traceback(server: Server, capfd: pyte
 # ---------------------------------------------------------------- shutdown
 def test_stop_cuts_whatever_the_clients_do(server: Server) -> None:
     """Two trickling clients, one idle connection and a request whose client never reads:
-    stop() cuts them after the grace period; each thread ends, each client sees the close,
-    the request is cancelled and the engine is free."""
+    stop() closes the three without a whole request at once and cuts the request after
+    the grace period; each thread ends, each client sees the close, the request is
+    cancelled and the engine is free."""
     slow = [Trickler(server.host, server.port) for _ in range(2)]
     idle = server.connect()
     stalled = server.connect(rcvbuf=1)  # last: its answer says the others were accepted (in order)
