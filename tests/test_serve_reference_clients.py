@@ -328,13 +328,7 @@ def test_requests_take_steps_in_turn_and_answer_what_a_lone_request_does(tmp_pat
     """Three requests (streams and a plain one) run at once: the model's steps alternate
     between them, each waits at most one step of each other for its next token, and each
     answer is token for token what the same request gets alone on a fresh server."""
-    lone_engine = ReferenceEngine(presets.tiny(), store=f"lmdb://{tmp_path / 'lone'}", served_model=SERVED, seed=0,
-                                  num_blocks=64, num_snapshots=16)
-    try:
-        lone = [lone_engine.complete(CompletionRequest.parse({"prompt": p, "max_tokens": n}, served_model=SERVED)
-                                     ).token_ids for p, n, _ in MIX]
-    finally:
-        lone_engine.close()
+    lone = lone_answers(tmp_path / "lone", [{"prompt": p, "max_tokens": n} for p, n, _ in MIX])
     s = Server(tmp_path / "store")
     got: dict[int, tuple[int, Any]] = {}
     try:
@@ -356,6 +350,49 @@ def test_requests_take_steps_in_turn_and_answer_what_a_lone_request_does(tmp_pat
     assert answers == lone
     assert fair(s.steps), s.steps
     assert len({rid for rid, _ in s.steps[:3]}) == 3  # they did interleave: three requests in the first three steps
+
+
+def lone_answers(store: Path, requests: list[dict[str, Any]]) -> list[list[int]]:
+    """Each request's tokens from a fresh engine, one request at a time, no HTTP."""
+    engine = ReferenceEngine(presets.tiny(), store=f"lmdb://{store}", served_model=SERVED, seed=0,
+                             num_blocks=64, num_snapshots=16)
+    try:
+        return [engine.complete(CompletionRequest.parse(r, served_model=SERVED)).token_ids for r in requests]
+    finally:
+        engine.close()
+
+
+def test_a_request_resumed_from_a_running_requests_blocks_answers_what_it_does_alone(tmp_path: Path) -> None:
+    """A stream over a 600-token prompt is decoding when a request for the same prompt and
+    50 more tokens arrives: that one resumes from the running request's sealed blocks
+    (512 tokens cached) while both take turns, and both answer what they do alone."""
+    prefix = [(11 * i + 3) % 256 for i in range(600)]
+    first_req = {"prompt": prefix, "max_tokens": 200, "stream": True}
+    second_req = {"prompt": prefix + [(5 * i) % 256 for i in range(50)], "max_tokens": 8}
+    lone = lone_answers(tmp_path / "lone", [first_req, second_req])
+    s = Server(tmp_path / "store")
+    sock = s.connect()
+    try:
+        sock.sendall(post(json.dumps(first_req).encode()))
+        head = sock.recv(12)
+        assert head == b"HTTP/1.0 200"  # the first token is out: the prompt's blocks are sealed
+        got: list[tuple[int, Any]] = []
+        second = threading.Thread(target=lambda: got.append(s.post_json(second_req)))
+        with s.engine.lock:  # the first is still decoding (200 tokens): both queue for their turns
+            second.start()
+            wait_until(lambda: s.engine.lock.waiting() == 2, "both requests queued for the model")
+        second.join(HANG_S)
+        first = stream_tokens(sse_events(head + read_until_closed(sock)))
+    finally:
+        sock.close()
+        s.close()
+    (status, body), = got
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+    rids = [rid for rid, _ in s.steps]
+    a, b = dict.fromkeys(rids)  # the first request's id, then the second's
+    last_a = max(i for i, r in enumerate(rids) if r == a)
+    assert rids.index(b) < last_a and fair(s.steps)  # the second ran while the first was decoding, in turns
+    assert [first, body["choices"][0]["token_ids"]] == lone
 
 
 def test_a_long_prompt_does_not_hold_a_short_request_up(tmp_path: Path) -> None:
