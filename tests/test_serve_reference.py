@@ -181,6 +181,21 @@ def test_port_in_use_exits_1_and_closes_the_store(tmp_path: Path, capsys: pytest
     open_store(f"lmdb://{tmp_path / 'store'}", layout_fingerprint=presets.tiny().fingerprint).close()
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-running", "16", "--num-snapshots", "16"], "--max-running: expected fewer than --num-snapshots (16"),
+    (["--stream-buffer", "0"], "--stream-buffer: expected a positive size"),
+    (["--drain-timeout", "-1"], "--drain-timeout: expected a finite number of seconds > 0"),
+    (["--send-timeout", "inf"], "--send-timeout: expected a finite number of seconds > 0"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: expected a positive integer"),
+])
+def test_bad_serving_options_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                    message: str) -> None:
+    from tiered_kv.cli.main import main
+
+    code = main(["serve-reference", "--store", str(tmp_path / "store"), *args])
+    assert code == 2 and message in capsys.readouterr().err.replace("argument ", "")
+
+
 def test_client_leaving_mid_stream_leaves_no_request_open(server: Server, tiny_model: ReferenceModel) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 40, "stream": True}).encode()
     with socket.create_connection((server.host, server.port), timeout=60) as sock:

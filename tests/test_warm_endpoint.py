@@ -189,7 +189,7 @@ def test_passes_text_output_and_stats_after_shutdown(tmp_path: Path, servers: li
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     store = tmp_path / "store"
     prompts = write_prompts(tmp_path / "prompts.jsonl")
-    server = ServerProcess(store, "--json")
+    server = ServerProcess(store, "--json", "--drain-timeout", "2")
     servers.append(server)
     code = main(["warm-start", "--endpoint", server.url, "--prompts", str(prompts), "--passes", "2",
                  "--store", str(store)])
@@ -198,7 +198,7 @@ def test_passes_text_output_and_stats_after_shutdown(tmp_path: Path, servers: li
     assert f"3 prompts x 2 passes -> {server.url}/v1" in out
     assert out.count("  pass ") == 2 and "mean time to first token: pass 1" in out
 
-    # SIGTERM while a stream too long for the shutdown's grace period is in flight: the
+    # SIGTERM while a stream too long for the shutdown's drain deadline is in flight: the
     # stream is cut (a prefix of its tokens, no [DONE]), the server still exits 0 and
     # flushes its store (the new tokens also sealed blocks, written at shutdown)
     host, port = server.url.removeprefix("http://").split(":")
@@ -217,7 +217,7 @@ def test_passes_text_output_and_stats_after_shutdown(tmp_path: Path, servers: li
     assert "data: [DONE]" not in events and 0 < len(events) < 8000
     server.proc.send_signal(signal.SIGINT)  # a second signal: ignored, the flush goes on
     code, err = server.stop(None)
-    assert code == 0 and "stopped; 6 completions, 1 connection cut at shutdown" in err, err
+    assert code == 0 and "stopped; 6 completions, 1 request cut at the drain deadline" in err, err
     # the server flushed its store at SIGTERM: every record there and verified
     assert main(["verify", "--store", str(store)]) == 0
     assert "0 corrupt" in capsys.readouterr().out

@@ -16,26 +16,33 @@ Each choice carries ``token_ids`` (the generated ids, as vLLM's ``return_token_i
 them) besides ``text``, and ``usage.prompt_tokens_details.cached_tokens`` says how many
 prompt tokens came from the cache (GPU pool or store), as OpenAI and vLLM report it.
 
-Concurrency: requests are served on threads, but the cache is single-threaded, so one
-lock (:attr:`ReferenceEngine.lock`) serializes every use of the model and the cache;
-``/health`` and ``/v1/models`` do not take it. After each completion the engine waits
-for the request's store writes and persists the store's counters
-(:meth:`ReferenceEngine.sync_store`), so ``tiered-kv stats`` and ``warm-start --store``
-see them as soon as the answer ends: a stream does it before its final ``data: [DONE]``,
-a plain answer right after it is sent (so that its time stays the first token's).
+The model and its cache are :class:`~.engine.ReferenceEngine`'s and the body's validation
+:mod:`.protocol`'s (both re-exported here). Concurrency: requests are served on threads
+and take their steps through the model in turns (see :mod:`.engine`): while others run,
+a request waits at most one step of each for its next token. ``/health`` and
+``/v1/models`` take no turn. After each completion the engine waits for the request's
+store writes and persists the store's counters (:meth:`ReferenceEngine.sync_store`), so
+``tiered-kv stats`` and ``warm-start --store`` see them as soon as the answer ends: a
+stream does it before its final ``data: [DONE]``, a plain answer right after it is sent
+(so that its time stays the first token's).
 
 No client can hold the server (:mod:`._connection`):
 
 * a request (line, headers, body) must arrive within ``request_timeout_s`` of connecting
   (one absolute deadline, not a timeout that restarts on every byte), else the connection
   is closed (408 when the body is late);
-* tokens are made under the lock but never sent under it: a stream's bytes are queued and
-  sent as the client takes them, the rest after the lock is released, within
-  ``send_timeout_s``; a plain answer is sent after the lock too;
-* between tokens the request checks its connection: a client that left (or a server
-  that is stopping) ends it (outcome ``cancelled``), and the model goes to the next one;
-* :meth:`_Server.stop` stops accepting, gives open connections ``grace_s``, then cuts
-  the rest (cancel + socket shutdown): it returns within about ``grace_s + cut_wait_s``.
+* a stream's bytes are queued and sent as the client takes them; what it leaves unread is
+  bounded: more than ``stream_buffer_bytes``, or bytes of which it took none for
+  ``send_timeout_s``, and the stream is cut (outcome ``cancelled``, reason
+  ``unread_bytes`` / ``send_timeout``, the connection reset); a plain answer goes out
+  within ``send_timeout_s``;
+* between steps the request checks its connection: a client that left ends it (reason
+  ``client_left``), and its turns go to the others;
+* :meth:`_Server.stop` drains: it stops accepting, closes the connections whose request
+  has not arrived yet, gives the requests in flight ``grace_s`` to finish, then cuts the
+  rest (reason ``shutdown``): a cut stream ends with an error event and no ``[DONE]``, a
+  cut plain request gets 503; never an answer that looks complete. It returns within
+  about ``grace_s + 2 * cut_wait_s``.
 
 Errors are OpenAI's JSON shape for every status, including http.server's own (a bad
 request line, too many headers); a route with another method is 405 with ``Allow``.
@@ -47,7 +54,6 @@ import codecs
 import contextlib
 import io
 import json
-import reprlib
 import socket
 import sys
 import threading
@@ -57,277 +63,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
+from ._connection import STREAM_BUFFER_BYTES, ClientGone, DeadlineReader, StreamSender, peer_gone
+from .engine import Completion, ReferenceEngine, RequestCancelled
+from .protocol import CompletionRequest, RequestError
 
-from ..cache import TieredKVCache
-from ..metrics import Metric, MetricsSnapshot
-from ..tokenizer import VOCAB_SIZE, encode
-from ._connection import ClientGone, DeadlineReader, StreamSender, peer_gone
-from .model import ReferenceModel
+__all__ = ["STREAM_BUFFER_BYTES", "Completion", "CompletionRequest", "ReferenceEngine", "RequestCancelled",
+           "RequestError", "Stopped", "make_server"]
 
-if TYPE_CHECKING:
-    from ..layout import KVLayout
-
-__all__ = ["Completion", "CompletionRequest", "ReferenceEngine", "RequestCancelled", "RequestError", "make_server"]
-
-#: OpenAI's default ``max_tokens`` for completions
-DEFAULT_MAX_TOKENS = 16
 #: seconds from connecting by which a request (line, headers, body) must have arrived
 REQUEST_TIMEOUT_S = 30.0
 #: seconds an answer (or a stream's unsent rest) may take to go out to a slow client
 SEND_TIMEOUT_S = 10.0
-#: seconds :meth:`_Server.stop` lets open connections finish before it cuts them
-SHUTDOWN_GRACE_S = 2.0
-#: seconds :meth:`_Server.stop` then waits for the cut connections' threads
+#: seconds :meth:`_Server.stop` lets the requests in flight finish before it cuts them
+DRAIN_TIMEOUT_S = 30.0
+#: seconds :meth:`_Server.stop` then waits for the cut requests to end (twice: before and
+#: after it shuts their sockets down)
 CUT_WAIT_S = 1.0
 
-_SHOW = reprlib.Repr()
-_SHOW.maxstring = _SHOW.maxother = 60
-
-
-def _show(value: object) -> str:
-    """A bad value for an error message, bounded in length and nesting (a body may be
-    megabytes long or nested hundreds deep)."""
-    return _SHOW.repr(value)
-
-
-class RequestCancelled(Exception):
-    """A completion stopped between tokens: its client left, or the server is stopping."""
-
-
-class RequestError(Exception):
-    """A request the server rejects: ``status`` and an OpenAI-style error body."""
-
-    def __init__(self, status: HTTPStatus, message: str, *, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.kind = kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": int(self.status)}}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CompletionRequest:
-    """A validated ``POST /v1/completions`` body."""
-
-    prompt_tokens: list[int]
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-
-    @classmethod
-    def parse(cls, body: object, *, served_model: str) -> CompletionRequest:
-        """Validate a decoded JSON body; :class:`RequestError` (400, or 404 for another
-        model) names the field and what was expected."""
-        if not isinstance(body, dict):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"expected a JSON object, got {type(body).__name__}")
-        model = body.get("model")
-        if model is not None and model != served_model:
-            shown = model[:100] if isinstance(model, str) else _show(model)
-            raise RequestError(HTTPStatus.NOT_FOUND, f"The model `{shown}` does not exist; this server "
-                                                     f"serves `{served_model}`", param="model",
-                               kind="NotFoundError")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            try:
-                tokens = encode(prompt)
-            except UnicodeEncodeError as exc:  # JSON's "\\ud800" escapes spell lone surrogates
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"prompt: expected valid Unicode text, got a lone "
-                                                           f"surrogate U+{ord(prompt[exc.start]):04X} at character "
-                                                           f"{exc.start}", param="prompt") from None
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = next((t for t in prompt if not 0 <= t < VOCAB_SIZE), None)
-            if bad is not None:
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"prompt: expected token ids in [0, {VOCAB_SIZE}) "
-                                                           f"(byte-level vocabulary), got {_show(bad)}", param="prompt")
-            tokens = list(prompt)
-        else:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "prompt: expected one prompt, a string or a list of "
-                                                       f"token ids, got {_kind(prompt)}", param="prompt")
-        if not tokens:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "prompt: expected at least one token, got an empty prompt",
-                               param="prompt")
-        max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens: expected an integer >= 1, got {_show(max_tokens)}",
-                               param="max_tokens")
-        for name, allowed in (("n", 1), ("best_of", 1), ("echo", False)):
-            if name in body and body[name] not in (None, allowed):
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"{name}: this server supports only {allowed!r}, "
-                                                           f"got {_show(body[name])}", param=name)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"stream: expected true or false, got {_show(stream)}",
-                               param="stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"stream_options: expected an object, got {_kind(options)}",
-                               param="stream_options")
-        return cls(prompt_tokens=tokens, max_tokens=max_tokens, stream=stream,
-                   include_usage=bool(options.get("include_usage", False)))
-
-
-def _kind(x: object) -> str:
-    return "a list of strings or lists (a batch: send one prompt per request)" if isinstance(x, list) \
-        else type(x).__name__
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Completion:
-    """What one completion did."""
-
-    prompt_tokens: int
-    #: prompt tokens served from the cache (GPU pool or store)
-    cached_tokens: int
-    token_ids: list[int]
-    #: seconds from taking the model to the first generated token
-    ttft_s: float
-
-
-class ReferenceEngine:
-    """The reference model and a :class:`TieredKVCache` over a store, behind one lock.
-
-    Args:
-        layout: the cache's layout (the reference model runs it; ``presets.tiny()``).
-        store: the store URL (or chain) of the cache's disk tier.
-        num_blocks, num_snapshots, snapshot_interval, salt, device, store_options: the
-            cache's (one State slot: requests run one at a time).
-        seed: the reference model's weights (cached KV is valid only for the weights
-            that made it).
-        served_model: the name ``/v1/models`` lists and requests must name.
-    """
-
-    def __init__(self, layout: KVLayout, *, store: object, served_model: str, seed: int = 0, num_blocks: int = 1024,
-                 num_snapshots: int = 256, snapshot_interval: int = 1, salt: str = "", device: str = "cpu",
-                 store_options: dict[str, Any] | None = None) -> None:
-        self.layout = layout
-        self.served_model = served_model
-        self.model = ReferenceModel(layout, seed=seed)
-        self.cache = TieredKVCache(layout, device=device, num_blocks=num_blocks, num_state_slots=1,
-                                   num_snapshots=num_snapshots, snapshot_interval=snapshot_interval,
-                                   salt=salt, store=store, store_options=store_options)
-        #: every use of the model and the cache holds this
-        self.lock = threading.Lock()
-        #: tokens one request may hold (prompt + generated): the GPU pool's blocks
-        self.max_model_len = num_blocks * layout.block_tokens
-        self.created = int(time.time())
-        self._counts = dict.fromkeys(("requests_ok", "requests_rejected", "requests_failed", "requests_cancelled",
-                                      "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens"), 0)
-        self._ttft_s = 0.0
-        self._closed = False
-
-    def complete(self, request: CompletionRequest, on_token: Callable[[int], None] | None = None, *,
-                 cancelled: Callable[[], bool] | None = None) -> Completion:
-        """Prefill the prompt (from its longest cached prefix) and decode greedily.
-
-        ``on_token(id)`` is called with each generated token as it is made (streaming),
-        under the model lock: it must not block (the server queues the bytes, see
-        :class:`StreamSender`). ``cancelled()`` is asked before the prefill and between
-        tokens; True ends the request with :class:`RequestCancelled` (an abandoned
-        request frees the model at once). Either way the cache request is closed.
-        """
-        tokens = request.prompt_tokens
-        need = len(tokens) + request.max_tokens
-        if need > self.max_model_len:
-            raise RequestError(HTTPStatus.BAD_REQUEST,
-                               f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} "
-                               f"tokens: expected at most {self.max_model_len} (the server's --num-blocks "
-                               f"{self.max_model_len // self.layout.block_tokens} x {self.layout.block_tokens})",
-                               param="max_tokens")
-        out: list[int] = []
-        with self.lock:
-            if self._closed:
-                raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down",
-                                   kind="ServiceUnavailableError")
-            if cancelled is not None and cancelled():
-                raise RequestCancelled("cancelled before it started")
-            t0 = time.perf_counter()
-            req = self.cache.open(tokens)
-            cached, ttft = req.num_cached_tokens, 0.0
-            try:
-                logits = self.model.forward(self.cache, req, tokens[cached:])[-1]
-                for i in range(request.max_tokens):
-                    nxt = int(torch.argmax(logits))
-                    out.append(nxt)
-                    if i == 0:
-                        ttft = time.perf_counter() - t0
-                    if on_token is not None:
-                        on_token(nxt)
-                    if i + 1 < request.max_tokens:
-                        if cancelled is not None and cancelled():
-                            raise RequestCancelled(f"cancelled after {len(out)} of {request.max_tokens} tokens")
-                        logits = self.model.forward(self.cache, req, [nxt])[-1]
-            finally:
-                self.cache.close(req)
-                c = self._counts
-                c["prompt_tokens"] += len(tokens)
-                c["cached_tokens"] += cached
-                # the last generated token is never fed back
-                c["computed_tokens"] += len(tokens) - cached + max(len(out) - 1, 0)
-                c["generated_tokens"] += len(out)
-                self._ttft_s += ttft
-        return Completion(prompt_tokens=len(tokens), cached_tokens=cached, token_ids=out, ttft_s=ttft)
-
-    def count(self, outcome: str) -> None:
-        """Count a finished request: ``ok``, ``rejected`` (4xx), ``failed`` (5xx) or
-        ``cancelled`` (its client left, or the server stopped it)."""
-        with self.lock:
-            self._counts[f"requests_{outcome}"] += 1
-
-    def sync_store(self) -> None:
-        """Wait for the store writes submitted so far and persist the store's counters
-        (``BlockStore.stats()`` writes an LMDB handle's pending counter deltas)."""
-        with self.lock:
-            if not self._closed:
-                self.cache.flush()
-                self.cache.stats()
-
-    def metrics(self) -> MetricsSnapshot:
-        """The cache's metrics plus the server's request and token counters."""
-        with self.lock:
-            snap = self.cache.metrics()
-            c = dict(self._counts)
-            ttft = self._ttft_s
-        reqs = Metric("tiered_kv_server_requests_total", "counter", "Completion requests by outcome (cancelled: the client left, or "
-                                                                        "the server stopped it).")
-        for outcome in ("ok", "rejected", "failed", "cancelled"):
-            reqs.add(c[f"requests_{outcome}"], outcome=outcome)
-        toks = Metric("tiered_kv_server_tokens_total", "counter",
-                      "Tokens of completions: prompt, cached (prompt tokens from the cache), computed "
-                      "(run through the model), generated.")
-        for kind in ("prompt", "cached", "computed", "generated"):
-            toks.add(c[f"{kind}_tokens"], kind=kind)
-        first = Metric("tiered_kv_server_ttft_seconds_total", "counter",
-                       "Seconds from taking the model to the first token, summed over completions "
-                       "(divide by the ok requests for the mean).").add(ttft)
-        return MetricsSnapshot([*snap.metrics, reqs, toks, first])
-
-    def close(self) -> None:
-        """Flush the store writes and close the store (idempotent); later requests get 503."""
-        with self.lock:
-            if self._closed:
-                return
-            self._closed = True
-            self.cache.shutdown()
-
-    def store_stats(self) -> dict[str, Any]:
-        """The store's own stats (records, bytes, counters)."""
-        with self.lock:
-            assert self.cache.disk is not None
-            return self.cache.disk.store.stats()
-
-
-# ---------------------------------------------------------------- HTTP
 #: path -> the one method it takes and the handler method that answers it
 _ROUTES: dict[str, tuple[str, str]] = {
     "/v1/completions": ("POST", "_completions"),
@@ -349,8 +103,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile.close()
         self.rfile = io.BufferedReader(DeadlineReader(self.connection,
                                                       time.monotonic() + self.server.request_timeout_s))
-        #: set by _Server.stop when it cuts this connection
-        self._cut = self.server.cut_event(self.request)
+        #: this connection's record with the server (its cut event, set by _Server.stop)
+        self._conn = self.server.conn(self.request)
         #: the stream's sender once a stream started (errors then go into the stream)
         self._sender: StreamSender | None = None
         #: the completion's outcome, once counted (see _count)
@@ -392,6 +146,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---------------------------------------------------------- routes
     def _route(self) -> None:
+        if not self.server.begin(self.request):  # the server is draining and closed this connection
+            self.close_connection = True
+            return
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         route = _ROUTES.get(path)
         if route is None:
@@ -434,8 +191,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._count("rejected" if err.status < 500 else "failed")
             self._send_error(err)
             return
-        except (RequestCancelled, ClientGone):
-            self._count("cancelled")  # the client left or the server is stopping; the request was closed
+        except RequestCancelled as exc:  # the request was closed; say so to the client if it can hear it
+            self._count("cancelled", exc.reason)
+            self._cancelled(exc)
+            return
+        except ClientGone:  # the answer could not go out: the client left or did not read it in time
+            self._count("cancelled", "client_left")
             return
         except Exception as exc:  # a broken invariant: answer 500, keep the server up, say what
             self._count("failed")
@@ -451,17 +212,49 @@ class _Handler(BaseHTTPRequestHandler):
         if not request.stream:
             engine.sync_store()  # after the answer, which is the first token's time
 
-    def _count(self, outcome: str) -> None:
+    def _count(self, outcome: str, reason: str | None = None) -> None:
         """Count this request's outcome once: the first one counted stands (a completion
         whose client leaves while its answer goes out stays ``ok``)."""
         if self._outcome is None:
             self._outcome = outcome
-            self.server.engine.count(outcome)
+            self.server.engine.count(outcome, reason)
 
-    def _abandoned(self) -> bool:
-        """Whether the request in progress should stop: the server cut its connection
-        (shutdown), or its client left."""
-        return self._cut.is_set() or peer_gone(self.connection)
+    def _abandoned(self) -> str | None:
+        """Why the request in progress should stop, or None: the server cut its connection
+        (``shutdown``), or its client left (``client_left``)."""
+        if self._conn.cut.is_set():
+            return "shutdown"
+        if (self._sender is not None and self._sender.broken) or peer_gone(self.connection):
+            return "client_left"
+        return None
+
+    def _cancelled(self, exc: RequestCancelled) -> None:
+        """End a cancelled completion's answer. Cut at shutdown: a stream gets an error
+        event and no ``[DONE]``, a plain request 503, so neither looks complete. A slow
+        reader's stream is reset at once (what it left unread is dropped). A client that
+        left gets nothing."""
+        sender = self._sender
+        if exc.reason == "shutdown":
+            err = RequestError(HTTPStatus.SERVICE_UNAVAILABLE,
+                               f"the server is shutting down and cut this request at its drain deadline ({exc}); "
+                               f"the answer is incomplete", kind="ServiceUnavailableError")
+            with contextlib.suppress(ClientGone):
+                if sender is not None and sender.started:
+                    sender.offer(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                    sender.drain(self.server.send_timeout_s)  # stop() shuts the socket if it takes too long
+                else:
+                    self._send_error(err)
+        elif exc.reason in ("unread_bytes", "send_timeout"):
+            assert sender is not None
+            unread = sender.unread_bytes()
+            sender.abandon()
+            self.close_connection = True
+            with contextlib.suppress(OSError):  # a reset: the kernel drops the unsent bytes too
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            limit = (f"more than {sender.max_unread_bytes} bytes unread" if exc.reason == "unread_bytes" else
+                     f"no byte taken for {self.server.send_timeout_s:g} s")
+            self.server.log_error(f"{self.address_string()}: stream cut after {exc}: {limit} "
+                                  f"({unread} bytes unread)")
 
     def _read_json(self) -> object:
         try:
@@ -503,12 +296,13 @@ class _Handler(BaseHTTPRequestHandler):
         """Server-sent events: one ``data: {chunk}`` per token, then the usage chunk when
         ``stream_options.include_usage``, then ``data: [DONE]``.
 
-        Tokens are made under the model lock and queued on a :class:`StreamSender`, which
-        sends what the client takes at once; the rest goes after the lock is released,
-        within the send timeout. A client that stops reading holds only its own answer.
+        Tokens are queued on a :class:`StreamSender`, which sends what the client takes at
+        once. Between tokens the stream stops if its client left more than the stream
+        buffer unread or took nothing for the send timeout (see :meth:`_cancelled`). The
+        end (the finish, usage and ``[DONE]``) goes out within the send timeout.
         """
         engine = self.server.engine
-        sender = self._sender = StreamSender(self.connection)
+        sender = self._sender = StreamSender(self.connection, max_unread_bytes=self.server.stream_buffer_bytes)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -519,13 +313,15 @@ class _Handler(BaseHTTPRequestHandler):
                 obj["usage"] = usage
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-        def on_token(token: int) -> None:  # under the model lock: queues, never blocks
+        def on_token(token: int) -> None:  # between this request's turns: queues, never blocks
             if not sender.started:  # the head goes out with the first token: errors before it are plain 4xx
                 sender.start(self._stream_head())
             sender.offer(event([{"index": 0, "text": decoder.decode(bytes([token])), "token_ids": [token],
                                  "logprobs": None, "finish_reason": None}]))
 
-        done = engine.complete(request, on_token, cancelled=lambda: sender.broken or self._abandoned())
+        send_timeout_s = self.server.send_timeout_s
+        done = engine.complete(request, on_token,
+                               cancelled=lambda: self._abandoned() or sender.overrun(send_timeout_s))
         self._count("ok")  # every token is made; before [DONE], so a client that reads it sees it counted
         tail = decoder.decode(b"", final=True)
         sender.offer(event([{"index": 0, "text": tail, "token_ids": [], "logprobs": None, "finish_reason": "length"}]))
@@ -551,9 +347,35 @@ def _usage(done: Completion) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
+#: SO_LINGER on, 0 s: close() resets the connection and drops what is unsent
+_LINGER_RESET = b"\x01\x00\x00\x00\x00\x00\x00\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """What :meth:`_Server.stop` did to the connections still open when it was called."""
+
+    #: connections whose request had not arrived yet: closed at once
+    closed: int
+    #: connections whose request was still in flight at the drain deadline: cut
+    cut: int
+
+
+class _Conn:
+    """The server's record of one open connection."""
+
+    __slots__ = ("cut", "busy")
+
+    def __init__(self) -> None:
+        #: set by stop(): the request stops at its next step, or the connection is closed
+        self.cut = threading.Event()
+        #: its request has arrived (it is in flight): stop() lets it finish, up to the deadline
+        self.busy = False
+
+
 class _Server(ThreadingHTTPServer):
-    """A daemon thread per connection; :meth:`stop` ends them all within a bound,
-    whatever the clients do (see the module docstring)."""
+    """A daemon thread per connection; :meth:`stop` drains them and ends them all within a
+    bound, whatever the clients do (see the module docstring)."""
 
     daemon_threads = True
     block_on_close = False
@@ -561,22 +383,29 @@ class _Server(ThreadingHTTPServer):
     max_body = 16 << 20
 
     def __init__(self, address: tuple[str, int], engine: ReferenceEngine, log: Callable[[str], None] | None, *,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, send_timeout_s: float = SEND_TIMEOUT_S,
+                 stream_buffer_bytes: int = STREAM_BUFFER_BYTES) -> None:
         for name, value in (("request_timeout_s", request_timeout_s), ("send_timeout_s", send_timeout_s)):
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+        if isinstance(stream_buffer_bytes, bool) or not isinstance(stream_buffer_bytes, int) \
+                or stream_buffer_bytes < 1:
+            raise ValueError(f"stream_buffer_bytes: expected an integer >= 1, got {stream_buffer_bytes!r}")
         self.engine = engine
         self.log = log
         self.request_timeout_s = request_timeout_s
         self.send_timeout_s = send_timeout_s
-        #: open connections -> the event that cuts them (set by stop)
-        self._live: dict[socket.socket, threading.Event] = {}
+        self.stream_buffer_bytes = stream_buffer_bytes
+        #: open connections -> their record
+        self._live: dict[socket.socket, _Conn] = {}
         self._live_changed = threading.Condition()
+        #: stop() was called: no request starts any more
+        self._draining = False
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._live_changed:
-            self._live[request] = threading.Event()
+            self._live[request] = _Conn()
         try:
             super().process_request(request, client_address)  # starts the connection's thread
         except BaseException:
@@ -594,9 +423,21 @@ class _Server(ThreadingHTTPServer):
             self._live.pop(request, None)
             self._live_changed.notify_all()
 
-    def cut_event(self, request: Any) -> threading.Event:
+    def conn(self, request: Any) -> _Conn:
+        """The record of the open connection ``request``."""
         with self._live_changed:
-            return self._live.setdefault(request, threading.Event())
+            return self._live.setdefault(request, _Conn())
+
+    def begin(self, request: Any) -> bool:
+        """The request of connection ``request`` has arrived: mark it in flight. False when
+        the server is draining and closed the connection first (the client got no answer,
+        so it may safely send the request again, elsewhere)."""
+        with self._live_changed:
+            conn = self._live.setdefault(request, _Conn())
+            if conn.cut.is_set():
+                return False
+            conn.busy = True
+            return True
 
     def open_connections(self) -> int:
         with self._live_changed:
@@ -612,27 +453,42 @@ class _Server(ThreadingHTTPServer):
             return
         super().handle_error(request, client_address)
 
-    def stop(self, grace_s: float = SHUTDOWN_GRACE_S, cut_wait_s: float = CUT_WAIT_S) -> int:
-        """Stop serving, within about ``grace_s + cut_wait_s`` seconds whatever the clients do.
+    def stop(self, grace_s: float = DRAIN_TIMEOUT_S, cut_wait_s: float = CUT_WAIT_S) -> Stopped:
+        """Drain and stop, within about ``grace_s + 2 * cut_wait_s`` seconds whatever the
+        clients do.
 
         Call it from another thread than :meth:`serve_forever`'s. New connections are
-        refused; the open ones get ``grace_s`` seconds to finish. Each one left then is cut:
-        its request stops at the next token (:class:`RequestCancelled`) and its socket is
-        shut down, which wakes a thread blocked reading or sending. Threads that still
-        run ``cut_wait_s`` later are daemon threads, left behind. Returns the number cut.
+        refused, and the open ones whose request has not arrived yet (idle, or sending
+        slowly) are closed at once. The requests in flight get ``grace_s`` seconds to
+        finish. Each one left then is cut: it stops at its next step and says so (a
+        stream's error event, a 503; see ``_Handler._cancelled``); ``cut_wait_s`` later the
+        sockets still open are shut down, which wakes a thread blocked reading or
+        sending. Threads that still run ``cut_wait_s`` after that are daemon threads,
+        left behind.
         """
         self.shutdown()      # serve_forever returns: no more accepts
         self.server_close()  # the listening socket is closed (the handler threads are not joined)
         with self._live_changed:
+            self._draining = True
+            idle = [sock for sock, conn in self._live.items() if not conn.busy]
+            for sock in idle:
+                self._live[sock].cut.set()  # begin() now refuses it
+        for sock in idle:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._live_changed:
             self._live_changed.wait_for(lambda: not self._live, timeout=grace_s)
-            left = list(self._live.items())
-        for sock, cut in left:
-            cut.set()
+            left = [(sock, conn) for sock, conn in self._live.items() if sock not in idle]
+            for _, conn in left:
+                conn.cut.set()
+            self._live_changed.wait_for(lambda: not self._live, timeout=cut_wait_s)  # they say why, and end
+            stuck = list(self._live)
+        for sock in stuck:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         with self._live_changed:
             self._live_changed.wait_for(lambda: not self._live, timeout=cut_wait_s)
-        return len(left)
+        return Stopped(closed=len(idle), cut=len(left))
 
     def log_error(self, message: str) -> None:
         if self.log is not None:
@@ -647,16 +503,19 @@ class _Server(ThreadingHTTPServer):
 
 def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0, *,
                 log: Callable[[str], None] | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                send_timeout_s: float = SEND_TIMEOUT_S) -> _Server:
+                send_timeout_s: float = SEND_TIMEOUT_S, stream_buffer_bytes: int = STREAM_BUFFER_BYTES) -> _Server:
     """A bound (not yet serving) HTTP server for ``engine``; ``port`` 0 picks a free port
-    (``server.url`` says which). Run ``serve_forever()`` on a thread; ``stop()`` ends it
-    within a bound (see :meth:`_Server.stop`). ``log`` receives one line per request
-    (None: quiet). ``request_timeout_s``: the deadline of each request's arrival;
-    ``send_timeout_s``: how long an answer may take to go out."""
+    (``server.url`` says which). Run ``serve_forever()`` on a thread; ``stop()`` drains
+    and ends it within a bound (see :meth:`_Server.stop`). ``log`` receives one line per
+    request (None: quiet). ``request_timeout_s``: the deadline of each request's arrival;
+    ``send_timeout_s``: how long an answer may take to go out, and how long a stream's
+    client may take no byte of what waits for it; ``stream_buffer_bytes``: how many bytes
+    a stream's client may leave unread before the stream is cut."""
+    options = {"request_timeout_s": request_timeout_s, "send_timeout_s": send_timeout_s,
+               "stream_buffer_bytes": stream_buffer_bytes}
     if ":" in host:
         class _Server6(_Server):
             address_family = socket.AF_INET6
 
-        return _Server6((host, port), engine, log, request_timeout_s=request_timeout_s,
-                        send_timeout_s=send_timeout_s)
-    return _Server((host, port), engine, log, request_timeout_s=request_timeout_s, send_timeout_s=send_timeout_s)
+        return _Server6((host, port), engine, log, **options)
+    return _Server((host, port), engine, log, **options)
