@@ -144,6 +144,13 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--context" in out
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out == f"tiered-kv {version('tiered-kv')}\n"
+
+
 def test_every_command_module_is_registered() -> None:
     names = [m.__name__.rsplit(".", 1)[1] for m in command_modules()]
     assert "plan" in names

@@ -117,7 +117,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         epilog="exit codes: 0 ok, 1 problem found, 2 bad arguments, 3 store missing, "
                "4 foreign-layout store, 5 store locked, 6 endpoint unreachable",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_Version)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     full = set(COMMANDS) if commands is None else set(commands)
     for name, command in COMMANDS.items():
@@ -128,6 +128,20 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         else:
             subparsers.add_parser(name, help=command.help, add_help=False)
     return parser
+
+
+class _Version(argparse.Action):
+    """``--version``, as argparse's own action prints it, with the installed version looked
+    up only when asked (importlib.metadata costs more than the rest of ``--help``)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str = "show program's version number and exit") -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
 
 
 def _command_named(argv: Sequence[str]) -> str | None:
