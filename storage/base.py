@@ -58,10 +58,10 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..prefix import HASH_BYTES
 from .errors import StoreError, StoreLockedError
 from .record import (
     CHECKSUM_BYTES,
+    HASH_BYTES,
     HEADER_BYTES,
     RecordKey,
     RecordMeta,

@@ -16,10 +16,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .layout import KVLayout
+from .storage.record import HASH_BYTES
 
 __all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_array", "token_digest", "tokens_to_bytes"]
 
-HASH_BYTES = 32
 _MAX_TOKEN = 2**32 - 1
 
 
