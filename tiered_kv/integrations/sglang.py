@@ -66,7 +66,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,7 @@ from ..storage import (
     WriterKind,
     open_store,
 )
+from ..storage.counters import Counters
 from ..storage.crypto import default_tenant
 from ..storage.record import OutSegments
 
@@ -143,26 +144,11 @@ class _PoolBinding:
         return sum(self.buffer_bytes)
 
 
-@dataclass
-class _Counters:
-    """Page counters of one backend object (this process, since it was created)."""
-
-    pages_read: int = 0
-    pages_missed: int = 0        # absent, corrupt or foreign: the read returned False
-    pages_written: int = 0
-    pages_already_stored: int = 0
-    pages_write_failed: int = 0  # store full or failing
-    store_errors: int = 0        # calls the store failed (each failed call, not page)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+#: Page counters of one backend object (this process, since it was created), in order:
+#: pages_missed: absent, corrupt or foreign (the read returned False); pages_write_failed:
+#: store full or failing; store_errors: calls the store failed (each failed call, not page).
+_COUNTERS = ("pages_read", "pages_missed", "pages_written", "pages_already_stored", "pages_write_failed",
+             "store_errors")
 
 
 class _OpenStores:
@@ -336,7 +322,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._namespace_root = self._namespace(storage_config, model_id=model_id, tenant=tenant)
         self._bindings: dict[str, _PoolBinding] = {}
         self._lock = threading.Lock()
-        self._counters = _Counters()
+        self._counters = Counters(_COUNTERS)
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.store: BlockStore

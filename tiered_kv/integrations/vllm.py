@@ -80,7 +80,6 @@ import inspect
 import json
 import logging
 import queue
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -117,6 +116,7 @@ from ..storage import (
     WriterKind,
     open_store,
 )
+from ..storage.counters import Counters
 from ..storage.crypto import default_tenant
 from .read_ahead import ReadAhead, Staged
 
@@ -227,24 +227,6 @@ def _error_kind(exc: BaseException, store: BlockStore) -> str:
     return "error"
 
 
-class _Counters:
-    """Thread-safe counters; :meth:`take` returns and resets them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple[str, ...]], int] = {}
-
-    def add(self, name: str, n: int = 1, labels: tuple[str, ...] = ()) -> None:
-        if n:
-            with self._lock:
-                self._values[(name, labels)] = self._values.get((name, labels), 0) + n
-
-    def take(self) -> dict[tuple[str, tuple[str, ...]], int]:
-        with self._lock:
-            values, self._values = self._values, {}
-        return values
-
-
 class _StoreLookup(AsyncLookupManager):
     """vLLM's async lookup front end; each step's batch is one ``contains_many``."""
 
@@ -257,7 +239,7 @@ class _StoreLookup(AsyncLookupManager):
         try:
             found = tier.store.contains_many([tier.keys.record_key(k) for k in keys])
         except Exception:
-            tier.counters.add(TieredKVTierMetrics.LOOKUP_ERRORS)
+            tier.counters.add_to((TieredKVTierMetrics.LOOKUP_ERRORS, ()))
             raise   # AsyncLookupManager logs it and answers MISS for the batch
         if tier.read_ahead is not None:   # a hit is promoted next step: start reading it now
             tier.read_ahead.start([k for k, hit in zip(keys, found) if hit])
@@ -385,7 +367,8 @@ class TieredKVTier(SecondaryTierManager):
             else:
                 log.warning("enable_kv_events is set on tier %r but KV cache events are disabled globally; "
                             "the tier emits none", tier_type)
-        self.counters = _Counters()
+        #: (Prometheus name, label values) -> count since the last get_stats
+        self.counters = Counters()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads,
                                                            thread_name_prefix="tiered_kv_vllm")
         # Written by pool threads, drained by get_finished_jobs() on the scheduler side.
@@ -446,8 +429,8 @@ class TieredKVTier(SecondaryTierManager):
             self._job_failed("store", job_id, keys, e)
             return
         n_written = sum(written)
-        self.counters.add(TieredKVTierMetrics.CHUNKS_STORED, n_written)
-        self.counters.add(TieredKVTierMetrics.CHUNKS_PRESENT, len(keys) - n_written)
+        self.counters.add_to((TieredKVTierMetrics.CHUNKS_STORED, ()), n_written)
+        self.counters.add_to((TieredKVTierMetrics.CHUNKS_PRESENT, ()), len(keys) - n_written)
         self._finished.put((JobResult(job_id=job_id, success=True, transfer_time=time.monotonic() - start,
                                       transfer_bytes=len(keys) * self.block_size_bytes), keys, False))
 
@@ -480,8 +463,8 @@ class TieredKVTier(SecondaryTierManager):
             self._job_failed("load", job_id, keys, e)
             return
         loaded = [k for k, h in zip(keys, hit) if h]
-        self.counters.add(TieredKVTierMetrics.CHUNKS_LOADED, len(loaded))
-        self.counters.add(TieredKVTierMetrics.LOAD_MISSES, len(keys) - len(loaded))
+        self.counters.add_to((TieredKVTierMetrics.CHUNKS_LOADED, ()), len(loaded))
+        self.counters.add_to((TieredKVTierMetrics.LOAD_MISSES, ()), len(keys) - len(loaded))
         ok = len(loaded) == len(keys)
         # A failed key's row holds unspecified bytes; vLLM frees it (complete_write(False)).
         result = JobResult(job_id=job_id, success=ok, successful_keys=None if ok else tuple(loaded),
@@ -504,7 +487,7 @@ class TieredKVTier(SecondaryTierManager):
 
     def _job_failed(self, what: str, job_id: JobId, keys: list[OffloadKey], exc: BaseException) -> None:
         kind = _error_kind(exc, self.store)
-        self.counters.add(TieredKVTierMetrics.JOB_ERRORS, 1, (kind,))
+        self.counters.add_to((TieredKVTierMetrics.JOB_ERRORS, (kind,)), 1)
         if kind == "error":
             log.error("tiered_kv %s job %s (%d chunks) failed", what, job_id, len(keys), exc_info=exc)
         else:
@@ -570,8 +553,8 @@ class TieredKVTier(SecondaryTierManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         if self.read_ahead is not None:
             ra = self.read_ahead.stats()
-            self.counters.add(TieredKVTierMetrics.CHUNKS_READ_AHEAD, ra.delivered)
-            self.counters.add(TieredKVTierMetrics.READ_AHEAD_DROPPED, ra.dropped)
+            self.counters.add_to((TieredKVTierMetrics.CHUNKS_READ_AHEAD, ()), ra.delivered)
+            self.counters.add_to((TieredKVTierMetrics.READ_AHEAD_DROPPED, ()), ra.dropped)
         values = self.counters.take()
         if not values:
             return None
