@@ -84,7 +84,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from ..storage import (
     BlockStore,
-    EncryptionConfig,
     PutItem,
     RecordKey,
     StoreError,
@@ -94,8 +93,8 @@ from ..storage import (
     open_store,
 )
 from ..storage.counters import Counters
-from ..storage.crypto import default_tenant
 from ..storage.record import OutSegments
+from ._adapter import block_key, namespace_root, open_options
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "ClearRefusedError", "TieredKVHiCacheStorage"]
 
@@ -304,11 +303,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise ValueError("extra_config['model_id'] or SGLang's model name: expected a non-empty model id "
                              "(pages are namespaced by model)")
         tenant = _config_str(extra, "tenant", "") or ""
-        store_options = dict(store_options)
-        if extra.get("encryption") is not None:
-            store_options["encryption"] = EncryptionConfig.parse(extra["encryption"],
-                                                                 name="extra_config['encryption']")
-        store_options = default_tenant(store_options, tenant) or {}
+        store_options = open_options(store_options, tenant=tenant, encryption=extra.get("encryption"),
+                                          name="extra_config['encryption']")
         self.storage_config = storage_config
         self.model_id = model_id
         self.tenant = tenant
@@ -360,8 +356,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
                  f"dcp{cfg.dcp_rank}/{cfg.dcp_size}"]
         if not cfg.is_mla_model:
             shard.append(f"tp{cfg.tp_rank}/{cfg.tp_size}")
-        parts = [b"tiered_kv.sglang.v1", model_id.encode(), tenant.encode(), "|".join(shard).encode()]
-        return hashlib.sha256(b"\0".join(parts)).digest()
+        return namespace_root(b"tiered_kv.sglang.v1", model_id, tenant, "|".join(shard))
 
     def _pool_roots(self, name: str, pool: Any, buffer_bytes: tuple[int, ...]) -> dict[_PageFormat, bytes]:
         cfg = self.storage_config
@@ -382,7 +377,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             if not isinstance(k, str):
                 raise TypeError(f"keys: expected str page keys, got {type(k).__name__}")
             kb = k.encode()
-            rkeys.append(RecordKey.block(sha256(root + kb).digest()))
+            rkeys.append(block_key(root, kb))
             digests.append(sha256(root + b"page\0" + kb).digest())
         return rkeys, digests
 

@@ -117,7 +117,7 @@ from ..storage import (
     open_store,
 )
 from ..storage.counters import Counters
-from ..storage.crypto import default_tenant
+from ._adapter import block_key, display_url, namespace_root, open_options
 from .read_ahead import ReadAhead, Staged
 
 if TYPE_CHECKING:
@@ -175,8 +175,7 @@ class VllmKeyMapper:
             raise ValueError(f"tenant: expected a str, got {type(tenant).__name__}")
         canonical = json.dumps(layout_fields, sort_keys=True, separators=(",", ":")).encode()
         fingerprint = _FINGERPRINT_PREFIX + hashlib.sha256(canonical).hexdigest()[:_FINGERPRINT_HEX]
-        namespace = hashlib.sha256(b"\0".join([_NAMESPACE_TAG, model_id.encode(), tenant.encode(),
-                                               fingerprint.encode()])).digest()
+        namespace = namespace_root(_NAMESPACE_TAG, model_id, tenant, fingerprint)
         return cls(model_id=model_id, tenant=tenant, layout_fingerprint=fingerprint, namespace=namespace)
 
     @classmethod
@@ -192,7 +191,7 @@ class VllmKeyMapper:
         return cls.create(model_id=model if model_id is None else model_id, tenant=tenant, layout_fields=fields)
 
     def record_key(self, key: OffloadKey) -> RecordKey:
-        return RecordKey.block(hashlib.sha256(self.namespace + bytes(key)).digest())
+        return block_key(self.namespace, bytes(key))
 
     @staticmethod
     def key_digest(key: OffloadKey) -> bytes:
@@ -209,11 +208,6 @@ class TieredKVTierInfo(ConfigInfo):
     tiered_kv_namespace: str      # first 16 hex digits of the namespace root
     tiered_kv_layout: str         # the store's layout fingerprint
     tiered_kv_io_threads: int
-
-
-def _display_url(store: str | Sequence[str]) -> str:
-    urls = [store] if isinstance(store, str) else list(store)
-    return ",".join(str(u).split("?", 1)[0] for u in urls)
 
 
 def _error_kind(exc: BaseException, store: BlockStore) -> str:
@@ -329,10 +323,8 @@ class TieredKVTier(SecondaryTierManager):
                              f"got shape {primary_kv_view.shape} format {primary_kv_view.format!r}")
         self.keys = VllmKeyMapper.from_offloading_spec(offloading_spec, chunk_bytes=self.block_size_bytes,
                                                        tenant=tenant, model_id=model_id)
-        options = dict(store_options or {})
-        if encryption is not None:
-            options["encryption"] = EncryptionConfig.parse(encryption, name="encryption")
-        options = default_tenant(options, tenant) or {}  # an encrypted level seals for this tenant
+        # an encrypted level seals for this tenant
+        options = open_options(store_options, tenant=tenant, encryption=encryption)
         if max_bytes is not None:
             if isinstance(store, str):
                 options["max_bytes"] = max_bytes
@@ -346,7 +338,7 @@ class TieredKVTier(SecondaryTierManager):
             self.store: BlockStore = open_store(store if isinstance(store, str) else list(store),
                                                 layout_fingerprint=self.keys.layout_fingerprint, **options)
         except LayoutMismatchError as exc:
-            raise _layout_mismatch(exc, _display_url(store), offloading_spec, self.block_size_bytes) from None
+            raise _layout_mismatch(exc, display_url(store), offloading_spec, self.block_size_bytes) from None
         #: ``[num_chunks, chunk_bytes] uint8``: the primary tier's buffer, row c = chunk c (vLLM
         #: exposes it as int8); shares its memory.
         self._rows: np.ndarray | None = np.asarray(primary_kv_view).view(np.uint8)
@@ -355,7 +347,7 @@ class TieredKVTier(SecondaryTierManager):
         if staging_rows:
             self.read_ahead = ReadAhead(self.store, chunk_bytes=self.block_size_bytes, capacity=staging_rows,
                                         record=lambda k: (self.keys.record_key(k), self.keys.key_digest(k)))
-        self._info = TieredKVTierInfo(tiered_kv_store=_display_url(store), tiered_kv_tenant=tenant,
+        self._info = TieredKVTierInfo(tiered_kv_store=display_url(store), tiered_kv_tenant=tenant,
                                       tiered_kv_namespace=self.keys.namespace.hex()[:16],
                                       tiered_kv_layout=self.keys.layout_fingerprint,
                                       tiered_kv_io_threads=io_threads)
