@@ -1,5 +1,5 @@
 """The wheel holds exactly one top-level package, ``tiered_kv``, with ``kernels/`` and
-``storage/`` installed as ``tiered_kv.kernels`` and ``tiered_kv.storage`` (ARCHITECTURE §6).
+``storage/`` installed as ``tiered_kv.kernels`` and ``tiered_kv.storage`` (docs/architecture.md §6).
 
 The wheel is built offline with the interpreter's own setuptools
 (``pip wheel --no-deps --no-build-isolation --no-index``) from a copy of the source tree,

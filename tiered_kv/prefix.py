@@ -1,4 +1,4 @@
-"""Chained prefix hashes of 128-token-aligned blocks (ARCHITECTURE §4).
+"""Chained prefix hashes of 128-token-aligned blocks (docs/architecture.md §4).
 
 ``h_i = sha256(h_{i-1} || token_ids of block i)`` with ``h_{-1} = sha256(namespace)``,
 where the namespace binds the model id, the layout fingerprint and a tenant salt. No
