@@ -2,7 +2,7 @@
 
 Each decode step, per CSA layer, the indexer picks top-k CSA entries; HiSparse keeps N of
 them per request and layer in a device buffer (LRU) and copies only the misses from the
-host mirror (ARCHITECTURE §4). How large must N be? This replays per-step top-k id sets
+host mirror (docs/architecture.md §4). How large must N be? This replays per-step top-k id sets
 through the real :class:`tiered_kv.hisparse.HiSparseBuffers` for N = 1, 2, 4, 8 x top-k::
 
     model traces      ReferenceModel(presets.tiny(top_k=k), seed) runs a prefill and then

@@ -84,9 +84,8 @@ _MAX_GRID_Y = 65535
 _MAX_SWAP_BLOCKS = 4096
 _NVRTC_OPTIONS = ("--std=c++17",)
 
-# cudaMemoryType values of cudaPointerAttributes.type
+# the cudaMemoryType value of cudaPointerAttributes.type for (pinned) host memory
 _MEMORY_TYPE_HOST = 1
-_MEMORY_TYPE_DEVICE = 2
 
 
 @functools.cache

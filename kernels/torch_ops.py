@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from . import HiSparseTables
+    from .types import HiSparseTables
 
 __all__ = ["gather_blocks", "hisparse_swap_in", "ids_to", "scatter_blocks", "swap_in"]
 

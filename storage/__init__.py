@@ -26,16 +26,14 @@ Any level can seal its records for one tenant (AES-256-GCM, :class:`EncryptedSto
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import BlockStore, PutItem
-from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
-from .crypto import EncryptionConfig, KeyFileError, Keyring
-from .encrypted import EncryptedStore
 from .errors import (
     CorruptRecordError,
     IndexDamagedError,
@@ -45,7 +43,6 @@ from .errors import (
     StoreFullError,
     StoreLockedError,
 )
-from .lmdb_store import LmdbStore
 from .record import (
     FORMAT_VERSION,
     RecordKey,
@@ -58,7 +55,16 @@ from .record import (
 )
 from .rows import RowScatter
 from .writer import StoreWriter, WriterKind, tenant_hash
-from .zarr_store import ZarrStore
+
+if TYPE_CHECKING:
+    from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
+    from .crypto import EncryptionConfig, KeyFileError, Keyring
+    from .encrypted import EncryptedStore
+    from .lmdb_store import LmdbStore
+    from .zarr_store import ZarrStore
+
+    SCHEMES: dict[str, type[BlockStore]]
+    OBJECT_STORE_SCHEMES: dict[str, type[BlockStore]]
 
 __all__ = [
     "BlockStore",
@@ -95,11 +101,43 @@ __all__ = [
     "tenant_hash",
 ]
 
-#: Local-path URL schemes (``scheme:///abs/path``) :func:`open_store` accepts, and the
-#: backend each selects.
-SCHEMES: dict[str, type[BlockStore]] = {"lmdb": LmdbStore, "zarr": ZarrStore}
-#: Object-store URL schemes (``scheme://bucket/prefix?...``) :func:`open_store` accepts.
-OBJECT_STORE_SCHEMES: dict[str, type[BlockStore]] = {"zarr+s3": ZarrStore}
+#: The backends, wrappers and encryption are imported when first used (PEP 562): a
+#: command that opens an LMDB store loads neither the Zarr backend nor the chain, and
+#: ``tiered_kv.storage.record`` can be imported without them. name -> its module.
+_LAZY = {"DEFAULT_TIMEOUT_S": "chain", "DeferredLevel": "chain", "StoreChain": "chain",
+         "EncryptionConfig": "crypto", "KeyFileError": "crypto", "Keyring": "crypto",
+         "EncryptedStore": "encrypted", "LmdbStore": "lmdb_store", "ZarrStore": "zarr_store"}
+#: URL scheme -> (module, class) of its backend: local paths (``scheme:///abs/path``) and
+#: object stores (``scheme://bucket/prefix?...``); :data:`SCHEMES` and
+#: :data:`OBJECT_STORE_SCHEMES` are these with the classes imported.
+_LOCAL_BACKENDS = {"lmdb": ("lmdb_store", "LmdbStore"), "zarr": ("zarr_store", "ZarrStore")}
+_OBJECT_STORE_BACKENDS = {"zarr+s3": ("zarr_store", "ZarrStore")}
+
+
+def _backend(where: tuple[str, str]) -> type[BlockStore]:
+    module, name = where
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SCHEMES":
+        #: Local-path URL schemes (``scheme:///abs/path``) :func:`open_store` accepts, and the
+        #: backend each selects.
+        value: Any = {k: _backend(v) for k, v in _LOCAL_BACKENDS.items()}
+    elif name == "OBJECT_STORE_SCHEMES":
+        #: Object-store URL schemes (``scheme://bucket/prefix?...``) :func:`open_store` accepts.
+        value = {k: _backend(v) for k, v in _OBJECT_STORE_BACKENDS.items()}
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 StoreSpec = str | os.PathLike[str] | BlockStore
 
@@ -138,6 +176,9 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
         raise TypeError("url: expected a URL or path (an open BlockStore is used as it is)")
     encryption = options.pop("encryption", None)
     if encryption is not None:
+        from .crypto import EncryptionConfig, Keyring
+        from .encrypted import EncryptedStore
+
         keyring = Keyring(EncryptionConfig.parse(encryption))  # checked before anything is created
         inner = open_store(url, layout_fingerprint=layout_fingerprint, **options)
         try:
@@ -149,21 +190,20 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
     if not isinstance(s, str):
         raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
     if "://" not in s:
-        return _open_local(LmdbStore, s, layout_fingerprint, options)
+        return _open_local(_backend(_LOCAL_BACKENDS["lmdb"]), s, layout_fingerprint, options)
     scheme, _, rest = s.partition("://")
-    remote = OBJECT_STORE_SCHEMES.get(scheme)
-    if remote is not None:
+    if scheme in _OBJECT_STORE_BACKENDS:
+        remote = _backend(_OBJECT_STORE_BACKENDS[scheme])
         return remote(s, layout_fingerprint=layout_fingerprint, **options)
-    backend = SCHEMES.get(scheme)
-    if backend is None:
-        accepted = ", ".join([f"{name}:///abs/path" for name in SCHEMES]
-                             + [f"{name}://bucket/prefix" for name in OBJECT_STORE_SCHEMES])
+    if scheme not in _LOCAL_BACKENDS:
+        accepted = ", ".join([f"{name}:///abs/path" for name in _LOCAL_BACKENDS]
+                             + [f"{name}://bucket/prefix" for name in _OBJECT_STORE_BACKENDS])
         raise ValueError(f"url: expected one of {accepted} or a plain path, got scheme {scheme!r} in "
                          f"{s.split('?', 1)[0]!r}")
     if not rest.startswith("/"):
         raise ValueError(f"url: expected an absolute path after {scheme}:// (e.g. {scheme}:///abs/path), "
                          f"got {s!r}")
-    return _open_local(backend, rest, layout_fingerprint, options)
+    return _open_local(_backend(_LOCAL_BACKENDS[scheme]), rest, layout_fingerprint, options)
 
 
 #: options that bound calls to an object store: accepted by a local store, without effect
@@ -207,6 +247,8 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,
     :class:`~tiered_kv.storage.s3.ObjectStoreUnavailable`) is opened later in the background,
     while wrong credentials, a missing bucket or another layout raise here.
     """
+    from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
+
     levels = list(levels)
     if not levels:
         raise ValueError("levels: expected at least one store URL")
@@ -234,7 +276,7 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,
             kwargs = dict(opts or {})
             if encryption is not None and "encryption" not in kwargs:
                 kwargs["encryption"] = encryption
-            if url.partition("://")[0] in OBJECT_STORE_SCHEMES:
+            if url.partition("://")[0] in _OBJECT_STORE_BACKENDS:
                 kwargs.setdefault("timeout_s", timeout_s)
             opener = functools.partial(open_store, url, layout_fingerprint=layout_fingerprint, writer=writer,
                                        **kwargs)

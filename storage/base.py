@@ -58,10 +58,11 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..prefix import HASH_BYTES
+from .counters import Counters
 from .errors import StoreError, StoreLockedError
 from .record import (
     CHECKSUM_BYTES,
+    HASH_BYTES,
     HEADER_BYTES,
     RecordKey,
     RecordMeta,
@@ -144,45 +145,22 @@ class PutItem:
                             layout_fingerprint=layout_fingerprint, payload=self.payload)
 
 
-@dataclass
-class StoreStats:
-    """Counters of one open store object (this process, since it was opened)."""
+class StoreStats(Counters):
+    """Counters of one open store object (this process, since it was opened)::
 
-    hits: int = 0
-    misses: int = 0       # every read that returned None, corrupt ones included
-    corrupt: int = 0      # records that failed a check and were removed
-    evictions: int = 0
-    puts: int = 0         # records written (put_many results that were True)
-    put_bytes: int = 0    # record bytes written
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    _flushed: dict[str, int] = field(default_factory=dict, repr=False)
+        hits       reads that returned the record
+        misses     every read that returned None, corrupt ones included
+        corrupt    records that failed a check and were removed
+        evictions  records evicted (by a put or gc)
+        puts       records written (put_many results that were True)
+        put_bytes  record bytes written
+    """
 
     #: the counters, in the order a store persists them
     NAMES = ("hits", "misses", "corrupt", "evictions", "puts", "put_bytes")
 
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {name: getattr(self, name) for name in self.NAMES}
-
-    def take_deltas(self) -> dict[str, int]:
-        """What changed since the last call (for a store that persists lifetime counters)."""
-        with self._lock:
-            now = {name: getattr(self, name) for name in self.NAMES}
-            delta = {k: v - self._flushed.get(k, 0) for k, v in now.items()}
-            self._flushed = now
-            return delta
-
-    def restore_deltas(self, delta: dict[str, int]) -> None:
-        """Undo :meth:`take_deltas` (the write that would have persisted them failed)."""
-        with self._lock:
-            for k, v in delta.items():
-                self._flushed[k] = self._flushed.get(k, 0) - v
+    def __init__(self) -> None:
+        super().__init__(self.NAMES)
 
 
 class BlockStore(abc.ABC):

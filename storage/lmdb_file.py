@@ -54,7 +54,6 @@ FREE_DBI, MAIN_DBI = 0, 1
 _PAGE = struct.Struct("<QHHHH")
 _META = struct.Struct("<IIQQ48s48sQQ")
 _DB = struct.Struct("<IHHQQQQQ")
-_U64 = struct.Struct("<Q")
 
 
 class IndexDamage(Exception):

@@ -65,7 +65,7 @@ from .lmdb_store import (
 from .record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
 from .segments import Location, parse_segment_name, segment_name
 
-__all__ = ["exclusive_store_lock", "rebuild_index"]
+__all__ = ["rebuild_index"]
 
 #: Directory the new index is written in before it replaces ``data.mdb``.
 REBUILD_DIR = "index.rebuild"

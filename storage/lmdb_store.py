@@ -179,7 +179,6 @@ from .record import (
     write_segments,
 )
 from .segments import (
-    ALIGN,
     DEFAULT_MAX_OPEN_SEGMENTS,
     Appended,
     Location,
@@ -256,10 +255,6 @@ def _segment_end_key(seg: int) -> bytes:
 
 def _segment_gen_key(seg: int) -> bytes:
     return _M_SEGMENT_GEN + _U32BE.pack(seg)
-
-
-def _align_up(x: int) -> int:
-    return (x + ALIGN - 1) & ~(ALIGN - 1)
 
 
 def _scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str

@@ -45,13 +45,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..prefix import HASH_BYTES
 from .errors import CorruptRecordError, RecordCheck
 
 __all__ = [
     "CHECKSUM_BYTES",
     "FINGERPRINT_BYTES",
     "FORMAT_VERSION",
+    "HASH_BYTES",
     "HEADER_BYTES",
     "KEY_BYTES",
     "MAGIC",
@@ -78,6 +78,9 @@ __all__ = [
 
 MAGIC = b"TKVR"
 FORMAT_VERSION = 1
+#: Bytes of every hash a record holds: its key's prefix hash, the parent hash and the token
+#: digest (256-bit hashes; the cache's prefix hasher, tiered_kv.prefix, makes them this wide).
+HASH_BYTES = 32
 FINGERPRINT_BYTES = 32
 CHECKSUM_BYTES = 16
 _HEADER = struct.Struct("<4sHBB32s32s32s32sQ")

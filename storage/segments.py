@@ -69,10 +69,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import fastread
-from ..thread_pool import started_pool
 from .base import fsync_dir, mkdir_private
 from .errors import StoreError
 from .rows import RowScatter
+from .thread_pool import started_pool
 
 __all__ = ["ALIGN", "Location", "Reclaimable", "Reclaimed", "SegmentFiles", "allocate_blocks", "punch_hole"]
 
@@ -432,7 +432,7 @@ class SegmentFiles:
         self._files = _OpenSegments(path, max_open_segments)  # read fds, LRU-bounded
         self._active: _Writing | None = None    # where the next batch is appended
         self._writing: dict[int, _Writing] = {}  # the active one + retired ones with syncs pending
-        # (started now, not on the first read: see tiered_kv.thread_pool)
+        # (started now, not on the first read: see tiered_kv.storage.thread_pool)
         self._pool: ThreadPoolExecutor | None = started_pool(io_threads, "tkv-seg") if io_threads > 1 else None
         self._local = threading.local()
         self._swept = time.monotonic()

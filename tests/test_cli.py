@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tiered_kv.cli import main
-from tiered_kv.cli.main import ExitCode, command_modules
+from tiered_kv.cli.main import COMMANDS, ExitCode, build_parser, command_modules
 
 from _util import console_script
 
@@ -144,10 +144,36 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--context" in out
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out == f"tiered-kv {version('tiered-kv')}\n"
+
+
 def test_every_command_module_is_registered() -> None:
     names = [m.__name__.rsplit(".", 1)[1] for m in command_modules()]
     assert "plan" in names
     assert "main" not in names
+
+
+def test_the_command_table_lists_every_command_module_with_its_own_help() -> None:
+    """COMMANDS (what ``tiered-kv --help`` shows without importing a command) names every
+    public module of tiered_kv.cli, and each command's help is the one its module gives."""
+    import argparse
+    import pkgutil
+
+    import tiered_kv.cli
+
+    public = {m.name for m in pkgutil.iter_modules(tiered_kv.cli.__path__) if not m.name.startswith("_")}
+    assert {c.module for c in COMMANDS.values()} == public - {"main"}
+    full = build_parser()  # every command's own sub-parser
+    listed = build_parser([])  # stand-ins only
+    for parser in (full, listed):
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        assert list(action.choices) == list(COMMANDS)
+        assert {c.dest: c.help for c in action._choices_actions} == {n: c.help for n, c in COMMANDS.items()}
+    assert full.format_help() == listed.format_help()
 
 
 def test_console_script_json() -> None:

@@ -36,7 +36,7 @@ def test_pro_bf16_classical_bytes_at_1m() -> None:
 def test_state_and_snapshot_bytes_flash() -> None:
     L = deepseek_v4_flash()
     swa = 43 * 128 * 584
-    tails = 21 * (64 << 10) + 20 * (512 << 10) + 21 * (16 << 10)  # ARCHITECTURE §1 table
+    tails = 21 * (64 << 10) + 20 * (512 << 10) + 21 * (16 << 10)  # docs/architecture.md §1 table
     assert L.state_bytes == swa + tails
     assert L.snapshot_bytes == swa + 21 * 4 * 2 * 4 * (512 + 128)
     # "about 7 Classical blocks"

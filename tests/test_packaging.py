@@ -1,5 +1,5 @@
 """The wheel holds exactly one top-level package, ``tiered_kv``, with ``kernels/`` and
-``storage/`` installed as ``tiered_kv.kernels`` and ``tiered_kv.storage`` (ARCHITECTURE §6).
+``storage/`` installed as ``tiered_kv.kernels`` and ``tiered_kv.storage`` (docs/architecture.md §6).
 
 The wheel is built offline with the interpreter's own setuptools
 (``pip wheel --no-deps --no-build-isolation --no-index``) from a copy of the source tree,
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"tiered_kv": "tiered_kv", "kernels": "tiered_kv/kernels", "storage": "tiered_kv/storage"}
 REQUIRED = ("tiered_kv/__init__.py", "tiered_kv/kernels/__init__.py",
             "tiered_kv/storage/__init__.py", "tiered_kv/py.typed")
-_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
+#: (``.venv*``: the project's venv and the engines' and LMCache's, GBs each: ``make venv-vllm``...)
+_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__",
                                      ".pytest_cache", ".hypothesis", ".mypy_cache", "results")
 
 

@@ -1,6 +1,6 @@
 """``TieredKVCache``: the facade serving stacks and the reference model talk to.
 
-Lifecycle of a request (ARCHITECTURE §5)::
+Lifecycle of a request (docs/architecture.md §5)::
 
     req = cache.open(prompt)             # longest cached prefix ending at a resume point
                                          # with a snapshot: blocks shared, State restored

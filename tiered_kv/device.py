@@ -3,7 +3,7 @@
 CUDA is detected once per process (:func:`cuda_available`) and every other module
 asks this one instead of calling ``torch.cuda`` itself. Without CUDA the library runs
 the same code on CPU tensors: host memory is unpinned, copies are synchronous and
-every kernel takes its torch implementation (``ARCHITECTURE.md`` §7).
+every kernel takes its torch implementation (``docs/architecture.md`` §7).
 
 CPU-only torch facts this module shields callers from: ``pin_memory=True`` raises,
 and so do ``torch.cuda.Stream()`` and ``torch.cuda.Event()``.

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from .layout import KVLayout
-from .thread_pool import started_pool
+from .storage.thread_pool import started_pool
 
 __all__ = ["DiskTier", "DiskTierClosedError"]
 
@@ -85,7 +85,7 @@ class DiskTier:
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
             raise ValueError(f"read_threads: expected a positive int, got {read_threads!r}")
         self.read_threads = read_threads
-        # (started now, not by the first read: see tiered_kv.thread_pool)
+        # (started now, not by the first read: see tiered_kv.storage.thread_pool)
         self._readers: ThreadPoolExecutor | None = started_pool(read_threads, "tiered-kv-read")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-disk")
         self._pending: deque[Future[None]] = deque()

@@ -4,7 +4,7 @@ A :class:`KVLayout` is a frozen description; every pool, store and planner deriv
 sizes from it, and its :attr:`KVLayout.fingerprint` tags every record written to disk so
 that data of one layout is never served to another.
 
-Vocabulary (see ``ARCHITECTURE.md`` §1–§3)::
+Vocabulary (see ``docs/architecture.md`` §1–§3)::
 
     layer kinds     SWA_ONLY | CSA (4:1 compressed, top-k read) | HCA (128:1, dense read)
     Classical       immutable compressed entries, one block = ``block_tokens`` tokens of

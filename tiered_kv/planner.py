@@ -3,14 +3,14 @@
 Pure functions over a :class:`~tiered_kv.layout.KVLayout`; no torch, no allocation. The
 ``tiered-kv plan`` command prints a :class:`Plan`.
 
-What one request holds on the GPU without offload (ARCHITECTURE §2)::
+What one request holds on the GPU without offload (docs/architecture.md §2)::
 
     bytes_per_request = classical_bytes            ceil(context / block_tokens) blocks
                                                    x block_bytes (csa_kv + indexer + hca_kv)
                       + state_bytes                one State slot (SWA ring + tails)
     max_requests      = floor(hbm_bytes / bytes_per_request)
 
-With HiSparse (ARCHITECTURE §4; ``hisparse_buffer_entries`` = N CSA slots per request
+With HiSparse (docs/architecture.md §4; ``hisparse_buffer_entries`` = N CSA slots per request
 and CSA layer) the sealed blocks' CSA KV lives in the host mirror; the GPU keeps the
 rest of each block, the CSA part of the one open block (the block being filled), the
 State slot and the device buffer::

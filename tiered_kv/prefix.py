@@ -1,4 +1,4 @@
-"""Chained prefix hashes of 128-token-aligned blocks (ARCHITECTURE §4).
+"""Chained prefix hashes of 128-token-aligned blocks (docs/architecture.md §4).
 
 ``h_i = sha256(h_{i-1} || token_ids of block i)`` with ``h_{-1} = sha256(namespace)``,
 where the namespace binds the model id, the layout fingerprint and a tenant salt. No
@@ -16,10 +16,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .layout import KVLayout
+from .storage.record import HASH_BYTES
 
 __all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_array", "token_digest", "tokens_to_bytes"]
 
-HASH_BYTES = 32
 _MAX_TOKEN = 2**32 - 1
 
 

@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -57,15 +57,77 @@ from .device import empty_host
 from .prefix import block_token_digests
 
 if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .classical_pool import ClassicalPool
+    from .disk import DiskTier
+    from .hisparse import HiSparseBuffers
+    from .host import HostTier
+    from .layout import KVLayout
     from .storage.rows import RowScatter as RowScatterT
-    from .tiering import TierMoves
+    from .transfer import CopyHandle
 
 #: Blocks per batch by default (8 Flash blocks are 3.9 MB), where a destination has no better size.
 DEFAULT_BATCH = 8
 
-__all__ = ["DEFAULT_BATCH", "DiskBatch", "DiskResume", "Destination", "HostRecords", "PoolRows", "StagingRing",
-           "choose_destination", "id_runs",
-           "prepare_destination"]
+__all__ = ["DEFAULT_BATCH", "DiskBatch", "DiskResume", "Destination", "HostRecords", "PoolRows", "ResumeCache",
+           "StagingRing", "choose_destination", "id_runs", "prepare_destination"]
+
+
+class ResumeCache(Protocol):
+    """What resume reading needs of the cache (:class:`~tiered_kv.cache.TieredKVCache`,
+    through its :class:`~tiered_kv.tiering.TierMoves` half): its pools and tiers, the
+    settings of the reads, and the block / host-record bookkeeping it calls back into.
+    Declared here so that this module depends on no part of the cache but this one."""
+
+    layout: KVLayout
+    device: torch.device
+    blocks: BlockPool
+    classical: ClassicalPool
+    host: HostTier | None
+    hisparse: HiSparseBuffers | None
+    disk: DiskTier | None
+    #: the cache's counters (``blocks_from_disk``, ``disk_read_failures``...)
+    _counters: dict[str, int]
+    #: settings (see TierMoves): blocks per batch (None: the destination's choice), batches
+    #: in flight, who copies into CPU pools (None: by device), reads straight into CPU pools
+    resume_batch_blocks: int | None
+    resume_read_depth: int
+    resume_copy_on_readers: bool | None
+    resume_read_into_pools: bool
+    #: the newest copy out of host memory into the pools / the newest offload into host records
+    _last_load: CopyHandle | None
+    _last_offload: CopyHandle | None
+
+    def _allocate_blocks(self, n: int) -> list[int]:
+        """Up to ``n`` GPU blocks (refcount 1 each), fewer when the pool runs out."""
+        ...
+
+    def _release_block(self, b: int) -> None:
+        """Drop one reference on GPU block ``b`` (and its host record when it dies)."""
+        ...
+
+    def _load_records(self, records: torch.Tensor, bids: list[int]) -> None:
+        """Scatter host records ``[n, block_bytes]`` uint8 into GPU blocks ``bids`` on the
+        copy engine's stream (sets ``_last_load``)."""
+        ...
+
+    def _allocate_host_records(self, n: int) -> list[int]:
+        """Up to ``n`` host records (refcount 1 each), fewer when the host tier runs out."""
+        ...
+
+    def _load_host_records(self, hids: list[int], bids: list[int]) -> None:
+        """Copy host records ``hids`` into GPU blocks ``bids``, then keep or drop the records'
+        references as :meth:`_keep_host_refs` does."""
+        ...
+
+    def _keep_host_refs(self, hids: list[int], bids: list[int]) -> None:
+        """After a load from host records: with HiSparse each GPU block keeps its record's
+        reference (its CSA part lives there), otherwise the references are dropped."""
+        ...
+
+    def _drop_host_refs(self, hids: list[int]) -> None:
+        """Drop one reference on each of host records ``hids``."""
+        ...
 
 
 @dataclass(slots=True)
@@ -100,7 +162,7 @@ def id_runs(ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def scatter_on_cpu(moves: TierMoves, records: torch.Tensor, bids: list[int]) -> None:
+def scatter_on_cpu(moves: ResumeCache, records: torch.Tensor, bids: list[int]) -> None:
     """CPU pools: block ``bids[i]`` = ``records[i]`` (``[n, block_bytes]`` uint8), with
     numpy copies: one thread each and the GIL released, so reader threads copy in
     parallel (torch's intra-op pool oversubscribes the CPUs when several threads copy at
@@ -123,7 +185,7 @@ def scatter_on_cpu(moves: TierMoves, records: torch.Tensor, bids: list[int]) -> 
 class Destination(ABC):
     """Where one cache's resumed records land (see the module docstring)."""
 
-    def __init__(self, moves: TierMoves) -> None:
+    def __init__(self, moves: ResumeCache) -> None:
         self.moves = moves
 
     def batch_blocks(self, n: int) -> int:
@@ -165,7 +227,7 @@ class PoolRows(Destination):
     by stores with row reads (no buffer object per row); other stores get them as views.
     """
 
-    def __init__(self, moves: TierMoves) -> None:
+    def __init__(self, moves: ResumeCache) -> None:
         super().__init__(moves)
         #: each Classical part with rows, flat: ``[layers * num_blocks * entries * bytes]`` uint8
         self.dests: list[np.ndarray] = []
@@ -218,7 +280,7 @@ class StagingRing(Destination):
     buffers (pinned on CUDA), then copied into the pools: by the reader thread
     (``copy_on_readers``, CPU) or by the copy engine from the opening thread."""
 
-    def __init__(self, moves: TierMoves, *, batch_blocks: int, depth: int, copy_on_readers: bool) -> None:
+    def __init__(self, moves: ResumeCache, *, batch_blocks: int, depth: int, copy_on_readers: bool) -> None:
         super().__init__(moves)
         self.copy_on_readers = copy_on_readers
         self.ring = empty_host((depth, batch_blocks, moves.layout.block_bytes), pinned=moves.device.type == "cuda")
@@ -271,7 +333,7 @@ class HostRecords(Destination):
     """A host tier: records read into new host records, promoted there once verified, then
     copied into the pools (by the reader thread on CPU, the copy engine otherwise)."""
 
-    def __init__(self, moves: TierMoves, *, copy_on_readers: bool) -> None:
+    def __init__(self, moves: ResumeCache, *, copy_on_readers: bool) -> None:
         super().__init__(moves)
         self.copy_on_readers = copy_on_readers
 
@@ -335,11 +397,11 @@ class HostRecords(Destination):
         self.moves._drop_host_refs(batch.hids)
 
 
-def choose_destination(moves: TierMoves, current: Destination | None) -> Destination:
+def choose_destination(moves: ResumeCache, current: Destination | None) -> Destination:
     """The destination of ``moves``' resume reads under its settings now: ``current``
     again when it still fits (the ring and the pool views are kept between opens).
 
-    Settings (attributes of the cache, see TierMoves): ``resume_batch_blocks`` (None: by
+    Settings (attributes of the cache, see ResumeCache): ``resume_batch_blocks`` (None: by
     destination), ``resume_read_depth``, ``resume_copy_on_readers`` (None: on CPU), and
     ``resume_read_into_pools``."""
     size, depth = moves.resume_batch_blocks, moves.resume_read_depth
@@ -372,7 +434,7 @@ def choose_destination(moves: TierMoves, current: Destination | None) -> Destina
     return new
 
 
-def prepare_destination(moves: TierMoves) -> Destination | None:
+def prepare_destination(moves: ResumeCache) -> Destination | None:
     """The destination made when the cache is, where it is only views of the pools
     (:class:`PoolRows`: CPU pools, default settings), so that the first cold ``open()``
     does not build it (about 2 ms of Python) before its first disk read. None otherwise
@@ -390,7 +452,7 @@ class DiskResume:
     module docstring); :meth:`run` returns the GPU blocks loaded (cached, one reference
     each), a prefix of the range."""
 
-    def __init__(self, moves: TierMoves, dest: Destination, tokens: np.ndarray, hashes: list[bytes],
+    def __init__(self, moves: ResumeCache, dest: Destination, tokens: np.ndarray, hashes: list[bytes],
                  lo: int, hi: int) -> None:
         bt = moves.layout.block_tokens
         self.moves, self.dest = moves, dest

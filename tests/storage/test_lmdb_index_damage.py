@@ -363,16 +363,22 @@ def _verify_read_only(view: Path, keep: set, capsys: pytest.CaptureFixture[str])
 def test_verify_as_a_user_who_cannot_write_the_store(tiny_store: tuple[Path, set],
                                                      capfd: pytest.CaptureFixture[str]) -> None:
     """lock.mdb cannot be opened for writing (EACCES, not EROFS: LMDB itself gives up):
-    the read-only open goes on without the lock file, and nothing is written."""
+    the read-only open goes on without the lock file, and nothing is written.
+
+    The child runs as uid 65534, which may not be able to read the checkout or the venv
+    (a clone under /root): everything it runs is imported before it drops privileges (the
+    same command, run as root first), and an import after that fails the test wherever
+    the checkout lives (exit 98, the names printed) instead of only where it is unreadable."""
     from tiered_kv.cli.main import ExitCode
 
+    import importlib.abc
     import shutil
     import sys
     import tempfile
     import traceback
 
     store, keep = tiny_store
-    run_cli(capfd, "verify", "--store", str(store))  # every import done before dropping privileges
+    run_cli(capfd, "verify", "--store", str(store), "--json")  # what the child runs, as root: its imports
     nobody = 65534
     top = Path(tempfile.mkdtemp(prefix="tkv-ro-"))  # under /tmp: pytest's own dirs are root-only
     try:
@@ -383,26 +389,37 @@ def test_verify_as_a_user_who_cannot_write_the_store(tiny_store: tuple[Path, set
             p.chmod(p.stat().st_mode & ~0o222)
         before = _snapshot(where)
         pid = os.fork()
-        if pid == 0:  # the child: exit status = the CLI's exit code, 99 for anything else
+        if pid == 0:  # the child: exit status = the CLI's exit code, 98 for a late import, 99 for anything else
             code = 99
+            late: list[str] = []
+
+            class NoLateImports(importlib.abc.MetaPathFinder):
+                def find_spec(self, name, path, target=None):  # (a module already imported never gets here)
+                    late.append(name)
+                    raise ImportError(f"{name}: imported after dropping privileges")
+
             try:
-                os.setgid(nobody)
-                os.setuid(nobody)
                 from tiered_kv.cli.main import main
 
+                sys.meta_path.insert(0, NoLateImports())
+                os.setgid(nobody)
+                os.setuid(nobody)
                 code = main(["verify", "--store", str(where), "--json"])
             except BaseException:
                 traceback.print_exc()
             finally:
+                if late:
+                    print(f"imported after dropping privileges: {late}", file=sys.stderr)
+                    code = 98
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        out, _ = capfd.readouterr()
+        out, err = capfd.readouterr()
         after = _snapshot(where)
     finally:
         shutil.rmtree(top)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == ExitCode.FAILURE, out  # 1: the flipped record
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == ExitCode.FAILURE, out + err  # 1: the flipped record
     assert '"checked": %d' % (len(keep) + 1) in out and '"corrupt": 1' in out
     assert after == before
 

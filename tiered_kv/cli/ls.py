@@ -6,7 +6,7 @@
     tiered-kv ls --store lmdb:///var/cache/kv --prompts prompts.jsonl --salt tenant-a --json
 
 A resume point is a block boundary P (a multiple of the block size, 128 tokens) where the
-store holds every block of ``[0, P)`` and the state snapshot at P (ARCHITECTURE §3). For
+store holds every block of ``[0, P)`` and the state snapshot at P (docs/architecture.md §3). For
 each prompt ``ls`` lists them and the one ``cache.open`` would use on a cold cache: the
 longest, leaving at least one token to compute. That is the ``cached_tokens`` a
 ``warm-start`` of the same prompt reports. Only presence is checked (records are not

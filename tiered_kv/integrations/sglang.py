@@ -66,7 +66,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -84,7 +84,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from ..storage import (
     BlockStore,
-    EncryptionConfig,
     PutItem,
     RecordKey,
     StoreError,
@@ -93,8 +92,9 @@ from ..storage import (
     WriterKind,
     open_store,
 )
-from ..storage.crypto import default_tenant
+from ..storage.counters import Counters
 from ..storage.record import OutSegments
+from ._adapter import block_key, namespace_root, open_options
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "ClearRefusedError", "TieredKVHiCacheStorage"]
 
@@ -143,26 +143,11 @@ class _PoolBinding:
         return sum(self.buffer_bytes)
 
 
-@dataclass
-class _Counters:
-    """Page counters of one backend object (this process, since it was created)."""
-
-    pages_read: int = 0
-    pages_missed: int = 0        # absent, corrupt or foreign: the read returned False
-    pages_written: int = 0
-    pages_already_stored: int = 0
-    pages_write_failed: int = 0  # store full or failing
-    store_errors: int = 0        # calls the store failed (each failed call, not page)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+#: Page counters of one backend object (this process, since it was created), in order:
+#: pages_missed: absent, corrupt or foreign (the read returned False); pages_write_failed:
+#: store full or failing; store_errors: calls the store failed (each failed call, not page).
+_COUNTERS = ("pages_read", "pages_missed", "pages_written", "pages_already_stored", "pages_write_failed",
+             "store_errors")
 
 
 class _OpenStores:
@@ -318,11 +303,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise ValueError("extra_config['model_id'] or SGLang's model name: expected a non-empty model id "
                              "(pages are namespaced by model)")
         tenant = _config_str(extra, "tenant", "") or ""
-        store_options = dict(store_options)
-        if extra.get("encryption") is not None:
-            store_options["encryption"] = EncryptionConfig.parse(extra["encryption"],
-                                                                 name="extra_config['encryption']")
-        store_options = default_tenant(store_options, tenant) or {}
+        store_options = open_options(store_options, tenant=tenant, encryption=extra.get("encryption"),
+                                          name="extra_config['encryption']")
         self.storage_config = storage_config
         self.model_id = model_id
         self.tenant = tenant
@@ -336,7 +318,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._namespace_root = self._namespace(storage_config, model_id=model_id, tenant=tenant)
         self._bindings: dict[str, _PoolBinding] = {}
         self._lock = threading.Lock()
-        self._counters = _Counters()
+        self._counters = Counters(_COUNTERS)
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.store: BlockStore
@@ -374,8 +356,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
                  f"dcp{cfg.dcp_rank}/{cfg.dcp_size}"]
         if not cfg.is_mla_model:
             shard.append(f"tp{cfg.tp_rank}/{cfg.tp_size}")
-        parts = [b"tiered_kv.sglang.v1", model_id.encode(), tenant.encode(), "|".join(shard).encode()]
-        return hashlib.sha256(b"\0".join(parts)).digest()
+        return namespace_root(b"tiered_kv.sglang.v1", model_id, tenant, "|".join(shard))
 
     def _pool_roots(self, name: str, pool: Any, buffer_bytes: tuple[int, ...]) -> dict[_PageFormat, bytes]:
         cfg = self.storage_config
@@ -396,7 +377,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             if not isinstance(k, str):
                 raise TypeError(f"keys: expected str page keys, got {type(k).__name__}")
             kb = k.encode()
-            rkeys.append(RecordKey.block(sha256(root + kb).digest()))
+            rkeys.append(block_key(root, kb))
             digests.append(sha256(root + b"page\0" + kb).digest())
         return rkeys, digests
 

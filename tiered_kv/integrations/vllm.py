@@ -80,7 +80,6 @@ import inspect
 import json
 import logging
 import queue
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -117,7 +116,8 @@ from ..storage import (
     WriterKind,
     open_store,
 )
-from ..storage.crypto import default_tenant
+from ..storage.counters import Counters
+from ._adapter import block_key, display_url, namespace_root, open_options
 from .read_ahead import ReadAhead, Staged
 
 if TYPE_CHECKING:
@@ -175,8 +175,7 @@ class VllmKeyMapper:
             raise ValueError(f"tenant: expected a str, got {type(tenant).__name__}")
         canonical = json.dumps(layout_fields, sort_keys=True, separators=(",", ":")).encode()
         fingerprint = _FINGERPRINT_PREFIX + hashlib.sha256(canonical).hexdigest()[:_FINGERPRINT_HEX]
-        namespace = hashlib.sha256(b"\0".join([_NAMESPACE_TAG, model_id.encode(), tenant.encode(),
-                                               fingerprint.encode()])).digest()
+        namespace = namespace_root(_NAMESPACE_TAG, model_id, tenant, fingerprint)
         return cls(model_id=model_id, tenant=tenant, layout_fingerprint=fingerprint, namespace=namespace)
 
     @classmethod
@@ -192,7 +191,7 @@ class VllmKeyMapper:
         return cls.create(model_id=model if model_id is None else model_id, tenant=tenant, layout_fields=fields)
 
     def record_key(self, key: OffloadKey) -> RecordKey:
-        return RecordKey.block(hashlib.sha256(self.namespace + bytes(key)).digest())
+        return block_key(self.namespace, bytes(key))
 
     @staticmethod
     def key_digest(key: OffloadKey) -> bytes:
@@ -211,11 +210,6 @@ class TieredKVTierInfo(ConfigInfo):
     tiered_kv_io_threads: int
 
 
-def _display_url(store: str | Sequence[str]) -> str:
-    urls = [store] if isinstance(store, str) else list(store)
-    return ",".join(str(u).split("?", 1)[0] for u in urls)
-
-
 def _error_kind(exc: BaseException, store: BlockStore) -> str:
     """The ``error`` label of a failed job (TieredKVTierMetrics.ERROR_KINDS)."""
     if isinstance(exc, StoreFullError):
@@ -225,24 +219,6 @@ def _error_kind(exc: BaseException, store: BlockStore) -> str:
     if isinstance(exc, OSError):   # ConnectionError (ObjectStoreUnavailable), TimeoutError, EIO...
         return "unavailable"
     return "error"
-
-
-class _Counters:
-    """Thread-safe counters; :meth:`take` returns and resets them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple[str, ...]], int] = {}
-
-    def add(self, name: str, n: int = 1, labels: tuple[str, ...] = ()) -> None:
-        if n:
-            with self._lock:
-                self._values[(name, labels)] = self._values.get((name, labels), 0) + n
-
-    def take(self) -> dict[tuple[str, tuple[str, ...]], int]:
-        with self._lock:
-            values, self._values = self._values, {}
-        return values
 
 
 class _StoreLookup(AsyncLookupManager):
@@ -257,7 +233,7 @@ class _StoreLookup(AsyncLookupManager):
         try:
             found = tier.store.contains_many([tier.keys.record_key(k) for k in keys])
         except Exception:
-            tier.counters.add(TieredKVTierMetrics.LOOKUP_ERRORS)
+            tier.counters.add_to((TieredKVTierMetrics.LOOKUP_ERRORS, ()))
             raise   # AsyncLookupManager logs it and answers MISS for the batch
         if tier.read_ahead is not None:   # a hit is promoted next step: start reading it now
             tier.read_ahead.start([k for k, hit in zip(keys, found) if hit])
@@ -347,10 +323,8 @@ class TieredKVTier(SecondaryTierManager):
                              f"got shape {primary_kv_view.shape} format {primary_kv_view.format!r}")
         self.keys = VllmKeyMapper.from_offloading_spec(offloading_spec, chunk_bytes=self.block_size_bytes,
                                                        tenant=tenant, model_id=model_id)
-        options = dict(store_options or {})
-        if encryption is not None:
-            options["encryption"] = EncryptionConfig.parse(encryption, name="encryption")
-        options = default_tenant(options, tenant) or {}  # an encrypted level seals for this tenant
+        # an encrypted level seals for this tenant
+        options = open_options(store_options, tenant=tenant, encryption=encryption)
         if max_bytes is not None:
             if isinstance(store, str):
                 options["max_bytes"] = max_bytes
@@ -364,7 +338,7 @@ class TieredKVTier(SecondaryTierManager):
             self.store: BlockStore = open_store(store if isinstance(store, str) else list(store),
                                                 layout_fingerprint=self.keys.layout_fingerprint, **options)
         except LayoutMismatchError as exc:
-            raise _layout_mismatch(exc, _display_url(store), offloading_spec, self.block_size_bytes) from None
+            raise _layout_mismatch(exc, display_url(store), offloading_spec, self.block_size_bytes) from None
         #: ``[num_chunks, chunk_bytes] uint8``: the primary tier's buffer, row c = chunk c (vLLM
         #: exposes it as int8); shares its memory.
         self._rows: np.ndarray | None = np.asarray(primary_kv_view).view(np.uint8)
@@ -373,7 +347,7 @@ class TieredKVTier(SecondaryTierManager):
         if staging_rows:
             self.read_ahead = ReadAhead(self.store, chunk_bytes=self.block_size_bytes, capacity=staging_rows,
                                         record=lambda k: (self.keys.record_key(k), self.keys.key_digest(k)))
-        self._info = TieredKVTierInfo(tiered_kv_store=_display_url(store), tiered_kv_tenant=tenant,
+        self._info = TieredKVTierInfo(tiered_kv_store=display_url(store), tiered_kv_tenant=tenant,
                                       tiered_kv_namespace=self.keys.namespace.hex()[:16],
                                       tiered_kv_layout=self.keys.layout_fingerprint,
                                       tiered_kv_io_threads=io_threads)
@@ -385,7 +359,8 @@ class TieredKVTier(SecondaryTierManager):
             else:
                 log.warning("enable_kv_events is set on tier %r but KV cache events are disabled globally; "
                             "the tier emits none", tier_type)
-        self.counters = _Counters()
+        #: (Prometheus name, label values) -> count since the last get_stats
+        self.counters = Counters()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads,
                                                            thread_name_prefix="tiered_kv_vllm")
         # Written by pool threads, drained by get_finished_jobs() on the scheduler side.
@@ -446,8 +421,8 @@ class TieredKVTier(SecondaryTierManager):
             self._job_failed("store", job_id, keys, e)
             return
         n_written = sum(written)
-        self.counters.add(TieredKVTierMetrics.CHUNKS_STORED, n_written)
-        self.counters.add(TieredKVTierMetrics.CHUNKS_PRESENT, len(keys) - n_written)
+        self.counters.add_to((TieredKVTierMetrics.CHUNKS_STORED, ()), n_written)
+        self.counters.add_to((TieredKVTierMetrics.CHUNKS_PRESENT, ()), len(keys) - n_written)
         self._finished.put((JobResult(job_id=job_id, success=True, transfer_time=time.monotonic() - start,
                                       transfer_bytes=len(keys) * self.block_size_bytes), keys, False))
 
@@ -480,8 +455,8 @@ class TieredKVTier(SecondaryTierManager):
             self._job_failed("load", job_id, keys, e)
             return
         loaded = [k for k, h in zip(keys, hit) if h]
-        self.counters.add(TieredKVTierMetrics.CHUNKS_LOADED, len(loaded))
-        self.counters.add(TieredKVTierMetrics.LOAD_MISSES, len(keys) - len(loaded))
+        self.counters.add_to((TieredKVTierMetrics.CHUNKS_LOADED, ()), len(loaded))
+        self.counters.add_to((TieredKVTierMetrics.LOAD_MISSES, ()), len(keys) - len(loaded))
         ok = len(loaded) == len(keys)
         # A failed key's row holds unspecified bytes; vLLM frees it (complete_write(False)).
         result = JobResult(job_id=job_id, success=ok, successful_keys=None if ok else tuple(loaded),
@@ -504,7 +479,7 @@ class TieredKVTier(SecondaryTierManager):
 
     def _job_failed(self, what: str, job_id: JobId, keys: list[OffloadKey], exc: BaseException) -> None:
         kind = _error_kind(exc, self.store)
-        self.counters.add(TieredKVTierMetrics.JOB_ERRORS, 1, (kind,))
+        self.counters.add_to((TieredKVTierMetrics.JOB_ERRORS, (kind,)), 1)
         if kind == "error":
             log.error("tiered_kv %s job %s (%d chunks) failed", what, job_id, len(keys), exc_info=exc)
         else:
@@ -570,8 +545,8 @@ class TieredKVTier(SecondaryTierManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         if self.read_ahead is not None:
             ra = self.read_ahead.stats()
-            self.counters.add(TieredKVTierMetrics.CHUNKS_READ_AHEAD, ra.delivered)
-            self.counters.add(TieredKVTierMetrics.READ_AHEAD_DROPPED, ra.dropped)
+            self.counters.add_to((TieredKVTierMetrics.CHUNKS_READ_AHEAD, ()), ra.delivered)
+            self.counters.add_to((TieredKVTierMetrics.READ_AHEAD_DROPPED, ()), ra.dropped)
         values = self.counters.take()
         if not values:
             return None

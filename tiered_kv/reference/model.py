@@ -2,7 +2,7 @@
 
 It is the correctness oracle of every tier: :meth:`ReferenceModel.forward` runs through a
 :class:`~tiered_kv.cache.TieredKVCache` and :meth:`ReferenceModel.naive_logits` recomputes
-the same math from scratch; the two must agree (ARCHITECTURE §8).
+the same math from scratch; the two must agree (docs/architecture.md §8).
 
 Per layer (pre-norm residual)::
 

@@ -1,4 +1,4 @@
-"""Math shared by the cached and the naive reference paths (ARCHITECTURE §8).
+"""Math shared by the cached and the naive reference paths (docs/architecture.md §8).
 
 Everything is computed in float64 so that the cached path (chunks, gathers, other
 reduction orders) and the naive full recompute agree to ~1e-12 and the indexer's top-k
