@@ -94,7 +94,7 @@ from ..storage import (
 )
 from ..storage.counters import Counters
 from ..storage.record import OutSegments
-from ._adapter import block_key, namespace_root, open_options
+from ._adapter import block_key, display_url, namespace_root, open_options
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "ClearRefusedError", "TieredKVHiCacheStorage"]
 
@@ -325,7 +325,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self._store_ident: str | None
         writer = StoreWriter.of(WriterKind.SGLANG, model=model_id, tenant=tenant)  # (the tenant is hashed)
         self._store_ident, self.store = _STORES.acquire(store_url, store_options, writer)
-        logger.info("tiered_kv HiCache storage: store %r, model %r, tenant %r, %s calls", store_url, model_id,
+        logger.info("tiered_kv HiCache storage: store %r, model %r, tenant %r, %s calls", display_url(store_url), model_id,
                     tenant, "zero-copy v1" if self.interface_v1 else "legacy")
 
     @classmethod
