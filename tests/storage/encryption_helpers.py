@@ -112,3 +112,49 @@ def read_lmdb_record(path: Path, name: RecordKey) -> bytes:
     with open(path / "segments" / segment_name(loc.segment), "rb") as f:
         f.seek(loc.offset)
         return f.read(loc.length)
+
+
+def seal_legacy(master: bytes, tenant: bytes, *, key: RecordKey, parent_hash: bytes, token_digest: bytes,
+                layout_fingerprint: str, payload: np.ndarray) -> tuple[bytes, bytes, np.ndarray]:
+    """A version-1 envelope, as releases before keyed names wrote them (written from the
+    format they documented, independently of storage/crypto.py): AES-256-GCM under the
+    first half of HKDF(master, "tiered_kv/tenant-key/v1" NUL tenant), a 96-bit nonce, a
+    28-byte head. Returns the masked (parent hash, token digest) and the envelope."""
+    import hashlib
+    import struct
+
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    from tiered_kv.storage.record import fingerprint_field
+
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=None,
+               info=b"tiered_kv/tenant-key/v1\0" + tenant).derive(master)
+    nonce = os.urandom(12)
+    tag = hashlib.blake2b(nonce, key=okm[32:], digest_size=8, person=b"tkv-key-tag").digest()
+    head = struct.pack("<4sB3s8s12s", b"TKVE", 1, bytes(3), tag, nonce)
+    aad = b"".join((b"tiered_kv/record/v1\0", head[:16], bytes((int(key.kind),)), key.block_hash, parent_hash,
+                    token_digest, fingerprint_field(layout_fingerprint), tenant))
+    body = AESGCM(okm[:32]).encrypt(nonce, bytes(payload), aad)
+    mask = hashlib.blake2b(nonce, key=okm[32:], digest_size=64, person=b"tkv-header-mask").digest()
+
+    def xor(a: bytes, b: bytes) -> bytes:
+        return bytes(x ^ y for x, y in zip(a, b))
+
+    return xor(parent_hash, mask[:32]), xor(token_digest, mask[32:]), np.frombuffer(head + body, np.uint8)
+
+
+def write_legacy_level(store, master_file: str, tenant: str, items) -> None:
+    """Put ``items`` into ``store`` (a plain, unmarked backend) as an earlier release's
+    encrypted level held them: version-1 envelopes under the records' unkeyed keys."""
+    from tiered_kv.storage import PutItem
+
+    master = Path(master_file).read_bytes()
+    out = []
+    for it in items:
+        parent, digest, env = seal_legacy(master, tenant.encode(), key=it.key, parent_hash=it.parent_hash,
+                                          token_digest=it.token_digest, layout_fingerprint=store.layout_fingerprint,
+                                          payload=np.ascontiguousarray(it.payload).view(np.uint8).reshape(-1))
+        out.append(PutItem(it.key, parent, digest, env))
+    store.put_many(out)
