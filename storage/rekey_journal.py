@@ -265,7 +265,8 @@ class RekeyJournal:
                 meta = decode_record(buf, expect_key=key, expect_fingerprint=fp)
             except CorruptRecordError:
                 continue  # lost: never put back unverified
-            item = PutItem(key, meta.parent_hash, meta.token_digest, buf[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes])
+            payload = buf[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes]
+            item = PutItem(key, meta.parent_hash, meta.token_digest, payload)
             ok = True if authentic is None else authentic(item)
             if ok is None:
                 result.deferred = True

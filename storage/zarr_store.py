@@ -125,9 +125,9 @@ class ZarrStore(BlockStore):
     concurrently by this many threads (their fsyncs, reads or requests overlap).
     ``stale_partial_s``: age after which a scan removes a temporary file left by a killed
     writer. ``sealed``: the opener is an :class:`~.encrypted.EncryptedStore` (see
-    :mod:`.sealed_level`; :attr:`sealing` is what the store records). ``rescan_fraction``: see the module docstring. ``layout_fingerprint=None``: a
-    maintenance open of an existing store (see :func:`tiered_kv.storage.open_store`;
-    puts raise StoreError). ``writer``: recorded in ``zarr.json`` when the store is created.
+    :mod:`.sealed_level`; :attr:`sealing` is what the store records). ``rescan_fraction``:
+    see the module docstring. ``layout_fingerprint=None``: a maintenance open of an
+    existing store (see :func:`tiered_kv.storage.open_store`; puts raise StoreError). ``writer``: recorded in ``zarr.json`` when the store is created.
 
     ``s3_options`` (object stores only): ``timeout_s`` (default 5) and ``max_retries``
     (default 2) of :func:`~tiered_kv.storage.s3.open_object_store`, and with a URL the

@@ -143,10 +143,10 @@ def test_bucket_adversary_gets_misses_and_reads_nothing(server: SeaweedFS, url: 
     # 2. a record of the envelope's size, bytes of its own, valid checksum
     stolen = objects[names[1]]
     hdr = parse_header(stolen, len(stolen))
-    forged_env = encode_record(key=_stored(enc_a, items[1].key), parent_hash=hdr.parent_hash, token_digest=hdr.token_digest,
-                               layout_fingerprint=FP, payload=np.frombuffer(
-                                   stolen[HEADER_BYTES:HEADER_BYTES + HEAD_BYTES] + bytes(N + ENVELOPE_OVERHEAD - HEAD_BYTES),
-                                   np.uint8))
+    head = stolen[HEADER_BYTES:HEADER_BYTES + HEAD_BYTES]
+    forged_env = encode_record(key=_stored(enc_a, items[1].key), parent_hash=hdr.parent_hash,
+                               token_digest=hdr.token_digest, layout_fingerprint=FP,
+                               payload=np.frombuffer(head + bytes(N + ENVELOPE_OVERHEAD - HEAD_BYTES), np.uint8))
     obstore.put(bucket, names[1], bytes(forged_env))
     # 3. record 9's object copied under key 2, its header relabelled, its checksum fixed
     src = objects[names[9]]

@@ -230,7 +230,8 @@ def test_verify_checks_tags_and_repair_removes_only_what_no_key_holder_can_read(
         s.put_many([item_for(k, N) for k in keys[:4]])
     with open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc([b])) as s:
         s.put_many([item_for(k, N) for k in keys[4:]])  # another key's records: foreign to a
-    zpath(where, sealed_name([a], keys[0])).write_bytes(flip_ciphertext(zpath(where, sealed_name([a], keys[0])).read_bytes()))
+    forged = zpath(where, sealed_name([a], keys[0]))
+    forged.write_bytes(flip_ciphertext(forged.read_bytes()))
     with open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc([a])) as s:
         r = s.verify(payload_bytes=SIZES)
         assert (r["checked"], r["corrupt"], r["authenticated"], r["auth_failures"], r["foreign"]) == (6, 0, 3, 3, 2)

@@ -433,7 +433,7 @@ def test_an_encrypted_tier_seals_chunks_and_a_wrong_key_only_misses(tmp_path: Pa
     c = Engine(store, num_chunks=8, tenant="team-a", encryption={"key_files": [str(other)]})
     engines.append(c)
     assert c.load(keys) == {k: None for k in keys}
-    assert c.tier.store.stats()["auth_failures"] == 4
+    assert c.tier.store.stats()["auth_failures"] == 0  # (another key's names are elsewhere: plain misses)
     assert c.counter(tiered("LOAD_MISSES")) == 4
 
 
