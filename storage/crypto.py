@@ -323,12 +323,14 @@ class EncryptionConfig:
     (a :class:`~tiered_kv.TieredKVCache` uses its ``salt``, the engine adapters their
     ``tenant``), or taken from tenant key files; a store cannot be opened with neither.
     ``threads``: threads that decrypt and encrypt the records of one call in parallel
-    (default: the CPUs, up to 8).
+    (default: the CPUs, up to 8). ``default_tenant``: the tenant when neither ``tenant``
+    nor a tenant key file names one (set by :meth:`with_default_tenant`).
     """
 
     key_files: tuple[str, ...]
     tenant: str | bytes | None = None
     threads: int | None = None
+    default_tenant: str | bytes | None = None
 
     def __post_init__(self) -> None:
         files = self.key_files
@@ -336,8 +338,9 @@ class EncryptionConfig:
             raise ValueError(f"encryption key_files: expected a non-empty list of key file paths "
                              f"(current key first), got {files!r}")
         object.__setattr__(self, "key_files", tuple(os.fspath(f) for f in files))
-        if self.tenant is not None:
-            tenant_bytes(self.tenant)
+        for name in ("tenant", "default_tenant"):
+            if getattr(self, name) is not None:
+                tenant_bytes(getattr(self, name))
         t = self.threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t <= 0):
             raise ValueError(f"encryption threads: expected a positive int or None, got {t!r}")
@@ -359,10 +362,11 @@ class EncryptionConfig:
         return cls(key_files=value["key_files"], tenant=value.get("tenant"), threads=value.get("threads"))
 
     def with_default_tenant(self, tenant: str | bytes) -> EncryptionConfig:
-        """This config, with ``tenant`` filled in unless it names one already."""
+        """This config, with ``tenant`` the default: used unless it names one, or a tenant
+        key file among its key files does (which then serves its own tenant)."""
         if self.tenant is not None:
             return self
-        return EncryptionConfig(key_files=self.key_files, tenant=tenant, threads=self.threads)
+        return EncryptionConfig(key_files=self.key_files, threads=self.threads, default_tenant=tenant)
 
 
 def default_tenant(options: Mapping[str, Any] | None, tenant: str | bytes) -> dict[str, Any] | None:
@@ -519,7 +523,8 @@ class Keyring:
 
     @staticmethod
     def _tenant(config: EncryptionConfig, files: list[KeyFile]) -> bytes:
-        """The tenant given, else the one the tenant key files name (they must agree)."""
+        """The tenant given, else the one the tenant key files name (they must agree), else
+        the default (a cache's salt)."""
         named = {f.tenant for f in files if f.tenant is not None}
         if config.tenant is not None:
             return tenant_bytes(config.tenant)  # (a tenant file of another tenant raises when used)
@@ -528,6 +533,8 @@ class Keyring:
         if len(named) > 1:
             raise KeyFileError(f"key files {list(config.key_files)}: tenant key files of different tenants; "
                                f"expected one tenant")
+        if config.default_tenant is not None:
+            return tenant_bytes(config.default_tenant)
         raise ValueError("encryption tenant: expected a str or bytes naming whose keys seal the records "
                          "(TieredKVCache defaults it to its salt; open_store needs it given, or a tenant key "
                          "file that names it)")

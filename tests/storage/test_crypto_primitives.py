@@ -211,3 +211,19 @@ def test_the_associated_data_has_fixed_width_fields(tmp_path: Path) -> None:
                 (head, bytes(32), bytes(33), fp, "token digest"), (head, bytes(32), bytes(32), fp[:31], "fingerprint")):
         with pytest.raises(ValueError, match=f"associated data: .*{bad[4]}"):
             ring._aad(2, bad[0], k, bad[1], bad[2], bad[3])
+
+
+def test_a_default_tenant_yields_to_a_tenant_key_file(tmp_path: Path) -> None:
+    """A cache defaults the tenant to its salt; a tenant key file names its own, which wins
+    (the node serves that tenant), and an explicit tenant must match it."""
+    from tiered_kv.storage.crypto import default_tenant
+
+    master, acme = tmp_path / "m", tmp_path / "acme.key"
+    write_key_file(master)
+    write_tenant_key_file(acme, master, "acme")
+    opts = default_tenant({"encryption": {"key_files": [str(acme)]}}, "some-salt")
+    assert Keyring(opts["encryption"]).tenant == b"acme"
+    opts = default_tenant({"encryption": {"key_files": [str(master)]}}, "some-salt")
+    assert Keyring(opts["encryption"]).tenant == b"some-salt"
+    opts = default_tenant({"encryption": {"key_files": [str(master)], "tenant": "t"}}, "some-salt")
+    assert Keyring(opts["encryption"]).tenant == b"t"
