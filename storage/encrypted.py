@@ -39,8 +39,8 @@ records raises too.
 **Reads.** On a backend that streams (``supports_streamed_reads``: a Zarr store on S3),
 each envelope is opened on the backend's I/O thread as its response arrives, decrypted
 straight into the caller's buffer (or the pieces of a scatter list), with no staging
-copy: :meth:`~.base.BlockStore.read_each` and :class:`_EnvelopeSink`; the record's xxh3
-is not computed there, the tag covers every byte it covers. On the other backends (LMDB,
+copy (:meth:`~.base.BlockStore.read_each`, :class:`~.envelope_reads.EnvelopeSink`); the
+record's xxh3 is not computed there, the tag covers every byte it covers. On the other backends (LMDB,
 a local directory) the envelopes of one call are read, checksum-verified, in chunks of at
 most 8 MiB into reusable per-thread arenas, and opened on several threads, pipelined.
 
@@ -71,8 +71,6 @@ this handle has seen).
 
 from __future__ import annotations
 
-import enum
-import hmac
 import itertools
 import os
 import threading
@@ -91,12 +89,12 @@ from .crypto import (
     HEAD_BYTES,
     LEGACY_ENVELOPE_OVERHEAD,
     LEGACY_ENVELOPE_VERSION,
-    TAG_BYTES,
     EncryptionConfig,
     Keyring,
     Opened,
     envelope_version,
 )
+from .envelope_reads import EnvelopeSink, Opener, Outcome, Read, Skip, Target, zero
 from .errors import EncryptedLevelError, StoreError
 from .record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
 from .rekey_journal import JOURNAL_NAME, RekeyJournal, ReplayResult, default_journal_path, failpoint
@@ -117,35 +115,8 @@ T = TypeVar("T")
 J = TypeVar("J")
 
 
-class _Outcome(enum.Enum):
-    OK = "ok"
-    ABSENT = "absent"          # no record (or a corrupt one the backend dropped)
-    FOREIGN = "foreign"        # (a listing's read) an envelope under a key not given: kept
-    FORGED = "forged"          # not authentic where it is (see the module docstring): removed
-    DIGEST = "digest"          # authentic, but another token digest than asked: corrupt, removed
-    SKIPPED = "skipped"        # identified by its head, not decrypted (rekey, listings)
-    OTHER_SIZE = "other size"  # authentic at another size than asked (a caller's size): kept
-    INCOMPLETE = "incomplete"  # a streamed transfer that ended before its tag: a miss, kept
-
-
-@dataclass(slots=True)
-class _Read:
-    outcome: _Outcome
-    meta: RecordMeta | None = None
-    opened: Opened | None = None   # the envelope head, when it named a key of ours
-    key: RecordKey | None = None   # the record's key (a listing's read: from the name and head)
-    name: RecordKey | None = None  # where it was read
-
-    @property
-    def key_id(self) -> bytes | None:
-        return None if self.opened is None else self.opened.keys.key_id
-
-
-_ABSENT_OUTCOMES = (_Outcome.ABSENT,)
 #: A backend read of a record of another size than the envelope asked for.
 _WRONG_SIZE: Any = object()
-#: Decide on an identified envelope without decrypting it (rekey, listings): True = skip.
-Skip = Callable[[Opened], bool]
 
 
 @dataclass
@@ -201,218 +172,6 @@ def _joined(payload: Any) -> np.ndarray:
     return views[0] if len(views) == 1 else np.concatenate(views) if views else np.empty(0, np.uint8)
 
 
-def _zero(segs: Sequence[np.ndarray]) -> None:
-    for seg in segs:
-        seg.fill(0)
-
-
-def _digest_ok(asked: bytes | None, found: bytes) -> bool:
-    return asked is None or hmac.compare_digest(bytes(asked), found)
-
-
-class _Target:
-    """What one read is for: the record ``key`` (None: whatever a listed ``name`` holds,
-    its key taken from the name and the key that sealed it) under key generation ``gen``
-    (the one ``name`` belongs to; None with ``key`` None), the caller's out ``segs``, the
-    token digest asked, and ``skip`` (see :data:`Skip`)."""
-
-    __slots__ = ("name", "key", "gen", "segs", "digest", "skip")
-
-    def __init__(self, name: RecordKey, key: RecordKey | None, gen: int | None, segs: Any, digest: bytes | None,
-                 skip: Skip | None) -> None:
-        self.name, self.key, self.gen, self.segs, self.digest, self.skip = name, key, gen, segs, digest, skip
-
-
-class _Opener:
-    """The decision every read path shares: what an envelope head means for a target, its
-    associated data, and the outcome of a tag."""
-
-    def __init__(self, store: EncryptedStore) -> None:
-        self.keyring = store.keyring
-        self.fingerprint = store.layout_fingerprint
-
-    def identify(self, t: _Target, head: Any, meta: RecordMeta, env_bytes: int) -> tuple[_Read | None, Opened | None,
-                                                                                        RecordKey | None]:
-        """``(decided read or None, opened head, the record's key)``: None read = decrypt it."""
-        opened = self.keyring.identify(head, meta.parent_hash, meta.token_digest)
-        if opened is None:
-            if t.key is None and envelope_version(head) in (ENVELOPE_VERSION, LEGACY_ENVELOPE_VERSION):
-                return _Read(_Outcome.FOREIGN, name=t.name), None, None  # another tenant's or key's: kept
-            return _Read(_Outcome.FORGED, name=t.name), None, None
-        if t.key is None:
-            key = opened.keys.key_of(t.name) if opened.version == ENVELOPE_VERSION else t.name
-        else:
-            key = t.key
-            if opened.gen != t.gen or opened.version != ENVELOPE_VERSION:
-                return _Read(_Outcome.FORGED, opened=opened, name=t.name), None, None  # not this name's envelope
-        if env_bytes != t.segs.nbytes + opened.overhead:
-            return _Read(_Outcome.FORGED, opened=opened, name=t.name), None, None  # (version and size disagree)
-        if t.skip is not None and t.skip(opened):
-            return _Read(_Outcome.SKIPPED, opened=opened, key=key, name=t.name), opened, key
-        return None, opened, key
-
-    def aad(self, opened: Opened, key: RecordKey) -> bytes:
-        return self.keyring.aad(opened, key, self.fingerprint)
-
-    def decided(self, t: _Target, opened: Opened, key: RecordKey, authentic: bool) -> _Read:
-        if not authentic:
-            return _Read(_Outcome.FORGED, opened=opened, key=key, name=t.name)
-        if not _digest_ok(t.digest, opened.token_digest):
-            return _Read(_Outcome.DIGEST, opened=opened, key=key, name=t.name)
-        meta = RecordMeta(key=key, parent_hash=opened.parent_hash, token_digest=opened.token_digest,
-                          layout_fingerprint=self.fingerprint, payload_bytes=t.segs.nbytes)
-        return _Read(_Outcome.OK, meta, opened, key, t.name)
-
-
-class _EnvelopeSink:
-    """Opens one envelope as a streaming backend hands it over (a
-    :class:`~.base.PayloadSink`, on the backend's I/O thread), straight into the target's
-    out pieces: no staging copy, no second pass over the bytes.
-
-    An envelope that arrives in one chunk into a one-piece out (an object store's response
-    usually is one chunk) is opened in one call; otherwise the head names the key and
-    nonce, each ciphertext chunk is decrypted into the out pieces as it arrives (a
-    streaming GCM decryptor) and the tag, last, decides. Plaintext is written before the
-    tag is checked: unless the outcome is authentic the out pieces are zeroed, whether
-    the tag failed, the transfer ended short (:meth:`finish` without the whole envelope:
-    an explicit check, not an assertion) or the read was cancelled (:meth:`discard`). A
-    lock orders each write with :meth:`discard`: once it returns, no byte lands."""
-
-    __slots__ = ("_opener", "_t", "_meta", "_env_bytes", "_lock", "_cancelled", "_head", "_found", "_key",
-                 "_dec", "_tag", "_left", "_piece", "_pos", "_wrote", "_read")
-
-    def __init__(self, opener: _Opener, t: _Target, meta: RecordMeta, env_bytes: int) -> None:
-        self._opener = opener
-        self._t = t
-        self._meta = meta              # the backend's header fields (parent hash, digest: masked)
-        self._env_bytes = env_bytes    # the envelope's size, as the backend will hand it over
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._head = bytearray()
-        self._found: Opened | None = None
-        self._key: RecordKey | None = None
-        self._dec: Any = None          # the streaming decryptor, once the head named a key of ours
-        self._tag = bytearray()
-        self._left = 0                 # ciphertext bytes still to come, once the head is read
-        self._piece = 0                # the out piece, and the offset in it, of the next byte
-        self._pos = 0
-        self._wrote = False
-        self._read: _Read | None = None  # the outcome, once decided
-
-    def write(self, chunk: np.ndarray) -> bool:
-        with self._lock:
-            if self._cancelled or self._read is not None:
-                return False
-            try:
-                return self._write(chunk)
-            except BaseException:
-                self._zero()
-                raise
-
-    def _write(self, chunk: np.ndarray) -> bool:
-        if self._dec is None:
-            segs = self._t.segs
-            if not self._head and len(segs) == 1 and chunk.nbytes == self._env_bytes:
-                self._open_whole(chunk)
-                return False
-            while True:  # the version byte (offset 4) says how long the head is
-                want = 5 if len(self._head) < 5 else self._head_bytes()
-                take = want - len(self._head)
-                if take <= 0:
-                    break
-                self._head += memoryview(chunk[:take])
-                chunk = chunk[take:]
-                if len(self._head) < want:
-                    return True
-            decided, opened, key = self._opener.identify(self._t, self._head, self._meta, self._env_bytes)
-            if decided is not None:
-                self._decide(decided)
-                return False
-            assert opened is not None and key is not None
-            self._found, self._key = opened, key
-            self._dec = self._opener.keyring.decryptor(opened, self._opener.aad(opened, key))
-            self._left = segs.nbytes
-        n = min(self._left, chunk.nbytes)
-        if n:
-            self._decrypt(chunk[:n])
-            self._left -= n
-            chunk = chunk[n:]
-        if chunk.nbytes:
-            if len(self._tag) + chunk.nbytes > TAG_BYTES:
-                self._decide(_Read(_Outcome.FORGED, name=self._t.name))  # (more than the envelope)
-                return False
-            self._tag += memoryview(chunk)
-        return True
-
-    def _head_bytes(self) -> int:
-        """The head's size, from the version byte (anything else: read as a v2 head, which
-        then names no key)."""
-        return 28 if self._head[4] == LEGACY_ENVELOPE_VERSION else HEAD_BYTES
-
-    def _open_whole(self, env: np.ndarray) -> None:
-        """The whole envelope at once, into the one out piece."""
-        decided, opened, key = self._opener.identify(self._t, env[:HEAD_BYTES], self._meta, self._env_bytes)
-        if decided is not None:
-            self._decide(decided)
-            return
-        assert opened is not None and key is not None
-        self._wrote = True
-        ok = self._opener.keyring.open_into(opened, env[opened.head_bytes:], self._opener.aad(opened, key),
-                                            self._t.segs[0])
-        self._decide(self._opener.decided(self._t, opened, key, ok))
-
-    def _decrypt(self, data: np.ndarray) -> None:
-        self._wrote = True
-        segs = self._t.segs
-        while data.nbytes:
-            dst = segs[self._piece]
-            room = dst.nbytes - self._pos
-            if not room:
-                self._piece += 1
-                self._pos = 0
-                continue
-            n = min(room, data.nbytes)
-            self._dec.update_into(data[:n], dst[self._pos:self._pos + n])
-            self._pos += n
-            data = data[n:]
-
-    def _decide(self, read: _Read) -> None:
-        self._read = read
-        if read.outcome is not _Outcome.OK:
-            self._zero()
-
-    def _zero(self) -> None:
-        if self._t.key is not None or self._wrote:  # (a listing's scratch buffer: only if written)
-            _zero(self._t.segs)
-
-    def finish(self) -> _Read:
-        from cryptography.exceptions import InvalidTag
-
-        with self._lock:
-            if self._read is None:
-                found, key = self._found, self._key
-                if self._cancelled or found is None or key is None or self._left or len(self._tag) != TAG_BYTES:
-                    self._decide(_Read(_Outcome.INCOMPLETE, name=self._t.name))  # (cut short, or cancelled)
-                else:
-                    try:
-                        self._dec.finalize_with_tag(bytes(self._tag))
-                    except InvalidTag:
-                        authentic = False
-                    else:
-                        authentic = True
-                    self._decide(self._opener.decided(self._t, found, key, authentic))
-            assert self._read is not None
-            return self._read
-
-    def discard(self) -> None:
-        """Cancel: no byte lands after this returns; the out pieces are zeroed unless they
-        hold an authenticated payload."""
-        with self._lock:
-            self._cancelled = True
-            if self._read is None or self._read.outcome is not _Outcome.OK:
-                self._zero()
-
-
 class EncryptedStore(BlockStore):
     """``inner`` with every payload sealed under ``encryption`` and every record under a
     keyed name (see the module docstring).
@@ -454,7 +213,7 @@ class EncryptedStore(BlockStore):
         self._counters = _Counters()
         self._sizes: dict[RecordKind, int] = {}  # payload size of each kind, as seen
         self._guard: EvictionGuard | None = None
-        self._opener = _Opener(self)
+        self._opener = Opener(self)
         self._closed = inner.closed
         self._adopt_level(migrate)
         self._replayed = self._replay_rekey_journal()  # (reported by this handle's next rekey)
@@ -537,10 +296,10 @@ class EncryptedStore(BlockStore):
         todo = [(n, s) for n, s in zip(names, sizes) if s is not None and s >= ENVELOPE_OVERHEAD]
         for start in range(0, len(todo), 64):
             chunk = todo[start:start + 64]
-            targets = [_Target(n, None, None, as_out_segments(np.empty(s - ENVELOPE_OVERHEAD, np.uint8)), None,
+            targets = [Target(n, None, None, as_out_segments(np.empty(s - ENVELOPE_OVERHEAD, np.uint8)), None,
                                lambda opened: True) for n, s in chunk]
             for r in self._read_targets(targets, [s for _, s in chunk]):
-                if r.outcome is _Outcome.SKIPPED and r.opened is not None and r.key is not None \
+                if r.outcome is Outcome.SKIPPED and r.opened is not None and r.key is not None \
                         and r.opened.version == ENVELOPE_VERSION:
                     out.append(r.key)
         return out
@@ -732,87 +491,87 @@ class EncryptedStore(BlockStore):
         self._count(reads)
         return [r.meta for r in reads]
 
-    def _count(self, reads: list[_Read]) -> None:
-        hits = sum(r.outcome is _Outcome.OK for r in reads)
-        auth = sum(r.outcome in (_Outcome.FOREIGN, _Outcome.FORGED) for r in reads)
-        corrupt = sum(r.outcome is _Outcome.DIGEST for r in reads)
+    def _count(self, reads: list[Read]) -> None:
+        hits = sum(r.outcome is Outcome.OK for r in reads)
+        auth = sum(r.outcome in (Outcome.FOREIGN, Outcome.FORGED) for r in reads)
+        corrupt = sum(r.outcome is Outcome.DIGEST for r in reads)
         self._counters.add(hits=hits, misses=len(reads) - hits, auth_failures=auth, corrupt=corrupt)
 
     def _read(self, keys: list[RecordKey], segs: list[Any], digests: list[bytes | None], *,
-              remove: bool = True) -> list[_Read]:
+              remove: bool = True) -> list[Read]:
         """Read, authenticate and decrypt record ``keys[i]`` into ``segs[i]``
         (OutSegments): at its name under the current key, then, where absent, under each
         older key's. ``remove``: remove what is not authentic at our names (FORGED,
         DIGEST)."""
-        reads = [_Read(_Outcome.ABSENT)] * len(keys)
+        reads = [Read(Outcome.ABSENT)] * len(keys)
         todo = list(range(len(keys)))
         for gen, k in enumerate(self.keyring.keys):
             if not todo:
                 break
-            targets = [_Target(k.name(keys[i]), keys[i], gen, segs[i], digests[i], None) for i in todo]
+            targets = [Target(k.name(keys[i]), keys[i], gen, segs[i], digests[i], None) for i in todo]
             for i, r in zip(todo, self._read_targets(targets, [segs[i].nbytes + ENVELOPE_OVERHEAD for i in todo])):
                 reads[i] = r
-            todo = [i for i in todo if reads[i].outcome is _Outcome.ABSENT]
+            todo = [i for i in todo if reads[i].outcome is Outcome.ABSENT]
         for i, r in enumerate(reads):
-            if r.outcome is _Outcome.OTHER_SIZE:
+            if r.outcome is Outcome.OTHER_SIZE:
                 reads[i] = self._other_size(keys[i], segs[i], r)
         if remove:
             self._remove(reads)
         return reads
 
-    def _remove(self, reads: Sequence[_Read]) -> None:
+    def _remove(self, reads: Sequence[Read]) -> None:
         """Delete what no reader can use (FORGED, DIGEST) where it was read."""
         if self.readonly:
             return
         removed = 0
         for r in reads:
-            if r.outcome in (_Outcome.FORGED, _Outcome.DIGEST) and r.name is not None:
+            if r.outcome in (Outcome.FORGED, Outcome.DIGEST) and r.name is not None:
                 try:
                     gone = self._inner.delete(r.name)
                 except (StoreError, OSError):
                     gone = False  # still a miss on every read; the next reader tries again
-                removed += gone and r.outcome is _Outcome.FORGED
+                removed += gone and r.outcome is Outcome.FORGED
         self._counters.add(auth_removed=removed)
 
-    def _other_size(self, key: RecordKey, segs: Any, r: _Read) -> _Read:
+    def _other_size(self, key: RecordKey, segs: Any, r: Read) -> Read:
         """A record of another size than asked at ``key``'s name: authenticated at its own
         size. Authentic: a miss, kept (the caller asked for the wrong size); else FORGED
         (removed: pollution cannot squat the name). The caller's out is zeroed."""
-        _zero(segs)
+        zero(segs)
         assert r.name is not None
         n = self._inner.payload_sizes([r.name])[0]
         if n is None:
-            return _Read(_Outcome.ABSENT, name=r.name)
+            return Read(Outcome.ABSENT, name=r.name)
         if n < ENVELOPE_OVERHEAD:
-            return _Read(_Outcome.FORGED, name=r.name)
+            return Read(Outcome.FORGED, name=r.name)
         if n - ENVELOPE_OVERHEAD > _OTHER_SIZE_MAX:
             return r
         gen = next(g for g, k in enumerate(self.keyring.keys) if k.name(key) == r.name)
         scratch = np.zeros(n - ENVELOPE_OVERHEAD, np.uint8)
         try:
-            got = self._read_targets([_Target(r.name, key, gen, as_out_segments(scratch), None, None)], [n])[0]
+            got = self._read_targets([Target(r.name, key, gen, as_out_segments(scratch), None, None)], [n])[0]
         finally:
             scratch.fill(0)
-        if got.outcome is _Outcome.OK:
-            return _Read(_Outcome.OTHER_SIZE, opened=got.opened, key=key, name=r.name)
-        return got if got.outcome is not _Outcome.OTHER_SIZE else r
+        if got.outcome is Outcome.OK:
+            return Read(Outcome.OTHER_SIZE, opened=got.opened, key=key, name=r.name)
+        return got if got.outcome is not Outcome.OTHER_SIZE else r
 
-    def _read_targets(self, targets: list[_Target], env_sizes: list[int]) -> list[_Read]:
+    def _read_targets(self, targets: list[Target], env_sizes: list[int]) -> list[Read]:
         """Each target's record read at envelope size ``env_sizes[i]`` and opened."""
         if self._inner.supports_streamed_reads:
             return self._read_streamed(targets, env_sizes)
         return self._read_chunked(targets, env_sizes)
 
-    def _read_streamed(self, targets: list[_Target], env_sizes: list[int]) -> list[_Read]:
+    def _read_streamed(self, targets: list[Target], env_sizes: list[int]) -> list[Read]:
         """:meth:`_read_targets` on a backend that streams (an object store): each envelope
         opened on the backend's I/O thread as its response arrives (see
-        :class:`_EnvelopeSink`); nothing is staged, nothing hashed twice."""
-        sinks: list[_EnvelopeSink | None] = [None] * len(targets)
+        :class:`EnvelopeSink`); nothing is staged, nothing hashed twice."""
+        sinks: list[EnvelopeSink | None] = [None] * len(targets)
         lock = threading.Lock()
         cancelled = False
 
-        def open_sink(i: int, meta: RecordMeta) -> _EnvelopeSink:
-            sink = _EnvelopeSink(self._opener, targets[i], meta, env_sizes[i])
+        def open_sink(i: int, meta: RecordMeta) -> EnvelopeSink:
+            sink = EnvelopeSink(self._opener, targets[i], meta, env_sizes[i])
             with lock:
                 sinks[i] = sink
                 if cancelled:  # (an I/O thread still going after the call was given up)
@@ -829,20 +588,20 @@ class EncryptedStore(BlockStore):
                 if sink is not None:
                     sink.discard()
                 elif targets[i].key is not None:
-                    _zero(targets[i].segs)
+                    zero(targets[i].segs)
             raise
         reads = []
         for t, r in zip(targets, results):
             if r is Unread.ABSENT:
-                r = _Read(_Outcome.ABSENT, name=t.name)
+                r = Read(Outcome.ABSENT, name=t.name)
             elif r is Unread.OTHER_SIZE:
-                r = _Read(_Outcome.OTHER_SIZE, name=t.name)
-            elif r.outcome is _Outcome.OK:
+                r = Read(Outcome.OTHER_SIZE, name=t.name)
+            elif r.outcome is Outcome.OK:
                 self._sizes.setdefault(t.name.kind, t.segs.nbytes)
             reads.append(r)
         return reads
 
-    def _read_chunked(self, targets: list[_Target], env_sizes: list[int]) -> list[_Read]:
+    def _read_chunked(self, targets: list[Target], env_sizes: list[int]) -> list[Read]:
         """:meth:`_read_targets` on a backend that reads whole records (LMDB, a local
         directory).
 
@@ -851,14 +610,14 @@ class EncryptedStore(BlockStore):
         arena; the last chunk is opened by the pool and this thread together. A failure
         (the backend raising) waits for the chunk in flight first: no pool thread is left
         writing into a caller's buffer."""
-        reads = [_Read(_Outcome.ABSENT, name=t.name) for t in targets]
+        reads = [Read(Outcome.ABSENT, name=t.name) for t in targets]
 
-        def open_one(job: tuple[int, np.ndarray, RecordMeta]) -> tuple[int, _Read]:
+        def open_one(job: tuple[int, np.ndarray, RecordMeta]) -> tuple[int, Read]:
             i, env, m = job
             return i, self._open(targets[i], env, m)
 
         chunks = list(self._chunks(env_sizes))
-        inflight: list[Future[list[tuple[int, _Read]]]] = []
+        inflight: list[Future[list[tuple[int, Read]]]] = []
         try:
             for n, chunk in enumerate(chunks):
                 offs = [0, *itertools.accumulate(env_sizes[i] for i in chunk)]
@@ -867,7 +626,7 @@ class EncryptedStore(BlockStore):
                 jobs = []
                 for i, env, m in zip(chunk, envs, self._inner_get([targets[i].name for i in chunk], envs)):
                     if m is _WRONG_SIZE:
-                        reads[i] = _Read(_Outcome.OTHER_SIZE, name=targets[i].name)
+                        reads[i] = Read(Outcome.OTHER_SIZE, name=targets[i].name)
                     elif m is not None:
                         jobs.append((i, env, m))
                 done = self._gather(inflight)  # chunk n-1 opened: its arena is free for chunk n+1
@@ -878,13 +637,13 @@ class EncryptedStore(BlockStore):
                     inflight = self._submit(open_one, jobs)
                 for i, r in done:
                     reads[i] = r
-                    if r.outcome is _Outcome.OK:
+                    if r.outcome is Outcome.OK:
                         self._sizes.setdefault(targets[i].name.kind, targets[i].segs.nbytes)
         except BaseException:
             _drain(inflight)
             for t, r in zip(targets, reads):
-                if t.key is not None and r.outcome is not _Outcome.OK:
-                    _zero(t.segs)
+                if t.key is not None and r.outcome is not Outcome.OK:
+                    zero(t.segs)
             raise
         return reads
 
@@ -902,20 +661,20 @@ class EncryptedStore(BlockStore):
                     out.append(_WRONG_SIZE)
             return out
 
-    def _open(self, t: _Target, env: np.ndarray, m: RecordMeta) -> _Read:
+    def _open(self, t: Target, env: np.ndarray, m: RecordMeta) -> Read:
         """One whole envelope (read and checksum-verified by the backend) opened into the
         target's out; the out is zeroed unless the outcome is authentic, an exception in
         flight included."""
         try:
             r = self._open_checked(t, env, m)
         except BaseException:
-            _zero(t.segs)
+            zero(t.segs)
             raise
-        if r.outcome is not _Outcome.OK and (t.key is not None or r.outcome is not _Outcome.SKIPPED):
-            _zero(t.segs)
+        if r.outcome is not Outcome.OK and (t.key is not None or r.outcome is not Outcome.SKIPPED):
+            zero(t.segs)
         return r
 
-    def _open_checked(self, t: _Target, env: np.ndarray, m: RecordMeta) -> _Read:
+    def _open_checked(self, t: Target, env: np.ndarray, m: RecordMeta) -> Read:
         decided, opened, key = self._opener.identify(t, env[:HEAD_BYTES], m, env.nbytes)
         if decided is not None:
             return decided
@@ -926,7 +685,7 @@ class EncryptedStore(BlockStore):
         try:
             ok = self.keyring.open_into(opened, env[opened.head_bytes:], self._opener.aad(opened, key), dst)
             r = self._opener.decided(t, opened, key, ok)
-            if r.outcome is _Outcome.OK and not single:
+            if r.outcome is Outcome.OK and not single:
                 write_segments(segs, dst)
         finally:
             if not single:
@@ -935,14 +694,14 @@ class EncryptedStore(BlockStore):
 
     # ------------------------------------------------------------------ listing reads
     def _read_names(self, names: list[RecordKey], payload_bytes: list[int], *, skip: Skip | None = None
-                    ) -> tuple[list[_Read], list[np.ndarray]]:
+                    ) -> tuple[list[Read], list[np.ndarray]]:
         """Read what each listed name holds, as a record of ``payload_bytes[i]`` (this
         version's envelope, else an earlier version's of that payload size), into fresh
         buffers: ``(reads, buffers)``. Removes nothing."""
         bufs = [np.empty(n, np.uint8) for n in payload_bytes]
-        targets = [_Target(name, None, None, as_out_segments(b), None, skip) for name, b in zip(names, bufs)]
+        targets = [Target(name, None, None, as_out_segments(b), None, skip) for name, b in zip(names, bufs)]
         reads = self._read_targets(targets, [n + ENVELOPE_OVERHEAD for n in payload_bytes])
-        legacy = [i for i, r in enumerate(reads) if r.outcome is _Outcome.OTHER_SIZE]
+        legacy = [i for i, r in enumerate(reads) if r.outcome is Outcome.OTHER_SIZE]
         if legacy:
             got = self._read_targets([targets[i] for i in legacy],
                                      [payload_bytes[i] + LEGACY_ENVELOPE_OVERHEAD for i in legacy])
@@ -950,7 +709,7 @@ class EncryptedStore(BlockStore):
                 reads[i] = r
         return reads, bufs
 
-    def _scan(self, sizes: Mapping[RecordKind, int], visit: Callable[[RecordKey, _Read, np.ndarray], None], *,
+    def _scan(self, sizes: Mapping[RecordKind, int], visit: Callable[[RecordKey, Read, np.ndarray], None], *,
               remove: bool, skip: Skip | None = None, batch: int = 64,
               progress: Callable[[int, int], None] | None = None) -> int:
         """Read every stored name of a kind in ``sizes``, ``batch`` per call, and call
@@ -963,7 +722,7 @@ class EncryptedStore(BlockStore):
             chunk = todo[start:start + batch]
             reads, bufs = self._read_names(chunk, [sizes[n.kind] for n in chunk], skip=skip)
             if remove:
-                self._remove([r for r in reads if r.outcome is _Outcome.FORGED])
+                self._remove([r for r in reads if r.outcome is Outcome.FORGED])
             for name, r, buf in zip(chunk, reads, bufs):
                 visit(name, r, buf)
             if progress is not None:
@@ -1075,17 +834,17 @@ class EncryptedStore(BlockStore):
         failed: list[str] = []
         counts = {"authenticated": 0, "foreign": 0, "legacy": 0, "unchecked": 0, "auth_removed": 0}
 
-        def visit(name: RecordKey, r: _Read, payload: np.ndarray) -> None:
-            if r.outcome is _Outcome.OK:
+        def visit(name: RecordKey, r: Read, payload: np.ndarray) -> None:
+            if r.outcome is Outcome.OK:
                 assert r.key_id is not None and r.opened is not None
                 counts["authenticated"] += 1
                 counts["legacy"] += r.opened.version == LEGACY_ENVELOPE_VERSION
                 per_key[r.key_id.hex()] = per_key.get(r.key_id.hex(), 0) + 1
-            elif r.outcome in (_Outcome.FOREIGN, _Outcome.FORGED):
+            elif r.outcome in (Outcome.FOREIGN, Outcome.FORGED):
                 failed.append(name.to_bytes().hex())
-                counts["foreign"] += r.outcome is _Outcome.FOREIGN
-                counts["auth_removed"] += r.outcome is _Outcome.FORGED and repair and not self.readonly
-            elif r.outcome is _Outcome.OTHER_SIZE:
+                counts["foreign"] += r.outcome is Outcome.FOREIGN
+                counts["auth_removed"] += r.outcome is Outcome.FORGED and repair and not self.readonly
+            elif r.outcome is Outcome.OTHER_SIZE:
                 counts["unchecked"] += 1
             payload.fill(0)
 
@@ -1100,7 +859,7 @@ class EncryptedStore(BlockStore):
         keys = [k for k in keys if k.kind in payload_bytes]
         segs = [as_out_segments(np.empty(payload_bytes[k.kind], np.uint8)) for k in keys]
         reads = self._read(keys, segs, [None] * len(keys), remove=False)
-        return [r.key_id if r.outcome is _Outcome.OK else None for r in reads]
+        return [r.key_id if r.outcome is Outcome.OK else None for r in reads]
 
     def describe(self, sample: int = 16) -> dict[str, Any]:
         """What ``tiered-kv stats`` shows of a level it has the keys of: of the first
@@ -1122,12 +881,12 @@ class EncryptedStore(BlockStore):
                 reads, bufs = self._read_names(group, [n - overhead] * len(group))
                 for r, b in zip(reads, bufs):
                     b.fill(0)
-                    if r.outcome is _Outcome.OK and r.opened is not None and r.opened.version == version:
+                    if r.outcome is Outcome.OK and r.opened is not None and r.opened.version == version:
                         per_key[r.key_id.hex()] = per_key.get(r.key_id.hex(), 0) + 1  # type: ignore[union-attr]
                         counts["sampled_legacy"] += version == LEGACY_ENVELOPE_VERSION
-                    elif version == ENVELOPE_VERSION and r.outcome is _Outcome.FOREIGN:
+                    elif version == ENVELOPE_VERSION and r.outcome is Outcome.FOREIGN:
                         counts["sampled_foreign"] += 1
-                    elif version == ENVELOPE_VERSION and r.outcome is _Outcome.FORGED:
+                    elif version == ENVELOPE_VERSION and r.outcome is Outcome.FORGED:
                         counts["sampled_unauthentic"] += 1
         return {**counts, "sampled_by_key": per_key}
 
@@ -1188,23 +947,23 @@ class EncryptedStore(BlockStore):
             current = opened.gen == 0 and opened.version == ENVELOPE_VERSION
             return current or (drop_old and opened.gen > 0)
 
-        def visit(name: RecordKey, r: _Read, payload: np.ndarray) -> None:
+        def visit(name: RecordKey, r: Read, payload: np.ndarray) -> None:
             report.checked += 1
-            if r.outcome is _Outcome.SKIPPED:
+            if r.outcome is Outcome.SKIPPED:
                 assert r.opened is not None
                 if r.opened.gen == 0 and r.opened.version == ENVELOPE_VERSION:
                     report.current += 1
                 else:
                     doomed.append(name)
-            elif r.outcome is _Outcome.OK:
+            elif r.outcome is Outcome.OK:
                 assert r.meta is not None and r.key is not None and r.opened is not None
                 pending.append((name, PutItem(r.key, r.meta.parent_hash, r.meta.token_digest, payload),
                                 r.opened.version == LEGACY_ENVELOPE_VERSION))
-            elif r.outcome is _Outcome.FOREIGN:
+            elif r.outcome is Outcome.FOREIGN:
                 report.foreign += 1
-            elif r.outcome is _Outcome.FORGED:
+            elif r.outcome is Outcome.FORGED:
                 report.failed += 1
-            elif r.outcome is _Outcome.OTHER_SIZE:
+            elif r.outcome is Outcome.OTHER_SIZE:
                 report.unchecked += 1  # (of neither size a record of its kind has)
             else:
                 report.absent += 1
@@ -1235,7 +994,7 @@ class EncryptedStore(BlockStore):
         """One batch of :meth:`rekey`: seal, journal, remove the old names, put, forget."""
         sealed = self._seal([item for _, item, _ in batch])
         for _, item, _ in batch:
-            _zero([_joined(item.payload)])  # (the plaintext of the batch is not kept)
+            zero([_joined(item.payload)])  # (the plaintext of the batch is not kept)
         rj.write(sealed, self.layout_fingerprint)
         n = rj.writes
         failpoint("rekey-journaled", n)

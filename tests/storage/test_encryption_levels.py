@@ -48,7 +48,6 @@ from tiered_kv.storage import (  # noqa: E402
     open_store,
 )
 from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
-from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES, parse_header  # noqa: E402
 
 N = 20_000
 SIZES = {RecordKind.BLOCK: N, RecordKind.SNAPSHOT: N}
@@ -317,7 +316,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     """The sink of a streamed read: a transfer that ends before the tag is a miss (an
     explicit check, no assertion), a discard (the read given up) zeroes the out and no
     later write lands, and an envelope fed in odd pieces opens exactly."""
-    from tiered_kv.storage.encrypted import _EnvelopeSink, _Outcome, _Target
+    from tiered_kv.storage.envelope_reads import EnvelopeSink, Outcome, Target
 
     files = key_files(tmp_path, "a")
     raw = _RawStore()
@@ -330,14 +329,14 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
                       payload_bytes=env.nbytes)
     from tiered_kv.storage.record import as_out_segments
 
-    def sink(out: np.ndarray) -> _EnvelopeSink:
-        return _EnvelopeSink(s._opener, _Target(name, key, 0, as_out_segments(out), None, None), meta, env.nbytes)
+    def sink(out: np.ndarray) -> EnvelopeSink:
+        return EnvelopeSink(s._opener, Target(name, key, 0, as_out_segments(out), None, None), meta, env.nbytes)
 
     out = np.full(N, 0x5A, np.uint8)
     k = sink(out)
     for a, b in ((0, 3), (3, 41), (41, 5000), (5000, env.nbytes)):
         assert k.write(env[a:b]) or b == env.nbytes
-    assert k.finish().outcome is _Outcome.OK
+    assert k.finish().outcome is Outcome.OK
     np.testing.assert_array_equal(out, payload_for(key, N))
     out = np.full(N, 0x5A, np.uint8)
     k = sink(out)
@@ -345,7 +344,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     k.write(env[40:N // 2])
     assert out[:100].any()  # plaintext written before the tag could be checked
     r = k.finish()  # the transfer ended here
-    assert r.outcome is _Outcome.INCOMPLETE and not out.any()
+    assert r.outcome is Outcome.INCOMPLETE and not out.any()
     out = np.full(N, 0x5A, np.uint8)
     k = sink(out)
     k.write(env[:40])
@@ -353,7 +352,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     k.discard()  # the read was given up (an exception, a timeout)
     assert not out.any()
     assert k.write(env[N // 2:]) is False and not out.any()  # nothing lands after a discard
-    assert k.finish().outcome is _Outcome.INCOMPLETE
+    assert k.finish().outcome is Outcome.INCOMPLETE
 
 
 # ------------------------------------------------------------------ lookups, listings, rotation
