@@ -222,6 +222,10 @@ class TenantKeys:
     legacy_blind: bytes = field(repr=False)
     #: names computed lately (a hot prefix is looked up again and again): key -> name
     _names: dict[RecordKey, RecordKey] = field(default_factory=dict, repr=False)
+    #: keyed BLAKE2b states of the key tag and the mask, copied per envelope (the key block
+    #: is absorbed once, not per call)
+    _tag_state: Any = field(default=None, repr=False)
+    _mask_state: Any = field(default=None, repr=False)
 
     @classmethod
     def of(cls, secret: bytes, *, key_id: bytes, source: str = "") -> TenantKeys:
@@ -232,17 +236,25 @@ class TenantKeys:
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"tenant secret: expected {SECRET_BYTES} bytes")
         okm = HKDF(algorithm=hashes.SHA256(), length=96, salt=None, info=_KEYS_INFO).derive(bytes(secret))
+        blind = okm[64:]
         return cls(key_id=key_id, source=source, xaes=Xaes256Gcm(okm[:32]), names=KeyedNames(okm[32:64]),
-                   blind_key=okm[64:], legacy_aead=AESGCM(secret[:32]), legacy_key=bytes(secret[:32]),
-                   legacy_blind=bytes(secret[32:]))
+                   blind_key=blind, legacy_aead=AESGCM(secret[:32]), legacy_key=bytes(secret[:32]),
+                   legacy_blind=bytes(secret[32:]),
+                   _tag_state=hashlib.blake2b(key=blind, digest_size=KEY_TAG_BYTES, person=_TAG_PERSON),
+                   _mask_state=hashlib.blake2b(key=blind, digest_size=MASK_BYTES, person=_MASK_PERSON))
 
     def key_tag(self, nonce: bytes) -> bytes:
-        """The key tag of an envelope with ``nonce``."""
-        return hashlib.blake2b(nonce, key=self.blind_key, digest_size=KEY_TAG_BYTES, person=_TAG_PERSON).digest()
+        """The key tag of an envelope with ``nonce``: BLAKE2b-64 keyed by the blinding key."""
+        h = self._tag_state.copy()
+        h.update(nonce)
+        return h.digest()
 
     def mask(self, nonce: bytes) -> bytes:
-        """The 64-byte mask of the header's parent hash and token digest."""
-        return hashlib.blake2b(nonce, key=self.blind_key, digest_size=MASK_BYTES, person=_MASK_PERSON).digest()
+        """The 64-byte mask of the header's parent hash and token digest: BLAKE2b-512
+        keyed by the blinding key."""
+        h = self._mask_state.copy()
+        h.update(nonce)
+        return h.digest()
 
     def legacy_key_tag(self, nonce: bytes) -> bytes:
         return hashlib.blake2b(nonce, key=self.legacy_blind, digest_size=KEY_TAG_BYTES,

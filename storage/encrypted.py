@@ -872,22 +872,23 @@ class EncryptedStore(BlockStore):
         sizes = self._inner.payload_sizes(names)
         per_key: dict[str, int] = {}
         counts = {"sampled": len(names), "sampled_foreign": 0, "sampled_unauthentic": 0, "sampled_legacy": 0}
-        for n in sorted({s for s in sizes if s is not None}):  # one call per stored size
+        for n in sorted({s for s in sizes if s is not None and s >= ENVELOPE_OVERHEAD}):  # one call per size
             group = [name for name, s in zip(names, sizes) if s == n]
-            for version, overhead in ((ENVELOPE_VERSION, ENVELOPE_OVERHEAD),
-                                      (LEGACY_ENVELOPE_VERSION, LEGACY_ENVELOPE_OVERHEAD)):
-                if n < overhead:
-                    continue
-                reads, bufs = self._read_names(group, [n - overhead] * len(group))
-                for r, b in zip(reads, bufs):
-                    b.fill(0)
-                    if r.outcome is Outcome.OK and r.opened is not None and r.opened.version == version:
-                        per_key[r.key_id.hex()] = per_key.get(r.key_id.hex(), 0) + 1  # type: ignore[union-attr]
-                        counts["sampled_legacy"] += version == LEGACY_ENVELOPE_VERSION
-                    elif version == ENVELOPE_VERSION and r.outcome is Outcome.FOREIGN:
-                        counts["sampled_foreign"] += 1
-                    elif version == ENVELOPE_VERSION and r.outcome is Outcome.FORGED:
-                        counts["sampled_unauthentic"] += 1
+            reads, bufs = self._read_names(group, [n - ENVELOPE_OVERHEAD] * len(group))
+            older = [i for i, r in enumerate(reads) if r.outcome is Outcome.OTHER_SIZE]  # (version 1: 44 bytes)
+            for i, r in zip(older, self._read_targets(
+                    [Target(group[i], None, None, as_out_segments(np.empty(n - LEGACY_ENVELOPE_OVERHEAD, np.uint8)),
+                            None, None) for i in older], [n] * len(older))):
+                reads[i] = r
+            for r, b in zip(reads, bufs):
+                b.fill(0)
+                if r.outcome is Outcome.OK and r.opened is not None:
+                    per_key[r.opened.keys.key_id.hex()] = per_key.get(r.opened.keys.key_id.hex(), 0) + 1
+                    counts["sampled_legacy"] += r.opened.version == LEGACY_ENVELOPE_VERSION
+                elif r.outcome is Outcome.FOREIGN:
+                    counts["sampled_foreign"] += 1
+                elif r.outcome is Outcome.FORGED:
+                    counts["sampled_unauthentic"] += 1
         return {**counts, "sampled_by_key": per_key}
 
     def rekey_journal(self, journal: str | os.PathLike[str] | None = None) -> RekeyJournal:

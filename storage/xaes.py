@@ -49,14 +49,18 @@ def _dbl(block: bytes) -> bytes:
 class Xaes256Gcm:
     """XAES-256-GCM under one 32-byte key: :meth:`aead` gives the AES-256-GCM of a nonce."""
 
-    __slots__ = ("_key", "_k1", "_local")
+    __slots__ = ("_key", "_p1", "_p2", "_k1_tail", "_local")
 
     def __init__(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
             raise ValueError(f"XAES-256-GCM key: expected {KEY_BYTES} bytes")
         self._key = bytes(key)
         self._local = threading.local()
-        self._k1 = int.from_bytes(_dbl(self._ecb().update(bytes(16))), "big")
+        k1 = _dbl(self._ecb().update(bytes(16)))
+        # M_i xor K1 = (prefix_i xor K1[:4]) || (N[:12] xor K1[4:]): the prefixes precomputed
+        self._p1 = bytes(a ^ b for a, b in zip(_M1, k1[:4]))
+        self._p2 = bytes(a ^ b for a, b in zip(_M2, k1[:4]))
+        self._k1_tail = int.from_bytes(k1[4:], "big")
 
     def _ecb(self) -> Any:
         """This thread's AES-256-ECB encryptor under the key (ECB holds no state between
@@ -72,10 +76,8 @@ class Xaes256Gcm:
         """The 32-byte AES-256-GCM key of ``nonce`` (24 bytes)."""
         if len(nonce) != NONCE_BYTES:
             raise ValueError(f"XAES-256-GCM nonce: expected {NONCE_BYTES} bytes, got {len(nonce)}")
-        n = int.from_bytes(nonce[:12], "big")
-        m1 = (int.from_bytes(_M1, "big") << 96 | n) ^ self._k1
-        m2 = (int.from_bytes(_M2, "big") << 96 | n) ^ self._k1
-        return self._ecb().update(m1.to_bytes(16, "big") + m2.to_bytes(16, "big"))
+        tail = (int.from_bytes(nonce[:12], "big") ^ self._k1_tail).to_bytes(12, "big")
+        return self._ecb().update(b"".join((self._p1, tail, self._p2, tail)))
 
     def aead(self, nonce: bytes) -> tuple[Any, bytes]:
         """``(AESGCM under the subkey, its 12-byte nonce)`` of ``nonce``."""

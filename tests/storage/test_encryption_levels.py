@@ -105,7 +105,8 @@ def test_a_level_of_an_earlier_version_is_refused_until_rekey_migrates_it(tmp_pa
         assert read_all(s, keys) == [None] * len(keys)  # not served under unkeyed names
         v = s.verify(payload_bytes=SIZES)
         assert (v["authenticated"], v["legacy"], v["auth_failures"]) == (8, 8, 0)
-        assert s.describe()["sampled_legacy"] == 8
+        d = s.describe()
+        assert (d["sampled_legacy"], d["sampled_unauthentic"], d["sampled_foreign"]) == (8, 0, 0)
         report = s.rekey(SIZES, batch=3)
         assert (report.migrated, report.opened_old, report.failed, report.checked) == (8, 8, 0, 8)
     with open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc(files)) as s:
