@@ -44,6 +44,8 @@ from tiered_kv.storage import (  # noqa: E402
     RecordKey,
     RecordKind,
     RecordMeta,
+    StoreWriter,
+    WriterKind,
     ZarrStore,
     open_store,
 )
@@ -96,12 +98,16 @@ def test_a_level_of_an_earlier_version_is_refused_until_rekey_migrates_it(tmp_pa
     files = key_files(tmp_path, "a")
     where = tmp_path / "old"
     keys = [make_key(i) for i in range(7)] + [make_key(0, kind=RecordKind.SNAPSHOT)]
-    with ZarrStore(where, layout_fingerprint=FP) as plain:
+    writer = StoreWriter.of(WriterKind.CACHE, model="m", tenant="acme")  # (earlier versions recorded its hash)
+    with ZarrStore(where, layout_fingerprint=FP, writer=writer) as plain:
         write_legacy_level(plain, files[0], "acme", [item_for(k, N) for k in keys])
+    assert json.loads((where / "zarr.json").read_text())["attributes"]["tiered_kv"]["writer"]["tenant_sha256"]
     with pytest.raises(EncryptedLevelError, match=r"earlier version .*`tiered-kv rekey --store URL --key-file"):
         open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc(files))
     with open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc(files), migrate=True) as s:
         assert s.sealing is not None  # marked at once: plain writers are refused from now on
+        attrs = json.loads((where / "zarr.json").read_text())["attributes"]["tiered_kv"]
+        assert attrs["encryption"] == s.sealing and attrs["writer"]["tenant_sha256"] is None  # the tenant hash dropped
         assert read_all(s, keys) == [None] * len(keys)  # not served under unkeyed names
         v = s.verify(payload_bytes=SIZES)
         assert (v["authenticated"], v["legacy"], v["auth_failures"]) == (8, 8, 0)
