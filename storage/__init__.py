@@ -25,6 +25,7 @@ Any level can seal its records for one tenant (AES-256-GCM, :class:`EncryptedSto
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from .base import BlockStore, PutItem
 from .errors import (
     CorruptRecordError,
+    EncryptedLevelError,
     IndexDamagedError,
     LayoutMismatchError,
     RecordCheck,
@@ -70,6 +72,7 @@ __all__ = [
     "BlockStore",
     "CorruptRecordError",
     "DeferredLevel",
+    "EncryptedLevelError",
     "EncryptedStore",
     "EncryptionConfig",
     "FORMAT_VERSION",
@@ -143,7 +146,7 @@ StoreSpec = str | os.PathLike[str] | BlockStore
 
 
 def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str | None,
-               writer: StoreWriter | None = None, **options: Any) -> BlockStore:
+               writer: StoreWriter | None = None, migrate: bool = False, **options: Any) -> BlockStore:
     """Open (creating if needed) the block store at ``url``.
 
     ``lmdb:///abs/path`` -> :class:`LmdbStore`, ``zarr:///abs/path`` -> :class:`ZarrStore`,
@@ -152,8 +155,12 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
     ``AWS_SECRET_ACCESS_KEY`` or the ``access_key_id`` / ``secret_access_key`` options).
     ``options`` go to the backend (e.g. ``max_bytes``, ``timeout_s``), except
     ``encryption``: an :class:`EncryptionConfig` or its dict (``{"key_files": [current,
-    older...], "tenant": "..."}``) seals every record under the tenant's key
-    (:class:`EncryptedStore` around the backend; see docs/shared-store.md). An unknown
+    older...], "tenant": "..."}``) seals every record under the tenant's key and names it
+    by a keyed name (:class:`EncryptedStore` around the backend; see docs/shared-store.md).
+    A level created so records that it is sealed, and opening it for writing without
+    ``encryption`` raises :class:`EncryptedLevelError`; ``migrate=True`` (with
+    ``encryption``) opens a level sealed by an earlier version, with unkeyed names, for
+    ``rekey`` to migrate (otherwise EncryptedLevelError names that command). An unknown
     option is a :class:`TypeError` that lists the backend's. ``timeout_s`` bounds calls to
     an object store; a local store (LMDB, a Zarr directory) makes none and accepts it
     without effect, so one set of options serves a local store and a chain alike.
@@ -174,18 +181,29 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
         return open_chain(url, layout_fingerprint=layout_fingerprint, **options)
     if isinstance(url, BlockStore):
         raise TypeError("url: expected a URL or path (an open BlockStore is used as it is)")
+    if "sealed" in options:
+        raise TypeError("sealed: set by the encryption option (a sealed level is opened with its keys)")
     encryption = options.pop("encryption", None)
     if encryption is not None:
         from .crypto import EncryptionConfig, Keyring
         from .encrypted import EncryptedStore
 
         keyring = Keyring(EncryptionConfig.parse(encryption))  # checked before anything is created
-        inner = open_store(url, layout_fingerprint=layout_fingerprint, **options)
+        if options.get("writer") is not None:  # (an encrypted level records no hash of its tenant)
+            options["writer"] = dataclasses.replace(options["writer"], tenant_sha256=None)
+        inner = _open_backend(url, layout_fingerprint, {**options, "sealed": True})
         try:
-            return EncryptedStore(inner, keyring)
+            return EncryptedStore(inner, keyring, migrate=migrate)
         except BaseException:
             inner.close()
             raise
+    if migrate:
+        raise ValueError("migrate: expected with encryption (it opens a sealed level of an earlier version)")
+    return _open_backend(url, layout_fingerprint, options)
+
+
+def _open_backend(url: StoreSpec, layout_fingerprint: str | None, options: dict[str, Any]) -> BlockStore:
+    """The backend :func:`open_store` selects for ``url`` (a str or path)."""
     s = os.fspath(url)
     if not isinstance(s, str):
         raise TypeError(f"url: expected a str or path, got {type(url).__name__}")

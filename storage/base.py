@@ -191,6 +191,8 @@ class BlockStore(abc.ABC):
     #: Opened with ``layout_fingerprint=None``: bound to whatever fingerprint the store
     #: holds, for maintenance (stats, verify, gc, delete, reads); puts raise StoreError.
     maintenance: bool = False
+    #: What the store records about sealing (:mod:`.sealed_level`): None for a plain level.
+    sealing: dict[str, str] | None = None
     _closed: bool = True
 
     @property
@@ -308,6 +310,21 @@ class BlockStore(abc.ABC):
         store failing mid-transfer raises (a sink may then have taken part of a payload).
         """
         raise NotImplementedError(f"{type(self).__name__}: no streamed reads (supports_streamed_reads is False)")
+
+    def name_of(self, key: RecordKey) -> RecordKey:
+        """The key the backend stores ``key``'s record under: ``key`` itself, except on an
+        encrypted level (its keyed name: :meth:`~.encrypted.EncryptedStore.name_of`)."""
+        return key
+
+    def names(self) -> Iterator[RecordKey]:
+        """The stored names (:meth:`name_of` of each record), listed without reading any
+        record: the keys themselves, except on an encrypted level."""
+        return iter(self)
+
+    def record_sealing(self) -> None:
+        """Record that this store is a sealed level (:mod:`.sealed_level`); backends that
+        can hold a sealed level implement it."""
+        raise NotImplementedError(f"{type(self).__name__}: cannot record that it is a sealed level")
 
     # --------------------------------------------------------------- helpers
     def put(self, item: PutItem) -> bool:

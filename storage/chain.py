@@ -618,11 +618,14 @@ class StoreChain(BlockStore):
         local = list(self._near)
         out = {"local_records": len(local), "queued": 0, "present": 0, "levels_skipped": 0}
         for level in self._far:
-            listed = self._call_far(level, "list", lambda s: set(s))
+            # a far level's listing is of its stored names (an encrypted level's are keyed):
+            # the local keys are compared by the names that level gives them
+            listed = self._call_far(level, "list", lambda s: (s, set(s.names())))
             if listed is _SKIPPED:
                 out["levels_skipped"] += 1
                 continue
-            missing = [key for key in local if key not in listed]
+            far, names = listed
+            missing = [key for key in local if far.name_of(key) not in names]
             out["present"] += len(local) - len(missing)
             sizes = ([payload_bytes[key.kind] for key in missing] if payload_bytes is not None
                      else self._near.payload_sizes(missing))

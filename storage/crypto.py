@@ -1,61 +1,85 @@
-"""Keys and sealing of tenant-encrypted records (AES-256-GCM); the store is :mod:`.encrypted`.
+"""Keys, key files and envelopes of tenant-encrypted records; the store is :mod:`.encrypted`.
 
 A level configured with ``encryption`` stores each payload as an *envelope* inside an
-ordinary record (:mod:`.record`, its xxh3 checksum and identity checks unchanged)::
+ordinary record (:mod:`.record`: its header, xxh3 checksum and identity checks
+unchanged), under a *keyed name* (:mod:`.names`) instead of the record's key::
 
     offset  size  field                 (little-endian)
     ------  ----  --------------------------------------------------------------------
          0     4  magic                 b"TKVE"
-         4     1  envelope version      u8, = ENVELOPE_VERSION
+         4     1  envelope version      u8, = ENVELOPE_VERSION (2)
          5     3  reserved              zero
-         8     8  key tag               blinded key id: keyed BLAKE2b(tenant key, nonce)[:8]
-        16    12  nonce                 random, 96 bits, fresh for every record
-        28     P  ciphertext            AES-256-GCM of the payload (P bytes)
-      28+P    16  GCM tag
+         8     8  key tag               keyed BLAKE2b(blinding key, nonce)[:8]
+        16    24  nonce                 random, 192 bits, fresh for every envelope
+        40     P  ciphertext            XAES-256-GCM of the payload (P bytes, :mod:`.xaes`)
+      40+P    16  GCM tag
 
-The record's ``parent_hash`` and ``token_digest`` header fields hold those values XORed
-with a per-record mask (keyed BLAKE2b of the nonce): a bucket reader cannot confirm a
-guessed block of tokens from its digest, nor link a record to its parent.
+The record header's key field holds the keyed name, and its ``parent_hash`` and
+``token_digest`` fields hold those values XORed with a per-envelope mask (keyed BLAKE2b
+of the nonce): a bucket reader learns no prefix hash (not from the name, the parent link
+or the digest) and cannot confirm a guessed block of tokens.
 
-**Keys.** A *master key* is a file of exactly 32 random bytes, readable by its owner
-only (``tiered-kv keygen PATH`` writes one). A tenant's keys are derived from it with
-HKDF-SHA256 (``info = "tiered_kv/tenant-key/v1" NUL tenant``, 64 bytes): the first 32
-are the AES-256-GCM key, the last 32 the *blinding key* of the key tags and masks.
+**Keys.** A *master key* is a file of exactly 32 random bytes (``tiered-kv keygen PATH``).
+A tenant's *secret* is HKDF-SHA256 of it (``info = "tiered_kv/tenant-key/v1" NUL
+tenant``, 64 bytes), and the tenant's keys are HKDF-SHA256 of the secret (``info =
+"tiered_kv/tenant-keys/v2" NUL``, 96 bytes): the XAES-256-GCM key, the name key
+(:mod:`.names`), and the *blinding key* of the key tags and masks. A *tenant key file*
+(``tiered-kv keygen --tenant T --from MASTER PATH``) holds one tenant's secret and name,
+not the master key: a node given it serves that tenant and can derive no other's keys.
+Key files (their formats and checks) are :mod:`.key_files`.
 
-**What the associated data binds.** The record's key (kind and prefix hash), its parent
-hash and token digest, the layout fingerprint, the envelope head (magic, version, key
-tag) and the tenant. So a ciphertext moved under another key, relabelled, read with
-another layout or by another tenant fails its tag.
+**What the associated data binds** (each field of fixed width, the tenant
+length-prefixed): the envelope head (magic, version, key tag; the nonce is bound by GCM
+itself), the record's kind and *real* block hash (so the object's name, a permutation of
+it under the key, is bound too), its parent hash and token digest, the layout
+fingerprint and the tenant. So a ciphertext moved under another name or key, relabelled,
+read with another layout or by another tenant fails its tag.
 
 **Key ids.** :attr:`TenantKeys.key_id` names a master key to operators (stats, CLI):
-``SHA-256("tiered_kv/key-id/v1" NUL master)[:8]``; it reveals nothing about the key and
-is the same for every tenant and node. It is *not* stored in records: an envelope
-carries a key tag instead, which a holder of the tenant's keys recognises (one keyed
-hash per key it holds, no trial decryption: rotation needs no guessing) and which looks
-random to anyone else, so a bucket reader cannot group records by tenant or by key.
+``SHA-256("tiered_kv/key-id/v1" NUL master)[:8]``; it reveals nothing about the key, is
+the same for every tenant and node, and a tenant key file carries its master's. It is
+*not* stored in records: an envelope carries a key tag instead, which a holder of the
+tenant's keys recognises (one keyed hash per key it holds) and which looks random to
+anyone else, so a bucket reader cannot group records by tenant or by key.
 
-**Nonces.** 96 random bits per record. NIST SP 800-38D bounds random-nonce GCM to
-2^32 messages per key (collision probability below 2^-32): :data:`MAX_RECORDS_PER_KEY`
-records per (master key, tenant). At 0.5 MB a record that is ~2 PB written per tenant
-under one master key; rotate the master key (``key_files=[new, old]`` and ``tiered-kv
-rekey``) well before that.
+**Nonces.** 192 random bits per envelope, XAES-256-GCM (:mod:`.xaes`): a subkey per
+nonce, so no realistic volume of seals approaches a bound (after 2^48 envelopes under
+one tenant key the chance of any repeated subkey and nonce pair is below 2^-96). Seals
+cannot be counted across a fleet (many nodes seal, uploads are retried, promotions and
+rekey seal again), so the bound is made unreachable rather than counted.
+
+**Version 1** envelopes (earlier releases: 96-bit nonces, AES-256-GCM under the tenant
+secret's first 32 bytes, records named by their unkeyed key) are only ever opened by
+``rekey``, which moves them to version 2 under keyed names (see :mod:`.encrypted`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import importlib.util
 import os
-import stat
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .record import RecordKey, fingerprint_field
+from .key_files import (
+    KEY_FILE_BYTES,
+    SECRET_BYTES,
+    KeyFile,
+    KeyFileError,
+    load_key_file,
+    read_key_file,
+    tenant_bytes,
+    write_key_file,
+    write_tenant_key_file,
+)
+from .names import KeyedNames
+from .record import FINGERPRINT_BYTES, RecordKey, fingerprint_field
+from .xaes import Xaes256Gcm
 
 __all__ = [
     "ENVELOPE_MAGIC",
@@ -64,123 +88,65 @@ __all__ = [
     "EncryptionConfig",
     "HEAD_BYTES",
     "KEY_FILE_BYTES",
+    "KeyFile",
     "KeyFileError",
     "Keyring",
-    "MAX_RECORDS_PER_KEY",
+    "LEGACY_ENVELOPE_OVERHEAD",
     "TAG_BYTES",
     "TenantKeys",
+    "load_key_file",
     "read_key_file",
+    "tenant_bytes",
     "write_key_file",
+    "write_tenant_key_file",
 ]
 
-KEY_FILE_BYTES = 32
-NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_TAG_BYTES = 8
 ENVELOPE_MAGIC = b"TKVE"
-ENVELOPE_VERSION = 1
-_HEAD = struct.Struct("<4sB3s8s12s")
+ENVELOPE_VERSION = 2
+NONCE_BYTES = 24
+_HEAD = struct.Struct("<4sB3s8s24s")
 #: Bytes before the ciphertext: magic, version, reserved, key tag, nonce.
-HEAD_BYTES = _HEAD.size  # 28
+HEAD_BYTES = _HEAD.size  # 40
 #: An envelope's size beyond its payload: head + GCM tag.
-ENVELOPE_OVERHEAD = HEAD_BYTES + TAG_BYTES  # 44
-#: Records sealed under one (master key, tenant) before the random-nonce bound of NIST
-#: SP 800-38D (collision probability <= 2^-32) is reached.
-MAX_RECORDS_PER_KEY = 2**32
+ENVELOPE_OVERHEAD = HEAD_BYTES + TAG_BYTES  # 56
+#: Version 1 (earlier releases): a 96-bit nonce; read only by rekey, to migrate.
+LEGACY_ENVELOPE_VERSION = 1
+_LEGACY_HEAD = struct.Struct("<4sB3s8s12s")
+LEGACY_HEAD_BYTES = _LEGACY_HEAD.size  # 28
+LEGACY_ENVELOPE_OVERHEAD = LEGACY_HEAD_BYTES + TAG_BYTES  # 44
 #: Bytes of the masked header fields (parent hash, token digest).
 MASK_BYTES = 64
-
-_TENANT_INFO = b"tiered_kv/tenant-key/v1\0"
-_KEY_ID_LABEL = b"tiered_kv/key-id/v1\0"
-_AAD_LABEL = b"tiered_kv/record/v1\0"
-_TAG_PERSON = b"tkv-key-tag"
-_MASK_PERSON = b"tkv-header-mask"
-
-
-class KeyFileError(ValueError):
-    """A master key file is missing, has the wrong size, or others may read it."""
-
-
-# ------------------------------------------------------------------ key files
-def read_key_file(path: str | os.PathLike[str]) -> bytes:
-    """The 32-byte master key in file ``path``.
-
-    The file must be a regular file of exactly 32 bytes that neither its group nor
-    others may read or write (mode ``0o600`` or stricter). Raises :class:`KeyFileError`
-    naming what is wrong.
-    """
-    p = Path(os.fspath(path)).expanduser()
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise KeyFileError(f"key file {p}: no such file (expected 32 random bytes; "
-                           f"`tiered-kv keygen {p}` writes one)") from None
-    except OSError as e:
-        raise KeyFileError(f"key file {p}: cannot open it ({e.strerror}); expected a regular file "
-                           f"readable by this user") from None
-    try:
-        st = os.fstat(fd)  # of the file opened, not of whatever the path names now
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"key file {p}: expected a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise KeyFileError(f"key file {p}: mode {mode:04o} lets its group or others access it; "
-                               f"expected owner-only (chmod 600 {p})")
-        data = os.read(fd, KEY_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) != KEY_FILE_BYTES:
-        got = f"{len(data)} bytes" if len(data) <= KEY_FILE_BYTES else "more"
-        raise KeyFileError(f"key file {p}: expected exactly {KEY_FILE_BYTES} random bytes, got {got}")
-    return data
-
-
-def write_key_file(path: str | os.PathLike[str]) -> str:
-    """Create ``path`` (mode 0o600, never overwriting) holding 32 fresh random bytes;
-    returns the new key's id (hex). FileExistsError if ``path`` exists."""
-    p = Path(os.fspath(path)).expanduser()
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        key = os.urandom(KEY_FILE_BYTES)
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return key_id_of(key).hex()
-
-
-def key_id_of(master: bytes) -> bytes:
-    """The public 8-byte id of a master key (see the module docstring)."""
-    return hashlib.sha256(_KEY_ID_LABEL + master).digest()[:8]
-
-
-def tenant_bytes(tenant: str | bytes) -> bytes:
-    """A tenant name as the bytes keys are derived from (str: UTF-8)."""
-    if isinstance(tenant, str):
-        return tenant.encode("utf-8")
-    if isinstance(tenant, (bytes, bytearray)):
-        return bytes(tenant)
-    raise TypeError(f"tenant: expected a str or bytes, got {type(tenant).__name__}")
-
+#: Names a tenant key keeps computed (about 200 bytes each).
+_NAME_CACHE = 1 << 16
+_KEYS_INFO = b"tiered_kv/tenant-keys/v2\0"
+_AAD_LABEL = b"tiered_kv/record/v2\0"
+_LEGACY_AAD_LABEL = b"tiered_kv/record/v1\0"
+_TAG_PERSON = b"tkv-key-tag-v2"
+_MASK_PERSON = b"tkv-mask-v2"
+_LEGACY_TAG_PERSON = b"tkv-key-tag"
+_LEGACY_MASK_PERSON = b"tkv-header-mask"
 
 # ------------------------------------------------------------------ configuration
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EncryptionConfig:
     """What a store level needs to seal and open records.
 
-    ``key_files``: master key files, the current one first (new writes use it), then
-    older ones still accepted for reading. ``tenant``: whose keys (derived from each
-    master key); ``None`` until a caller supplies its default (a
-    :class:`~tiered_kv.TieredKVCache` uses its ``salt``, the engine adapters their
-    ``tenant``); a store cannot be opened with ``None``. ``threads``: threads that
-    decrypt and encrypt the records of one call in parallel (default: the CPUs, up
-    to 8).
+    ``key_files``: key files (master keys or tenant key files), the current one first
+    (new writes use it), then older ones still accepted for reading. ``tenant``: whose
+    keys (derived from each master key); ``None`` until a caller supplies its default
+    (a :class:`~tiered_kv.TieredKVCache` uses its ``salt``, the engine adapters their
+    ``tenant``), or taken from tenant key files; a store cannot be opened with neither.
+    ``threads``: threads that decrypt and encrypt the records of one call in parallel
+    (default: the CPUs, up to 8). ``default_tenant``: the tenant when neither ``tenant``
+    nor a tenant key file names one (set by :meth:`with_default_tenant`).
     """
 
     key_files: tuple[str, ...]
     tenant: str | bytes | None = None
     threads: int | None = None
+    default_tenant: str | bytes | None = None
 
     def __post_init__(self) -> None:
         files = self.key_files
@@ -188,8 +154,9 @@ class EncryptionConfig:
             raise ValueError(f"encryption key_files: expected a non-empty list of key file paths "
                              f"(current key first), got {files!r}")
         object.__setattr__(self, "key_files", tuple(os.fspath(f) for f in files))
-        if self.tenant is not None:
-            tenant_bytes(self.tenant)
+        for name in ("tenant", "default_tenant"):
+            if getattr(self, name) is not None:
+                tenant_bytes(getattr(self, name))
         t = self.threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t <= 0):
             raise ValueError(f"encryption threads: expected a positive int or None, got {t!r}")
@@ -211,10 +178,11 @@ class EncryptionConfig:
         return cls(key_files=value["key_files"], tenant=value.get("tenant"), threads=value.get("threads"))
 
     def with_default_tenant(self, tenant: str | bytes) -> EncryptionConfig:
-        """This config, with ``tenant`` filled in unless it names one already."""
+        """This config, with ``tenant`` the default: used unless it names one, or a tenant
+        key file among its key files does (which then serves its own tenant)."""
         if self.tenant is not None:
             return self
-        return EncryptionConfig(key_files=self.key_files, tenant=tenant, threads=self.threads)
+        return EncryptionConfig(key_files=self.key_files, threads=self.threads, default_tenant=tenant)
 
 
 def default_tenant(options: Mapping[str, Any] | None, tenant: str | bytes) -> dict[str, Any] | None:
@@ -242,46 +210,74 @@ def default_tenant(options: Mapping[str, Any] | None, tenant: str | bytes) -> di
 # ------------------------------------------------------------------ keys
 @dataclass(frozen=True, eq=False, slots=True)
 class TenantKeys:
-    """One master key's keys for one tenant."""
+    """One master key's keys for one tenant (see the module docstring)."""
 
     key_id: bytes          # public id of the master key (8 bytes)
     source: str            # the key file it came from (for messages)
-    aead: Any = field(repr=False)          # AESGCM under the tenant's AES key
-    blind_key: bytes = field(repr=False)   # keys the key tags and header masks
-    aes_key: bytes = field(repr=False)     # the tenant's AES key (for streamed decryption)
+    xaes: Xaes256Gcm = field(repr=False)        # seals and opens envelopes
+    names: KeyedNames = field(repr=False)       # keyed object names
+    blind_key: bytes = field(repr=False)        # keys the key tags and header masks
+    legacy_aead: Any = field(repr=False)        # version-1 envelopes (AES-256-GCM), for rekey
+    legacy_key: bytes = field(repr=False)
+    legacy_blind: bytes = field(repr=False)
+    #: names computed lately (a hot prefix is looked up again and again): key -> name
+    _names: dict[RecordKey, RecordKey] = field(default_factory=dict, repr=False)
+    #: keyed BLAKE2b states of the key tag and the mask, copied per envelope (the key block
+    #: is absorbed once, not per call)
+    _tag_state: Any = field(default=None, repr=False)
+    _mask_state: Any = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, secret: bytes, *, key_id: bytes, source: str = "") -> TenantKeys:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"tenant secret: expected {SECRET_BYTES} bytes")
+        okm = HKDF(algorithm=hashes.SHA256(), length=96, salt=None, info=_KEYS_INFO).derive(bytes(secret))
+        blind = okm[64:]
+        return cls(key_id=key_id, source=source, xaes=Xaes256Gcm(okm[:32]), names=KeyedNames(okm[32:64]),
+                   blind_key=blind, legacy_aead=AESGCM(secret[:32]), legacy_key=bytes(secret[:32]),
+                   legacy_blind=bytes(secret[32:]),
+                   _tag_state=hashlib.blake2b(key=blind, digest_size=KEY_TAG_BYTES, person=_TAG_PERSON),
+                   _mask_state=hashlib.blake2b(key=blind, digest_size=MASK_BYTES, person=_MASK_PERSON))
 
     def key_tag(self, nonce: bytes) -> bytes:
-        """The key tag of an envelope with ``nonce``."""
-        return hashlib.blake2b(nonce, key=self.blind_key, digest_size=KEY_TAG_BYTES, person=_TAG_PERSON).digest()
+        """The key tag of an envelope with ``nonce``: BLAKE2b-64 keyed by the blinding key."""
+        h = self._tag_state.copy()
+        h.update(nonce)
+        return h.digest()
 
     def mask(self, nonce: bytes) -> bytes:
-        """The 64-byte mask of the header's parent hash and token digest."""
-        return hashlib.blake2b(nonce, key=self.blind_key, digest_size=MASK_BYTES, person=_MASK_PERSON).digest()
+        """The 64-byte mask of the header's parent hash and token digest: BLAKE2b-512
+        keyed by the blinding key."""
+        h = self._mask_state.copy()
+        h.update(nonce)
+        return h.digest()
 
-    def decryptor(self, nonce: bytes, aad: bytes) -> Any:
-        """A streaming AES-256-GCM decryptor of one envelope, its associated data fed:
-        ``update_into(ciphertext piece, out piece)`` as the pieces arrive, then
-        ``finalize_with_tag(tag)``, which raises InvalidTag unless every byte (and the
-        associated data) is authentic. What it wrote before then is not yet authentic."""
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    def legacy_key_tag(self, nonce: bytes) -> bytes:
+        return hashlib.blake2b(nonce, key=self.legacy_blind, digest_size=KEY_TAG_BYTES,
+                               person=_LEGACY_TAG_PERSON).digest()
 
-        d = Cipher(algorithms.AES(self.aes_key), modes.GCM(nonce)).decryptor()
-        d.authenticate_additional_data(aad)
-        return d
+    def legacy_mask(self, nonce: bytes) -> bytes:
+        return hashlib.blake2b(nonce, key=self.legacy_blind, digest_size=MASK_BYTES,
+                               person=_LEGACY_MASK_PERSON).digest()
 
+    def name(self, key: RecordKey) -> RecordKey:
+        """The keyed name ``key``'s record is stored under with these keys (the last
+        :data:`_NAME_CACHE` computed are kept: a dict lookup instead of four rounds)."""
+        name = self._names.get(key)
+        if name is None:
+            name = RecordKey(key.kind, self.names.name(int(key.kind), key.block_hash))
+            if len(self._names) >= _NAME_CACHE:
+                self._names.clear()
+            self._names[key] = name
+        return name
 
-def derive_tenant_keys(master: bytes, tenant: str | bytes, *, source: str = "") -> TenantKeys:
-    """HKDF-SHA256 of ``master`` for ``tenant`` (see the module docstring)."""
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-    if not isinstance(master, (bytes, bytearray)) or len(master) != KEY_FILE_BYTES:
-        raise ValueError(f"master key: expected {KEY_FILE_BYTES} bytes")
-    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=None,
-               info=_TENANT_INFO + tenant_bytes(tenant)).derive(bytes(master))
-    return TenantKeys(key_id=key_id_of(bytes(master)), source=source, aead=AESGCM(okm[:32]), blind_key=okm[32:],
-                      aes_key=okm[:32])
+    def key_of(self, name: RecordKey) -> RecordKey:
+        """The record key whose name under these keys is ``name``."""
+        return RecordKey(name.kind, self.names.key_of(int(name.kind), name.block_hash))
 
 
 def _xor(a: bytes, b: bytes) -> bytes:
@@ -290,82 +286,182 @@ def _xor(a: bytes, b: bytes) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Opened:
-    """An envelope head that names a key of ours: its keys, nonce and the unmasked
+    """An envelope head that names a key of ours: its keys (``gen``: their index in the
+    keyring, 0 = current), envelope ``version``, nonce, head bytes and the unmasked
     parent hash and token digest (not yet authenticated: the tag decides)."""
 
     keys: TenantKeys
+    gen: int
+    version: int
     nonce: bytes
+    head: bytes
     parent_hash: bytes
     token_digest: bytes
 
+    @property
+    def head_bytes(self) -> int:
+        return len(self.head)
+
+    @property
+    def overhead(self) -> int:
+        return self.head_bytes + TAG_BYTES
+
+
+def envelope_version(head: Any) -> int | None:
+    """The version of an envelope whose first bytes are ``head`` (None: not an envelope)."""
+    raw = bytes(head[:5])
+    if len(raw) < 5 or raw[:4] != ENVELOPE_MAGIC:
+        return None
+    return raw[4]
+
 
 class Keyring:
-    """A tenant's keys under each configured master key: the current one seals, all open.
+    """A tenant's keys under each configured key file: the current one seals, all open.
 
-    Raises :class:`KeyFileError` for a bad key file and ImportError (naming the extra to
-    install) without the ``cryptography`` package.
+    Raises :class:`KeyFileError` for a bad key file (or one that cannot serve the tenant)
+    and ImportError (naming the extra to install) without the ``cryptography`` package.
     """
 
     def __init__(self, config: EncryptionConfig) -> None:
-        if config.tenant is None:
-            raise ValueError("encryption tenant: expected a str or bytes naming whose keys seal the records "
-                             "(TieredKVCache defaults it to its salt; open_store needs it given)")
         if importlib.util.find_spec("cryptography") is None:
             raise ImportError("encryption needs the cryptography package: pip install 'tiered-kv[encryption]'")
+        files = [load_key_file(path) for path in config.key_files]
         self.config = config
+        self.tenant = self._tenant(config, files)
         self._fp_fields: dict[str, bytes] = {}
-        self.tenant = tenant_bytes(config.tenant)
         keys: list[TenantKeys] = []
         seen: set[bytes] = set()
-        for path in config.key_files:
-            k = derive_tenant_keys(read_key_file(path), self.tenant, source=path)
-            if k.key_id not in seen:  # the same key given twice is one key
-                seen.add(k.key_id)
-                keys.append(k)
+        for f in files:
+            if f.key_id not in seen:  # the same key given twice is one key
+                seen.add(f.key_id)
+                keys.append(TenantKeys.of(f.tenant_secret(self.tenant), key_id=f.key_id, source=f.source))
         self.keys = keys
         self.current = keys[0]
+
+    @staticmethod
+    def _tenant(config: EncryptionConfig, files: list[KeyFile]) -> bytes:
+        """The tenant given, else the one the tenant key files name (they must agree), else
+        the default (a cache's salt)."""
+        named = {f.tenant for f in files if f.tenant is not None}
+        if config.tenant is not None:
+            return tenant_bytes(config.tenant)  # (a tenant file of another tenant raises when used)
+        if len(named) == 1:
+            return named.pop()
+        if len(named) > 1:
+            raise KeyFileError(f"key files {list(config.key_files)}: tenant key files of different tenants; "
+                               f"expected one tenant")
+        if config.default_tenant is not None:
+            return tenant_bytes(config.default_tenant)
+        raise ValueError("encryption tenant: expected a str or bytes naming whose keys seal the records "
+                         "(TieredKVCache defaults it to its salt; open_store needs it given, or a tenant key "
+                         "file that names it)")
 
     @property
     def key_ids(self) -> list[str]:
         """The key ids (hex), current first."""
         return [k.key_id.hex() for k in self.keys]
 
-    # ------------------------------------------------------------------ envelopes
-    def aad(self, head: bytes, key: RecordKey, parent_hash: bytes, token_digest: bytes,
-            layout_fingerprint: str) -> bytes:
-        """The associated data of a record (see the module docstring); ``head``: the
-        envelope head (its nonce is bound by GCM itself and left out)."""
+    def _fp(self, layout_fingerprint: str) -> bytes:
         fp = self._fp_fields.get(layout_fingerprint)
         if fp is None:
             fp = self._fp_fields[layout_fingerprint] = fingerprint_field(layout_fingerprint)
-        return b"".join((_AAD_LABEL, head[:16], bytes((int(key.kind),)), key.block_hash, parent_hash,
-                         token_digest, fp, self.tenant))
+        return fp
+
+    # ------------------------------------------------------------------ envelopes
+    def aad(self, opened: Opened, key: RecordKey, layout_fingerprint: str) -> bytes:
+        """The associated data of the envelope ``opened`` names, as record ``key`` (the
+        real key, not its name); see the module docstring."""
+        return self._aad(opened.version, opened.head, key, opened.parent_hash, opened.token_digest,
+                         self._fp(layout_fingerprint))
+
+    def _aad(self, version: int, head: bytes, key: RecordKey, parent_hash: bytes, token_digest: bytes,
+             fp: bytes) -> bytes:
+        head16, h = bytes(head[:16]), key.block_hash
+        for what, value, width in (("envelope head", head16, 16), ("block hash", h, 32),
+                                   ("parent hash", parent_hash, 32), ("token digest", token_digest, 32),
+                                   ("layout fingerprint", fp, FINGERPRINT_BYTES)):
+            if len(value) != width:
+                raise ValueError(f"associated data: {what}: expected {width} bytes, got {len(value)}")
+        kind = bytes((int(key.kind),))
+        if version == LEGACY_ENVELOPE_VERSION:
+            return b"".join((_LEGACY_AAD_LABEL, head16, kind, h, parent_hash, token_digest, fp, self.tenant))
+        return b"".join((_AAD_LABEL, head16, kind, h, parent_hash, token_digest, fp,
+                         struct.pack("<H", len(self.tenant)), self.tenant))
 
     def seal_into(self, env: np.ndarray, payload: np.ndarray, *, key: RecordKey, parent_hash: bytes,
                   token_digest: bytes, layout_fingerprint: str) -> tuple[bytes, bytes]:
         """Seal ``payload`` (1-D uint8, P bytes) under the current key into ``env``
-        (1-D uint8, P + ENVELOPE_OVERHEAD bytes). Returns the masked (parent hash, token
-        digest) the record's header stores."""
+        (1-D uint8, P + ENVELOPE_OVERHEAD bytes) as the record of ``key`` (its real key).
+        Returns the masked (parent hash, token digest) the record's header stores."""
         k = self.current
         nonce = os.urandom(NONCE_BYTES)
         head = _HEAD.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, bytes(3), k.key_tag(nonce), nonce)
         env[:HEAD_BYTES] = np.frombuffer(head, np.uint8)
-        aad = self.aad(head, key, parent_hash, token_digest, layout_fingerprint)
-        k.aead.encrypt_into(nonce, payload, aad, env[HEAD_BYTES:])
+        aad = self._aad(ENVELOPE_VERSION, head, key, parent_hash, token_digest, self._fp(layout_fingerprint))
+        aead, n = k.xaes.aead(nonce)
+        aead.encrypt_into(n, payload, aad, env[HEAD_BYTES:])
         mask = k.mask(nonce)
         return _xor(parent_hash, mask[:32]), _xor(token_digest, mask[32:])
 
     def identify(self, head: Any, parent_masked: bytes, digest_masked: bytes) -> Opened | None:
         """The key of ours an envelope head names, with its unmasked header fields; None
-        when the head is not an envelope or names no key this keyring holds."""
-        raw = bytes(head[:HEAD_BYTES])
-        if len(raw) != HEAD_BYTES:
+        when the head is not an envelope or names no key this keyring holds. Version-1
+        heads are recognised too (``version`` says which)."""
+        version = envelope_version(head)
+        if version == ENVELOPE_VERSION:
+            raw = bytes(head[:HEAD_BYTES])
+            if len(raw) != HEAD_BYTES:
+                return None
+            _, _, reserved, tag, nonce = _HEAD.unpack(raw)
+            if reserved != bytes(3):
+                return None
+            for gen, k in enumerate(self.keys):
+                if hmac.compare_digest(k.key_tag(nonce), tag):
+                    mask = k.mask(nonce)
+                    return Opened(k, gen, version, nonce, raw, _xor(parent_masked, mask[:32]),
+                                  _xor(digest_masked, mask[32:]))
             return None
-        magic, version, reserved, tag, nonce = _HEAD.unpack(raw)
-        if magic != ENVELOPE_MAGIC or version != ENVELOPE_VERSION or reserved != bytes(3):
-            return None
-        for k in self.keys:
-            if k.key_tag(nonce) == tag:
-                mask = k.mask(nonce)
-                return Opened(k, nonce, _xor(parent_masked, mask[:32]), _xor(digest_masked, mask[32:]))
+        if version == LEGACY_ENVELOPE_VERSION:
+            raw = bytes(head[:LEGACY_HEAD_BYTES])
+            if len(raw) != LEGACY_HEAD_BYTES:
+                return None
+            _, _, reserved, tag, nonce = _LEGACY_HEAD.unpack(raw)
+            if reserved != bytes(3):
+                return None
+            for gen, k in enumerate(self.keys):
+                if hmac.compare_digest(k.legacy_key_tag(nonce), tag):
+                    mask = k.legacy_mask(nonce)
+                    return Opened(k, gen, version, nonce, raw, _xor(parent_masked, mask[:32]),
+                                  _xor(digest_masked, mask[32:]))
         return None
+
+    @staticmethod
+    def open_into(opened: Opened, ciphertext: Any, aad: bytes, out: Any) -> bool:
+        """Decrypt ``ciphertext`` (with its tag) into ``out``; False when the tag fails.
+        ``out`` may hold unauthenticated bytes afterwards either way on failure: the
+        caller zeroes it (``cryptography`` writes the output before it checks the tag)."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            if opened.version == LEGACY_ENVELOPE_VERSION:
+                opened.keys.legacy_aead.decrypt_into(opened.nonce, ciphertext, aad, out)
+            else:
+                aead, n = opened.keys.xaes.aead(opened.nonce)
+                aead.decrypt_into(n, ciphertext, aad, out)
+        except InvalidTag:
+            return False
+        return True
+
+    @staticmethod
+    def decryptor(opened: Opened, aad: bytes) -> Any:
+        """A streaming decryptor of one envelope, its associated data fed:
+        ``update_into(ciphertext piece, out piece)`` as the pieces arrive, then
+        ``finalize_with_tag(tag)``, which raises InvalidTag unless every byte (and the
+        associated data) is authentic. What it wrote before then is not yet authentic."""
+        if opened.version == LEGACY_ENVELOPE_VERSION:
+            from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+            d = Cipher(algorithms.AES(opened.keys.legacy_key), modes.GCM(opened.nonce)).decryptor()
+            d.authenticate_additional_data(aad)
+            return d
+        return opened.keys.xaes.decryptor(opened.nonce, aad)

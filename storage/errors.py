@@ -14,6 +14,7 @@ import enum
 
 __all__ = [
     "CorruptRecordError",
+    "EncryptedLevelError",
     "IndexDamagedError",
     "LayoutMismatchError",
     "RecordCheck",
@@ -42,6 +43,16 @@ class StoreLockedError(StoreError):
     LMDB forbids a second environment handle on the same files in one process (closing
     one would drop the other's locks); share the open store object instead.
     """
+
+
+class EncryptedLevelError(StoreError):
+    """The level is sealed (created with ``encryption``) and was opened without its keys
+    for writing, or it cannot be opened as it is with them: sealed by an earlier version
+    (unkeyed object names: ``tiered-kv rekey`` migrates it), or holding plain records.
+
+    A plain writer would leave plaintext under names an encrypted reader never asks for
+    (a write-once store can never seal them afterwards), so it is refused at open. A
+    maintenance open (``layout_fingerprint=None``: stats, verify, gc) needs no key."""
 
 
 class IndexDamagedError(StoreError):

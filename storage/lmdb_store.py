@@ -18,6 +18,7 @@ files beside it (see segments.py). Layout of one store directory (files 0o600, d
               b"record_bytes"                     u64 LE, sum of the accounted record sizes
               b"next_segment"                     u32 LE, the next segment id to hand out
               b"writer"                           JSON: who created the store (writer.py)
+              b"encryption"                       JSON: the store is a sealed level (sealed_level.py)
               b"segment_end:" + u32 BE segment    u64 LE, the segment is indexed below this offset
               b"segment_gen:" + u32 BE segment    u64 LE, bumped by every transaction that indexes
                                                   records into the segment (gc compares it)
@@ -124,6 +125,7 @@ another path) and it refills as prompts are served. There is no in-place migrati
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import struct
@@ -187,6 +189,7 @@ from .segments import (
     SegmentFiles,
     allocate_blocks,
 )
+from .sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
 from .writer import StoreWriter, parse_recorded
 from . import fastread
 from .rows import RowScatter
@@ -224,6 +227,8 @@ _M_TOTAL = b"record_bytes"
 _M_NEXT_SEGMENT = b"next_segment"
 #: the writer that created the store (JSON, see writer.py)
 _M_WRITER = b"writer"
+#: the store is a sealed (encrypted) level: JSON, see sealed_level.py
+_M_ENCRYPTION = b"encryption"
 _U32 = struct.Struct("<I")
 #: an index entry: segment, offset, record bytes, the record's xxh3-128 checksum
 _ENTRY = struct.Struct("<IQQ16s")
@@ -371,6 +376,10 @@ class LmdbStore(BlockStore):
     ``index_reserve_bytes``: disk held back for a gc on a full disk (default 4 MiB, or
     1/64 of a smaller filesystem; see "Full disk"). ``max_open_segments``: read
     descriptors of segment files kept open at most (least recently used closed first).
+    ``sealed``: the opener is an :class:`~.encrypted.EncryptedStore` (a new store records
+    that it is a sealed level; a sealed level opened for writing without it raises
+    :class:`EncryptedLevelError`, see :mod:`.sealed_level`); :attr:`sealing` is what the
+    store records.
     """
 
     supports_multiprocess = True
@@ -385,7 +394,7 @@ class LmdbStore(BlockStore):
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, direct_io: bool | None = None,
                  io_threads: int = DEFAULT_IO_THREADS, writer: StoreWriter | None = None,
                  repair_index: bool = True, index_reserve_bytes: int | None = None,
-                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS) -> None:
+                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS, sealed: bool = False) -> None:
         if layout_fingerprint is not None:
             fingerprint_field(layout_fingerprint)
         if writer is not None and not isinstance(writer, StoreWriter):
@@ -400,6 +409,9 @@ class LmdbStore(BlockStore):
         self.layout_fingerprint: str = layout_fingerprint  # type: ignore[assignment]  (None: read at open)
         self.maintenance = layout_fingerprint is None
         self._writer = writer
+        self._sealed = bool(sealed)
+        #: what the store records about sealing (sealed_level.py), None for a plain level
+        self.sealing: dict[str, str] | None = None
         self.max_bytes = max_bytes
         self.readonly = readonly
         self.map_limit = map_size if map_size is not None else max_bytes * 3 // 2 + 64 * _MiB
@@ -493,6 +505,9 @@ class LmdbStore(BlockStore):
             txn.put(_M_TOTAL, _U64.pack(0), db=self._meta)
             txn.put(_M_NEXT_SEGMENT, _U32.pack(1), db=self._meta)
             self._record_writer(txn)
+            if self._sealed:
+                txn.put(_M_ENCRYPTION, sealing_json(), db=self._meta)
+                self.sealing = dict(SEALED_LEVEL)
             return
         version = self._field(_U16, stored_version, "meta format_version")[0]
         if version == 1:
@@ -508,12 +523,33 @@ class LmdbStore(BlockStore):
             self.layout_fingerprint = stored_fp
         elif stored_fp != self.layout_fingerprint:
             raise LayoutMismatchError(str(self.path), stored_fp, self.layout_fingerprint)
+        sealing = txn.get(_M_ENCRYPTION, db=self._meta)
+        self.sealing = parse_sealing(None if sealing is None else bytes(sealing), str(self.path))
+        check_opener(self.sealing, sealed=self._sealed, maintenance=self.maintenance, where=str(self.path))
         if create and txn.get(_M_WRITER, db=self._meta) is None:
             self._record_writer(txn)
 
     def _record_writer(self, txn: lmdb.Transaction) -> None:
         if self._writer is not None:
             txn.put(_M_WRITER, self._writer.to_json(), db=self._meta)
+
+    def record_sealing(self) -> None:
+        """Record that this existing store is a sealed level (an encrypted opener found
+        none recorded: an empty store, an index rebuilt from the segments, a migration;
+        see :mod:`.sealed_level`), and drop the tenant hash of its writer record."""
+        check_open(self._closed, str(self.path))
+        if self.readonly:
+            raise StoreError(f"{self.path}: opened readonly: cannot record that the level is sealed")
+
+        def write(txn: lmdb.Transaction) -> None:
+            txn.put(_M_ENCRYPTION, sealing_json(), db=self._meta)
+            info = parse_recorded(None if (w := txn.get(_M_WRITER, db=self._meta)) is None else bytes(w))
+            if info is not None and info.get("tenant_sha256") is not None:
+                txn.put(_M_WRITER, json.dumps({**info, "tenant_sha256": None}, sort_keys=True).encode(),
+                        db=self._meta)
+
+        self._run(write, write=True)
+        self.sealing = dict(SEALED_LEVEL)
 
     # ------------------------------------------------------------------ index health
     def _open_index(self, map_size: int) -> lmdb.Environment:
@@ -1496,6 +1532,7 @@ class LmdbStore(BlockStore):
         if kb.startswith(_M_SEGMENT_GEN):
             return _U64.size if len(kb) == len(_M_SEGMENT_GEN) + _U32BE.size else None
         return {_M_FORMAT: _U16.size, _M_RECORD_FORMAT: _U16.size, _M_FINGERPRINT: -1, _M_TOTAL: _U64.size,
+                _M_ENCRYPTION: -1,
                 _M_NEXT_SEGMENT: _U32.size, _M_COUNTERS: _U64.size * len(StoreStats.NAMES)}.get(kb)
 
     def _repair_index_entries(self, txn: lmdb.Transaction) -> None:

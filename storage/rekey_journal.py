@@ -31,8 +31,11 @@ File format (little-endian)::
 It is written whole to ``<journal>.partial`` (0o600), fsynced, and renamed over the
 journal, so the journal is complete or absent, never torn; a partial file is the trace of
 a run killed before it removed anything, and is discarded. A journaled record whose
-checksum fails (damaged media) is not put back and is counted ``lost``: a later miss,
-never wrong bytes. It holds only what the store holds: ciphertext under the new key and
+checksum fails (damaged media), or whose envelope does not authenticate under the
+opener's keys (the journal is in the store's directory: whoever can write there could
+plant one), is not put back and is counted ``lost``: a later miss, never wrong bytes. A
+journal whose envelopes are under a key the opener does not hold is left in place for a
+holder of that key (``deferred``). It holds only what the store holds: ciphertext under the new key and
 headers whose parent hash and token digest are masked, so it reveals nothing more than
 the store does; still it is owner-only (0o600, its directories 0o700).
 
@@ -43,6 +46,9 @@ a local file: the ``journal`` argument (``tiered-kv rekey --journal PATH``), by 
 (``~/.cache`` without ``XDG_CACHE_HOME``); the next ``rekey`` of that store on the same
 machine (or given the same ``--journal``) replays it.
 
+The journal, its temporary and its lock are opened without following symbolic links
+(``O_NOFOLLOW``): a link planted at one of those paths is refused, never written through.
+
 Lock: ``<journal>.lock``, an ``flock`` (released by the kernel when its holder dies, kill
 -9 included). A ``rekey`` run holds it throughout (a second run of the same store raises
 :class:`~.errors.StoreLockedError`); an opener that replays takes it for the replay, and
@@ -52,14 +58,17 @@ skips the replay when a run holds it (the run replays, or whoever comes after it
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import signal
+import stat
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +124,8 @@ class ReplayResult:
 
     restored: int = 0   # journaled records the store lacked: put back
     present: int = 0    # already in the store (under the old key or the new)
-    lost: int = 0       # journaled records whose checksum failed: not put back
+    lost: int = 0       # journaled records whose checksum or tag failed: not put back
+    deferred: bool = False  # under a key the opener does not hold: left in place, nothing put back
 
 
 class RekeyJournal:
@@ -131,8 +141,9 @@ class RekeyJournal:
         self.writes = 0
 
     def exists(self) -> bool:
-        """Whether a journal (complete: a batch may be out of the store) is there."""
-        return self.path.is_file()
+        """Whether a journal (complete: a batch may be out of the store) is there (a link
+        there counts: :meth:`replay` refuses it)."""
+        return self.path.is_symlink() or self.path.is_file()
 
     @contextlib.contextmanager
     def holding(self, *, required: bool) -> Iterator[bool]:
@@ -140,7 +151,13 @@ class RekeyJournal:
         process (or handle) holds it: ``required`` raises :class:`StoreLockedError`,
         else yields False (the holder owns the journal)."""
         mkdir_private(self.path.parent)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StoreError(f"{self.lock_path}: a symbolic link; the rekey journal's lock must be a file "
+                                 f"(remove the link)") from None
+            raise
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -186,63 +203,84 @@ class RekeyJournal:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
-    def replay(self, store: BlockStore) -> ReplayResult:
+    def replay(self, store: BlockStore, *,
+               authentic: Callable[[PutItem], bool | None] | None = None) -> ReplayResult:
         """Put every journaled record ``store`` lacks (a write-once put leaves the ones it
-        has alone), then delete the journal. The caller holds the lock. Raises
-        :class:`StoreError` when the file is not a rekey journal (left in place)."""
+        has alone), then delete the journal. The caller holds the lock. ``authentic``
+        checks each journaled record (its envelope) before it is put back: False = not
+        put back (``lost``), None = under a key not held (nothing is put back and the
+        journal is kept: ``deferred``). Raises :class:`StoreError` when the file is not a
+        rekey journal (left in place)."""
         result = ReplayResult()
         if not self.exists():
             self.clear()  # (a partial file: its run removed nothing)
             return result
-        fp = store.layout_fingerprint
-        with open(self.path, "rb") as f:
-            head = f.read(_HEAD.size)
-            if len(head) != _HEAD.size or _HEAD.unpack(head)[:3] != (JOURNAL_MAGIC, JOURNAL_VERSION, 0):
-                raise StoreError(f"{self.path}: not a rekey journal of this version (expected magic "
-                                 f"{JOURNAL_MAGIC!r}, version {JOURNAL_VERSION}); move it away")
-            count = _HEAD.unpack(head)[3]
-            left = os.fstat(f.fileno()).st_size - _HEAD.size
-            chunk: list[PutItem] = []
-            chunk_bytes = 0
-            good = 0
-
-            def put_chunk() -> None:
-                nonlocal chunk_bytes
-                if chunk:
-                    written = store.put_many(chunk)
-                    result.restored += sum(written)
-                    result.present += len(written) - sum(written)
-                    chunk.clear()
-                    chunk_bytes = 0
-
-            for _ in range(count):
-                if left < HEADER_BYTES:
-                    break  # the rest is missing: lost
-                rec_head = f.read(HEADER_BYTES)
-                size = record_size(_PAYLOAD_LEN.unpack_from(rec_head, _PAYLOAD_LEN_AT)[0])
-                if size > left:
-                    break  # a damaged length: nothing after it can be found
-                buf = np.empty(size, np.uint8)
-                buf[:HEADER_BYTES] = np.frombuffer(rec_head, np.uint8)
-                if f.readinto(memoryview(buf)[HEADER_BYTES:]) != size - HEADER_BYTES:
-                    break
-                left -= size
-                try:
-                    parsed = parse_header(buf, size)
-                    key = RecordKey(parsed.kind, parsed.block_hash)
-                    meta = decode_record(buf, expect_key=key, expect_fingerprint=fp)
-                except CorruptRecordError:
-                    continue  # lost: never put back unverified
-                good += 1
-                chunk.append(PutItem(key, meta.parent_hash, meta.token_digest,
-                                     buf[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes]))
-                chunk_bytes += size
-                if chunk_bytes >= _REPLAY_CHUNK_BYTES:
-                    put_chunk()
-            put_chunk()
-        result.lost = count - good
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StoreError(f"{self.path}: a symbolic link, not a rekey journal; remove it") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise StoreError(f"{self.path}: not a regular file, not a rekey journal; remove it")
+            chunks = self._read_items(f, store.layout_fingerprint, result, authentic)
+        if result.deferred:
+            return result
+        for chunk in chunks:
+            written = store.put_many(chunk)
+            result.restored += sum(written)
+            result.present += len(written) - sum(written)
         self.clear()
         return result
+
+    def _read_items(self, f: Any, fp: str, result: ReplayResult,
+                    authentic: Callable[[PutItem], bool | None] | None) -> list[list[PutItem]]:
+        """The journal's checksum-verified (and, with ``authentic``, authenticated)
+        records, in chunks of about ``_REPLAY_CHUNK_BYTES``; the others are counted in
+        ``result.lost``, or set ``result.deferred``."""
+        head = f.read(_HEAD.size)
+        if len(head) != _HEAD.size or _HEAD.unpack(head)[:3] != (JOURNAL_MAGIC, JOURNAL_VERSION, 0):
+            raise StoreError(f"{self.path}: not a rekey journal of this version (expected magic "
+                             f"{JOURNAL_MAGIC!r}, version {JOURNAL_VERSION}); move it away")
+        count = _HEAD.unpack(head)[3]
+        left = os.fstat(f.fileno()).st_size - _HEAD.size
+        chunks: list[list[PutItem]] = [[]]
+        chunk_bytes = good = 0
+        for _ in range(count):
+            if left < HEADER_BYTES:
+                break  # the rest is missing: lost
+            rec_head = f.read(HEADER_BYTES)
+            size = record_size(_PAYLOAD_LEN.unpack_from(rec_head, _PAYLOAD_LEN_AT)[0])
+            if size > left:
+                break  # a damaged length: nothing after it can be found
+            buf = np.empty(size, np.uint8)
+            buf[:HEADER_BYTES] = np.frombuffer(rec_head, np.uint8)
+            if f.readinto(memoryview(buf)[HEADER_BYTES:]) != size - HEADER_BYTES:
+                break
+            left -= size
+            try:
+                parsed = parse_header(buf, size)
+                key = RecordKey(parsed.kind, parsed.block_hash)
+                meta = decode_record(buf, expect_key=key, expect_fingerprint=fp)
+            except CorruptRecordError:
+                continue  # lost: never put back unverified
+            payload = buf[HEADER_BYTES:HEADER_BYTES + meta.payload_bytes]
+            item = PutItem(key, meta.parent_hash, meta.token_digest, payload)
+            ok = True if authentic is None else authentic(item)
+            if ok is None:
+                result.deferred = True
+                return []
+            if not ok:
+                continue  # lost: never put back unauthenticated
+            good += 1
+            chunks[-1].append(item)
+            chunk_bytes += size
+            if chunk_bytes >= _REPLAY_CHUNK_BYTES:
+                chunks.append([])
+                chunk_bytes = 0
+        result.lost = count - good
+        return [c for c in chunks if c]
 
     def __repr__(self) -> str:
         return f"RekeyJournal({str(self.path)!r})"

@@ -463,6 +463,17 @@ def put_create_only(store: S3Store, key: str, data: Any) -> bool:
     return True
 
 
+def put_replace(store: S3Store, key: str, data: Any) -> None:
+    """Write ``data`` at ``key``, replacing what is there (one PUT, never multipart): only
+    for ``zarr.json`` (a store's attributes change), never for a record."""
+    _check_key(key)
+    payload = as_byte_array(data, name="data")
+    try:
+        obstore.put(store, key, payload, mode="overwrite", use_multipart=False)
+    except (BaseError, OSError) as e:
+        raise _translate(e, store, op="put", key=key) from e
+
+
 def _get(store: S3Store, key: str) -> Any:
     """Start a GET of ``key`` (an ``obstore.GetResult``), or None if there is no such
     object; a missing bucket and other failures raise their mapped errors."""

@@ -43,6 +43,9 @@ class ZarrApiObjects(Objects):
     def create_meta(self, data: bytes) -> None:
         self._put(META_KEY, data)
 
+    def replace_meta(self, data: bytes) -> None:
+        self._sync(self.store.set(META_KEY, self._proto.buffer.from_bytes(data)))
+
     def write_new(self, name: str, parts: Sequence[Any]) -> bool:
         if self.exists(name):
             return False

@@ -101,6 +101,24 @@ class LocalObjects(Objects):
         self._create(self.root / META_KEY, [data])
         self.sync()
 
+    def replace_meta(self, data: bytes) -> None:
+        """Written whole to a temporary, fsynced, renamed over ``zarr.json``."""
+        path = self.root / META_KEY
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+        fd = create_private_file(tmp)
+        if fd is None:
+            raise StoreError(f"{tmp}: temporary name already exists")
+        try:
+            try:
+                _write_all(fd, [data])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            fsync_dir(self.root)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def write_new(self, name: str, parts: Sequence[Any]) -> bool:
         parent, _, base = name.rpartition("/")
         try:

@@ -62,13 +62,17 @@ def key_of(kind_dir: str, shard: str, rest: str) -> RecordKey | None:
     return RecordKey(kind, bytes.fromhex(shard + rest))
 
 
-def group_metadata(layout_fingerprint: str, writer: StoreWriter | None = None) -> bytes:
-    """``zarr.json`` of a new store; ``writer``: who creates it (see :mod:`~.writer`)."""
+def group_metadata(layout_fingerprint: str, writer: StoreWriter | None = None,
+                   sealing: dict[str, str] | None = None) -> bytes:
+    """``zarr.json`` of a new store; ``writer``: who creates it (see :mod:`~.writer`);
+    ``sealing``: the record that it is a sealed level (see :mod:`~.sealed_level`)."""
     attrs: dict[str, Any] = {ATTR: {"store": _STORE_NAME, "store_format_version": STORE_FORMAT_VERSION,
                                     "record_format_version": FORMAT_VERSION,
                                     "layout_fingerprint": layout_fingerprint}}
     if writer is not None:
         attrs[ATTR]["writer"] = writer.to_dict()
+    if sealing is not None:
+        attrs[ATTR]["encryption"] = dict(sealing)
     doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs}
     return json.dumps(doc, indent=2, sort_keys=True).encode()
 
@@ -130,6 +134,11 @@ class Objects(abc.ABC):
     @abc.abstractmethod
     def create_meta(self, data: bytes) -> None:
         """Create ``zarr.json`` unless it exists (then keep the existing one)."""
+
+    def replace_meta(self, data: bytes) -> None:
+        """Replace ``zarr.json`` (an existing store's attributes change: it becomes a sealed
+        level, see :mod:`~.sealed_level`); atomic where the objects allow it."""
+        raise NotImplementedError(f"{type(self).__name__}: zarr.json cannot be replaced")
 
     @abc.abstractmethod
     def write_new(self, name: str, parts: Sequence[Any]) -> bool:

@@ -50,6 +50,9 @@ class S3Objects(Objects):
     def create_meta(self, data: bytes) -> None:
         _s3.put_create_only(self.store, META_KEY, data)  # False: another writer created it first
 
+    def replace_meta(self, data: bytes) -> None:
+        _s3.put_replace(self.store, META_KEY, data)
+
     def write_new(self, name: str, parts: Sequence[Any]) -> bool:
         # HEAD first: a present record is the common case when many nodes hold the same
         # prefix, and a conditional PUT racing another writer of the key can wait seconds.

@@ -6,7 +6,8 @@ Layout (keys relative to the group; on a local directory each key is a file)::
                                     "store": "tiered_kv.block_store",
                                     "store_format_version": 1, "record_format_version": 1,
                                     "layout_fingerprint": "kvl1-…",
-                                    "writer": {...}}  (who created it, see writer.py; optional)
+                                    "writer": {...},  (who created it, see writer.py; optional)
+                                    "encryption": {...}}  (a sealed level, see sealed_level.py; optional)
     blocks/<h[0:2]>/<h[2:64]>     one Classical-block record, h = block hash in hex
     snapshots/<h[0:2]>/<h[2:64]>  one state-snapshot record
 
@@ -105,6 +106,7 @@ from .zarr_objects import (
     object_name,
     raise_first,
 )
+from .sealed_level import SEALED_LEVEL, check_opener, parse_sealing
 from .writer import StoreWriter
 from .zarr_s3 import _s3, s3_objects
 
@@ -122,9 +124,10 @@ class ZarrStore(BlockStore):
     ``io_threads``: records of one ``put_many`` / ``get_many`` are written / read
     concurrently by this many threads (their fsyncs, reads or requests overlap).
     ``stale_partial_s``: age after which a scan removes a temporary file left by a killed
-    writer. ``rescan_fraction``: see the module docstring. ``layout_fingerprint=None``: a
-    maintenance open of an existing store (see :func:`tiered_kv.storage.open_store`;
-    puts raise StoreError). ``writer``: recorded in ``zarr.json`` when the store is created.
+    writer. ``sealed``: the opener is an :class:`~.encrypted.EncryptedStore` (see
+    :mod:`.sealed_level`; :attr:`sealing` is what the store records). ``rescan_fraction``:
+    see the module docstring. ``layout_fingerprint=None``: a maintenance open of an
+    existing store (see :func:`tiered_kv.storage.open_store`; puts raise StoreError). ``writer``: recorded in ``zarr.json`` when the store is created.
 
     ``s3_options`` (object stores only): ``timeout_s`` (default 5) and ``max_retries``
     (default 2) of :func:`~tiered_kv.storage.s3.open_object_store`, and with a URL the
@@ -144,7 +147,7 @@ class ZarrStore(BlockStore):
 
     def __init__(self, url_or_path: Any, *, layout_fingerprint: str | None, max_bytes: int | None = None,
                  io_threads: int = 8, stale_partial_s: float = 3600.0, rescan_fraction: float = 0.1,
-                 writer: StoreWriter | None = None, **s3_options: Any) -> None:
+                 writer: StoreWriter | None = None, sealed: bool = False, **s3_options: Any) -> None:
         if layout_fingerprint is not None:
             fingerprint_field(layout_fingerprint)
         if writer is not None and not isinstance(writer, StoreWriter):
@@ -157,7 +160,10 @@ class ZarrStore(BlockStore):
         self.layout_fingerprint: str = layout_fingerprint  # type: ignore[assignment]  (None: read at open)
         self.maintenance = layout_fingerprint is None
         self._writer = writer
+        self._sealed = bool(sealed)
         self.writer_info: dict[str, Any] | None = None
+        #: what ``zarr.json`` records about sealing (sealed_level.py), None for a plain level
+        self.sealing: dict[str, str] | None = None
         local = _local_dir(url_or_path)
         if self.maintenance and local is not None and not (local / META_KEY).is_file():
             raise FileNotFoundError(f"{local}: no Zarr store here (no {META_KEY}) to open without a layout "
@@ -238,7 +244,8 @@ class ZarrStore(BlockStore):
             raise FileNotFoundError(f"{self.where}: no Zarr store here (no {META_KEY}) to open without a "
                                     f"layout fingerprint")
         if raw is None:
-            self._objects.create_meta(group_metadata(self.layout_fingerprint, self._writer))
+            self._objects.create_meta(group_metadata(self.layout_fingerprint, self._writer,
+                                                     SEALED_LEVEL if self._sealed else None))
             raw = self._objects.read_meta()  # another process may have created it first
             if raw is None:
                 raise StoreError(f"{self.where}: could not create {META_KEY}")
@@ -258,6 +265,25 @@ class ZarrStore(BlockStore):
             raise LayoutMismatchError(self.where, str(stored_fp), self.layout_fingerprint)
         writer = attrs.get("writer")
         self.writer_info = writer if isinstance(writer, dict) else None
+        self.sealing = parse_sealing(attrs.get("encryption"), self.where)
+        check_opener(self.sealing, sealed=self._sealed, maintenance=self.maintenance, where=self.where)
+
+    def record_sealing(self) -> None:
+        """Record in ``zarr.json`` that this existing store is a sealed level (see
+        :mod:`.sealed_level`; an encrypted opener found none recorded), and drop the
+        tenant hash of its writer record."""
+        check_open(self._closed, self.where)
+        raw = self._objects.read_meta()
+        if raw is None:
+            raise StoreError(f"{self.where}: {META_KEY} is gone")
+        doc = json.loads(raw)
+        attrs = doc["attributes"][ATTR]
+        attrs["encryption"] = dict(SEALED_LEVEL)
+        if isinstance(attrs.get("writer"), dict) and attrs["writer"].get("tenant_sha256") is not None:
+            attrs["writer"] = {**attrs["writer"], "tenant_sha256": None}
+        self._objects.replace_meta(json.dumps(doc, indent=2, sort_keys=True).encode())
+        self.writer_info = attrs.get("writer")
+        self.sealing = dict(SEALED_LEVEL)
 
     # ------------------------------------------------------------------ index
     def _rescan(self) -> None:

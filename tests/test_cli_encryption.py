@@ -136,9 +136,11 @@ def test_bad_key_options_are_usage_errors(sealed, capsys, tmp_path: Path) -> Non
     assert "no such file" in capsys.readouterr().err
     assert main(["stats", "--store", str(store), "--tenant", "acme"]) == 2
     assert "--tenant: expected --key-file" in capsys.readouterr().err
-    assert main(["rekey", "--store", str(store), "--key-file", k1]) == 2
-    assert "--old-key-file: expected at least one" in capsys.readouterr().err
     os.chmod(k1, 0o600)
+    assert main(["rekey", "--store", str(store), "--key-file", k1]) == 2  # rekey has no default tenant
+    assert "--tenant: expected the tenant whose records to move (no default" in capsys.readouterr().err
+    assert main(["rekey", "--store", str(store), "--key-file", k1, "--tenant", "acme", "--drop-old"]) == 2
+    assert "--drop-old: expected --old-key-file" in capsys.readouterr().err
     rekey = ["rekey", "--store", str(store), "--key-file", k2, "--old-key-file", k1, "--tenant", "acme"]
     assert main([*rekey, "--journal", str(tmp_path / "j")]) == 2
     assert "--journal: journal: expected None for a local store" in capsys.readouterr().err

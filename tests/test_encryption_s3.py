@@ -1,11 +1,12 @@
 """Tenant-encrypted records in a shared S3 bucket (SeaweedFS), against a bucket adversary.
 
-Tenant A seals its records; a client holding the bucket's credentials but no key then
-overwrites two objects with records under valid checksums, copies a third under another
-key (relabelled, checksum fixed) and deletes a fourth. A reads the first three as
-authentication failures and the fourth as a plain miss; the rest are exact. No object in
-the bucket holds a 64-byte run of any payload; the wrong key and another tenant read only
-misses; a sync to a sealed bucket and a prefetch from it keep records sealed there; a
+Tenant A seals its records under keyed names; a client holding the bucket's credentials
+but no key (who learns no record key from a listing) then overwrites two of those objects
+with records under valid checksums, copies a third over another name (relabelled,
+checksum fixed) and deletes a fourth. A reads the first three as authentication failures
+(removed) and the fourth as a plain miss; the rest are exact. No object in the bucket
+holds a 64-byte run of any payload, nor is named by a record key; the wrong key and
+another tenant read only misses; a sync to a sealed bucket and a prefetch from it keep records sealed there; a
 rekey of the bucket killed mid-batch loses nothing (its journal is a local file).
 """
 
@@ -31,8 +32,8 @@ import obstore  # noqa: E402
 
 from seaweedfs import SeaweedFS  # noqa: E402
 from tiered_kv.cli import main as cli_main  # noqa: E402
-from tiered_kv.storage import RecordKind, encode_record, open_store  # noqa: E402
-from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, write_key_file  # noqa: E402
+from tiered_kv.storage import EncryptionConfig, RecordKind, encode_record, open_store  # noqa: E402
+from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, Keyring, write_key_file  # noqa: E402
 from tiered_kv.storage.record import HEADER_BYTES, parse_header  # noqa: E402
 from tiered_kv.storage.s3 import get_bytes, list_keys, open_object_store, parse_s3_url  # noqa: E402
 from tiered_kv.storage.zarr_objects import object_name  # noqa: E402
@@ -69,6 +70,17 @@ def server(seaweedfs: SeaweedFS) -> SeaweedFS:
 @pytest.fixture
 def url(server: SeaweedFS) -> str:
     return server.url(BUCKET, f"crypto-{uuid.uuid4().hex[:12]}")
+
+
+def _stored(enc: dict[str, Any], key):
+    """The key ``key``'s record is stored under in a bucket sealed with ``enc`` (its keyed
+    name: what its header and object path say, and what a lister sees)."""
+    return Keyring(EncryptionConfig(key_files=enc["key_files"], tenant=enc["tenant"])).current.name(key)
+
+
+def _name(enc: dict[str, Any], key) -> str:
+    """The object name of ``key``'s record in a bucket sealed with ``enc``."""
+    return object_name(_stored(enc, key))
 
 
 def _creds(server: SeaweedFS) -> dict[str, Any]:
@@ -119,26 +131,27 @@ def test_bucket_adversary_gets_misses_and_reads_nothing(server: SeaweedFS, url: 
 
     # -- the adversary: bucket credentials, no key ---------------------------------
     objects = _bucket_objects(server, url)
-    names = [object_name(it.key) for it in items]
-    assert set(names) <= set(objects)
+    names = [_name(enc_a, it.key) for it in items]
+    assert set(names) <= set(objects) and not {object_name(it.key) for it in items} & set(objects)
     assert _leaks(list(objects.values()), [it.payload for it in items]) == 0     # reads nothing
     bucket = open_object_store(parse_s3_url(url, **_creds(server)))
     # 1. a plain record under a valid checksum, of the plain payload's size
-    forged_plain = encode_record(key=items[0].key, parent_hash=items[0].parent_hash,
+    forged_plain = encode_record(key=_stored(enc_a, items[0].key), parent_hash=items[0].parent_hash,
                                  token_digest=items[0].token_digest, layout_fingerprint=FP,
                                  payload=np.zeros(N, np.uint8))
     obstore.put(bucket, names[0], bytes(forged_plain))
     # 2. a record of the envelope's size, bytes of its own, valid checksum
     stolen = objects[names[1]]
     hdr = parse_header(stolen, len(stolen))
-    forged_env = encode_record(key=items[1].key, parent_hash=hdr.parent_hash, token_digest=hdr.token_digest,
-                               layout_fingerprint=FP, payload=np.frombuffer(
-                                   stolen[HEADER_BYTES:HEADER_BYTES + 28] + bytes(N + ENVELOPE_OVERHEAD - 28), np.uint8))
+    head = stolen[HEADER_BYTES:HEADER_BYTES + HEAD_BYTES]
+    forged_env = encode_record(key=_stored(enc_a, items[1].key), parent_hash=hdr.parent_hash,
+                               token_digest=hdr.token_digest, layout_fingerprint=FP,
+                               payload=np.frombuffer(head + bytes(N + ENVELOPE_OVERHEAD - HEAD_BYTES), np.uint8))
     obstore.put(bucket, names[1], bytes(forged_env))
     # 3. record 9's object copied under key 2, its header relabelled, its checksum fixed
     src = objects[names[9]]
     hdr = parse_header(src, len(src))
-    moved = encode_record(key=items[2].key, parent_hash=hdr.parent_hash, token_digest=hdr.token_digest,
+    moved = encode_record(key=_stored(enc_a, items[2].key), parent_hash=hdr.parent_hash, token_digest=hdr.token_digest,
                           layout_fingerprint=FP, payload=np.frombuffer(src[HEADER_BYTES:-16], np.uint8))
     obstore.put(bucket, names[2], bytes(moved))
     # 4. deleted
@@ -152,18 +165,20 @@ def test_bucket_adversary_gets_misses_and_reads_nothing(server: SeaweedFS, url: 
             np.testing.assert_array_equal(out, it.payload)
         s = store.stats()
         assert (s["auth_failures"], s["misses"], s["hits"], s["corrupt"]) == (3, 4, 6, 0)
-        # forged under A's key tag (2 copies a real head, 3 a real envelope): nobody can read
-        # them, so they are removed and A's next put restores them; 1 names no key: left
-        assert s["auth_removed"] == 2
-        assert store.put_many(items[1:4]) == [True, True, True]
-        assert all(g is not None for g in _read(store, items[1:4]))
+        # nothing but an authentic envelope may hold one of A's names: the plain record
+        # (authenticated at its own size), the copied head and the moved envelope are
+        # removed, and A's next put restores them all
+        assert s["auth_removed"] == 3
+        assert store.put_many(items[:4]) == [True] * 4
+        assert all(g is not None for g in _read(store, items[:4]))
 
     # -- the wrong key and another tenant: only misses ------------------------------
     for enc in ({"key_files": [_keyfile(tmp_path, "b.key")], "tenant": "tenant-a"},
                 {"key_files": [key_a], "tenant": "tenant-b"}):
         with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
-            assert _read(store, items) == [None] * 10
-            assert store.stats()["hits"] == 0 and store.stats()["auth_failures"] == 10
+            assert _read(store, items) == [None] * 10  # their names are elsewhere: plain misses
+            assert store.stats()["hits"] == 0 and store.stats()["auth_failures"] == 0
+            assert len(store) == 10  # none of them removed
     # and nothing in the bucket leaks after all of it
     assert _leaks(list(_bucket_objects(server, url).values()), [it.payload for it in items]) == 0
 
@@ -185,11 +200,13 @@ def test_sync_to_and_prefetch_from_a_sealed_bucket(server: SeaweedFS, url: str, 
     # node A's local store is sealed (TIERED_KV_KEY_FILE, tenant = the salt); sync uploads sealed
     assert cli_main(["sync", "--store", str(local), "--shared", url, "--tenant", "acme", "--encrypt-local",
                      "--json"]) == 0
-    with open_store(f"lmdb://{local}", layout_fingerprint=layout.fingerprint, readonly=True) as plain:
-        keys = list(plain)
+    with pytest.raises(Exception, match="this level is encrypted"):  # no plain opener of a sealed level
+        open_store(f"lmdb://{local}", layout_fingerprint=layout.fingerprint, readonly=True)
     payloads = []
     with open_store(f"lmdb://{local}", layout_fingerprint=layout.fingerprint, readonly=True,
                     encryption={"key_files": [key], "tenant": "acme"}) as sealed:
+        keys = list(sealed)  # (each name mapped back to its key: the envelope's head says under which key)
+        assert keys and not set(keys) & set(sealed.names())
         for k in keys:
             out = np.empty(layout.block_bytes if k.kind is RecordKind.BLOCK else layout.snapshot_bytes, np.uint8)
             assert sealed.get(k, out) is not None
@@ -322,7 +339,7 @@ def test_streamed_sealed_reads_land_in_place_and_forgeries_are_zeroed_counted_mi
         assert store.put_many(items) == [True] * 6
     objects = _bucket_objects(server, url)
     bucket = open_object_store(parse_s3_url(url, **_creds(server)))
-    names = [object_name(it.key) for it in items]
+    names = [_name(enc, it.key) for it in items]
     stale = bytearray(objects[names[0]])           # 1. ciphertext flipped, checksum left stale
     stale[HEADER_BYTES + 28 + N // 2] ^= 0x10
     fixed = _reencoded(objects[names[1]], flip_at=28 + N // 3)   # 2. flipped, checksum fixed
@@ -376,7 +393,7 @@ def test_a_sealed_read_cut_off_mid_transfer_raises_and_leaves_no_plaintext(
     with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
         store.put_many(items)
     _streamed_only(monkeypatch)
-    _rechunk(monkeypatch, (4096,), cut_after=N // 2, names={object_name(items[1].key)})
+    _rechunk(monkeypatch, (4096,), cut_after=N // 2, names={_name(enc, items[1].key)})
     with open_store(url, layout_fingerprint=FP, encryption=enc, **_creds(server)) as store:
         outs = [_scatter(N) if scatter else np.full(N, 0xAB, np.uint8) for _ in items]
         with pytest.raises(ObjectStoreUnavailable, match="connection dropped"):

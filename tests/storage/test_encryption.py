@@ -17,12 +17,13 @@ import pytest
 
 pytest.importorskip("cryptography", reason="encryption needs the cryptography package (the encryption extra)")
 
-from encryption_helpers import flip_ciphertext, key_files, leaked_runs, reencode  # noqa: E402
+from encryption_helpers import flip_ciphertext, key_files, leaked_runs, reencode, sealed_name  # noqa: E402
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for  # noqa: E402
 from tiered_kv.storage import (  # noqa: E402
     EncryptedStore,
     EncryptionConfig,
     KeyFileError,
+    PutItem,
     RecordKind,
     ZarrStore,
     encode_record,
@@ -58,7 +59,7 @@ def backend(request, tmp_path: Path):
 
     def open_(**opts: Any):
         if request.param == "memory":
-            return EncryptedStore(ZarrStore(mem, layout_fingerprint=FP), opts["encryption"])
+            return EncryptedStore(ZarrStore(mem, layout_fingerprint=FP, sealed=True), opts["encryption"])
         return open_store(f"{request.param}://{tmp_path / 'store'}", layout_fingerprint=FP, **opts)
 
     return open_
@@ -126,7 +127,8 @@ def test_round_trip_scatter_and_digest(backend, tmp_path: Path) -> None:
 
 def test_a_batch_larger_than_a_chunk_is_read_pipelined_and_exact(tmp_path: Path) -> None:
     """30 x 600 KB: three chunks, opened on the pool while the next one is read; a missing
-    and a foreign record in the middle stay misses, every other byte is exact."""
+    record, one sealed under another key (at that key's name: absent here) and a planted
+    envelope-sized blob at our name in the middle stay misses, every other byte is exact."""
     a, b = key_files(tmp_path, "a", "b")
     n = 600_000
     keys = [make_key(i) for i in range(30)]
@@ -134,13 +136,16 @@ def test_a_batch_larger_than_a_chunk_is_read_pipelined_and_exact(tmp_path: Path)
     with open_store(url, layout_fingerprint=FP, encryption=enc([b])) as s:
         s.put_many([item_for(keys[13], n)])  # sealed under another key
     with open_store(url, layout_fingerprint=FP, encryption={**enc([a]), "threads": 3}) as s:
-        s.put_many([item_for(k, n) for i, k in enumerate(keys) if i not in (7, 13)])
+        s.put_many([item_for(k, n) for i, k in enumerate(keys) if i not in (7, 13, 20)])
+        planted = item_for(keys[20], payload=np.ones(n + ENVELOPE_OVERHEAD, np.uint8))
+        s.inner.put_many([PutItem(s.name_of(keys[20]), planted.parent_hash, planted.token_digest, planted.payload)])
         got = read_all(s, keys, n)
-        assert [i for i, g in enumerate(got) if g is None] == [7, 13]
+        assert [i for i, g in enumerate(got) if g is None] == [7, 13, 20]
         for k, out in zip(keys, got):
             if out is not None:
                 np.testing.assert_array_equal(out, payload_for(k, n))
-        assert (s.stats()["hits"], s.stats()["auth_failures"]) == (28, 1)
+        st = s.stats()
+        assert (st["hits"], st["auth_failures"], st["auth_removed"]) == (27, 1, 1)  # the planted blob: removed
 
 
 def test_no_plaintext_reaches_the_backend(tmp_path: Path) -> None:
@@ -151,13 +156,15 @@ def test_no_plaintext_reaches_the_backend(tmp_path: Path) -> None:
         where = tmp_path / name
         with open_store(f"zarr://{where}", layout_fingerprint=FP, **opts) as s:
             s.put_many([item_for(k, N) for k in keys])
-        blob = b"".join(zpath(where, k).read_bytes() for k in keys)
+        names = keys if name == "plain" else [sealed_name(files, k) for k in keys]
+        blob = b"".join(zpath(where, k).read_bytes() for k in names)
         # the check finds every payload in the plain store, none in the sealed one
         assert leaked_runs(blob, payloads) == (len(keys) if name == "plain" else 0)
-    # nor the token digests or parent hashes: the header holds them masked
-    sealed = zpath(tmp_path / "sealed", keys[0]).read_bytes()
+    # nor the prefix hashes, token digests or parent hashes: names are keyed, the header masked
+    sealed = zpath(tmp_path / "sealed", sealed_name(files, keys[0])).read_bytes()
     item = item_for(keys[0], N)
-    assert item.token_digest not in sealed and item.parent_hash not in sealed
+    assert item.token_digest not in sealed and item.parent_hash not in sealed and keys[0].block_hash not in sealed
+    assert not any(zpath(tmp_path / "sealed", k).exists() for k in keys)
     assert len(sealed) == len(zpath(tmp_path / "plain", keys[0]).read_bytes()) + ENVELOPE_OVERHEAD
 
 
@@ -168,33 +175,37 @@ def test_wrong_key_and_wrong_tenant_get_misses_and_remove_nothing(backend, tmp_p
     with backend(encryption=enc([a])) as s:
         s.put_many([item_for(k, N) for k in keys])
     for files, tenant in (([b], "acme"), ([a], "other-tenant")):
-        with backend(encryption=enc(files, tenant)) as s:
+        with backend(encryption=enc(files, tenant)) as s:  # their names are elsewhere: plain misses
             assert read_all(s, keys) == [None] * len(keys)
             st = s.stats()
-            assert (st["hits"], st["misses"], st["auth_failures"], st["auth_removed"]) == (0, 6, 6, 0)
+            assert (st["hits"], st["misses"], st["auth_failures"], st["auth_removed"]) == (0, 6, 0, 0)
             assert len(s) == 6  # not theirs to remove
+            assert s.verify(payload_bytes=SIZES)["foreign"] == 6  # a listing sees them: under no key given
     with backend(encryption=enc([a])) as s:  # the owner still reads them all
         assert all(o is not None for o in read_all(s, keys))
 
 
 def test_forgeries_of_a_bucket_writer_are_misses(tmp_path: Path) -> None:
     """A writer with access to the files but no key: flipped ciphertext (checksum fixed),
-    a ciphertext moved under another key (header relabelled, checksum fixed), a plain valid
-    record, a plain record of the envelope's size, a raw copy. All misses; the rest exact."""
+    a ciphertext moved under another name (header relabelled, checksum fixed), a plain
+    valid record, a plain record of the envelope's size, a raw copy, all at our names.
+    All misses; the rest exact; every one removed (or, the raw copy, dropped by the
+    backend), so that none squats its name: a put rewrites them all."""
     files = key_files(tmp_path, "a")
     where = tmp_path / "bucket"
     keys = [make_key(i) for i in range(10)]
+    names = [sealed_name(files, k) for k in keys]
     url = f"zarr://{where}"
     with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
         s.put_many([item_for(k, N) for k in keys])
-    raw = {k: zpath(where, k).read_bytes() for k in keys}
-    zpath(where, keys[0]).write_bytes(flip_ciphertext(raw[keys[0]]))
-    zpath(where, keys[1]).write_bytes(reencode(raw[keys[9]], key=keys[1]))            # moved + relabelled
-    zpath(where, keys[2]).write_bytes(bytes(encode_record(key=keys[2], parent_hash=bytes(32),
-                                                          token_digest=digest_for(keys[2]), layout_fingerprint=FP,
-                                                          payload=payload_for(keys[2], N))))  # plain, valid
-    zpath(where, keys[3]).write_bytes(reencode(raw[keys[3]], payload=np.zeros(N + ENVELOPE_OVERHEAD, np.uint8)))
-    zpath(where, keys[4]).write_bytes(raw[keys[8]])                                     # raw copy
+    raw = {k: zpath(where, n).read_bytes() for k, n in zip(keys, names)}
+    zpath(where, names[0]).write_bytes(flip_ciphertext(raw[keys[0]]))
+    zpath(where, names[1]).write_bytes(reencode(raw[keys[9]], key=names[1]))            # moved + relabelled
+    zpath(where, names[2]).write_bytes(bytes(encode_record(key=names[2], parent_hash=bytes(32),
+                                                           token_digest=digest_for(keys[2]), layout_fingerprint=FP,
+                                                           payload=payload_for(keys[2], N))))  # plain, valid
+    zpath(where, names[3]).write_bytes(reencode(raw[keys[3]], payload=np.zeros(N + ENVELOPE_OVERHEAD, np.uint8)))
+    zpath(where, names[4]).write_bytes(raw[keys[8]])                                     # raw copy
     with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
         got = read_all(s, keys)
         assert [o is None for o in got] == [True] * 5 + [False] * 5
@@ -203,12 +214,12 @@ def test_forgeries_of_a_bucket_writer_are_misses(tmp_path: Path) -> None:
         st = s.stats()
         # the raw copy fails the backend's own key check (corrupt); the others authentication
         assert (st["auth_failures"], st["corrupt"], st["hits"]) == (4, 1, 5)
-        # forged under our key (flip, move) nobody can read: removed, so a put rewrites them;
-        # the plain and zeroed records name no key of ours: left
-        assert st["auth_removed"] == 2
-        assert [s.contains(k) for k in keys[:5]] == [False, False, True, True, False]
-        assert s.put_many([item_for(k, N) for k in keys[:2]]) == [True, True]
-        assert all(o is not None for o in read_all(s, keys[:2]))
+        # nothing at our names but an authentic envelope: the four are removed (the plain
+        # record of another size too, once authenticated at its size and failing)
+        assert st["auth_removed"] == 4
+        assert [s.contains(k) for k in keys[:5]] == [False] * 5
+        assert s.put_many([item_for(k, N) for k in keys[:5]]) == [True] * 5
+        assert all(o is not None for o in read_all(s, keys[:5]))
 
 
 def test_verify_checks_tags_and_repair_removes_only_what_no_key_holder_can_read(tmp_path: Path) -> None:
@@ -219,7 +230,8 @@ def test_verify_checks_tags_and_repair_removes_only_what_no_key_holder_can_read(
         s.put_many([item_for(k, N) for k in keys[:4]])
     with open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc([b])) as s:
         s.put_many([item_for(k, N) for k in keys[4:]])  # another key's records: foreign to a
-    zpath(where, keys[0]).write_bytes(flip_ciphertext(zpath(where, keys[0]).read_bytes()))
+    forged = zpath(where, sealed_name([a], keys[0]))
+    forged.write_bytes(flip_ciphertext(forged.read_bytes()))
     with open_store(f"zarr://{where}", layout_fingerprint=FP, encryption=enc([a])) as s:
         r = s.verify(payload_bytes=SIZES)
         assert (r["checked"], r["corrupt"], r["authenticated"], r["auth_failures"], r["foreign"]) == (6, 0, 3, 3, 2)
@@ -264,7 +276,7 @@ def test_chain_seals_only_the_shared_level(tmp_path: Path) -> None:
         assert chain.flush(uploads=True, timeout_s=60)
         st = chain.stats()
         assert [lvl["encrypted"] for lvl in st["levels"]] == [False, True] and st["auth_failures"] == 0
-    blob = b"".join(zpath(tmp_path / "shared", k).read_bytes() for k in keys)
+    blob = b"".join(zpath(tmp_path / "shared", sealed_name(files, k)).read_bytes() for k in keys)
     assert leaked_runs(blob, [payload_for(k, N) for k in keys]) == 0
     # a fresh node: empty local level, reads through the sealed shared one
     levels[0] = f"lmdb://{tmp_path / 'node2'}"
@@ -272,8 +284,8 @@ def test_chain_seals_only_the_shared_level(tmp_path: Path) -> None:
                     level_options=[{}, {"encryption": enc(files)}]) as chain:
         for k, out in zip(keys, read_all(chain, keys)):
             np.testing.assert_array_equal(out, payload_for(k, N))
-    # the wrong tenant on the shared level: misses, summed into the chain's auth_failures
+    # the wrong tenant on the shared level: its names are elsewhere, so plain misses
     with open_store([f"lmdb://{tmp_path / 'node3'}", levels[1]], layout_fingerprint=FP,
                     encryption=enc(files, "intruder")) as chain:
         assert read_all(chain, keys) == [None] * 5
-        assert chain.stats()["auth_failures"] == 5
+        assert (chain.stats()["misses"], chain.stats()["auth_failures"]) == (5, 0)

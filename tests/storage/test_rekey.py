@@ -61,15 +61,18 @@ def assert_exact(store, keys) -> None:
         np.testing.assert_array_equal(out, payload_for(k, N))
 
 
-#: Where the third batch's rewrite is killed, and how many of its 4 records are out of
-#: the store then (the journal puts them back).
+#: Where the third batch's rewrite is killed: how many of its 4 records are out of the
+#: store then (neither under the old name nor the new), how many the journal puts back
+#: (the new names that lack them: records move to new names, so the old copy of a record
+#: may still be there too), and how many objects the store then holds (an old copy and a
+#: new one of the same record until the rerun removes the old).
 KILL_POINTS = {
-    "partial": 0,      # journal written and fsynced, not yet renamed into place
-    "journaled": 0,    # journal in place, nothing removed
-    "mid-delete": 2,   # 2 of the 4 old records removed
-    "deleted": 4,      # all 4 removed, none written
-    "mid-put": 2,      # 2 of the 4 new records written
-    "put": 0,          # all 4 written, the journal not yet deleted
+    "partial": (0, 0, 20),      # journal written and fsynced, not yet renamed into place
+    "journaled": (0, 4, 24),    # journal in place, nothing removed
+    "mid-delete": (2, 4, 22),   # 2 of the 4 old records removed
+    "deleted": (4, 4, 20),      # all 4 removed, none written
+    "mid-put": (2, 2, 20),      # 2 of the 4 new records written
+    "put": (0, 0, 20),          # all 4 written, the journal not yet deleted
 }
 
 
@@ -119,7 +122,7 @@ def test_rekey_killed_at_any_step_loses_nothing(tmp_path: Path, scheme: str, poi
     with open_store(url, layout_fingerprint=FP, encryption=enc([old])) as s:
         s.put_many([item_for(k, N) for k in KEYS])
     _kill_rekey(url, [new, old], point)
-    out = KILL_POINTS[point]
+    out, restored, stored = KILL_POINTS[point]
     journal = where / JOURNAL_NAME
     assert journal.is_file() == (point not in ("partial",))
     if point == "deleted":
@@ -134,12 +137,13 @@ def test_rekey_killed_at_any_step_loses_nothing(tmp_path: Path, scheme: str, poi
                     s.rekey(SIZES)
     # any encrypted open puts back what the killed run had out of the store: nothing lost
     with open_store(url, layout_fingerprint=FP, encryption=enc([new, old])) as s:
-        assert s.stats()["rekey_restored"] == out and len(s) == 20
+        assert s.stats()["rekey_restored"] == restored and len(s) == stored
         assert_exact(s, KEYS)
         report = s.rekey(SIZES, batch=BATCH)  # and the rerun finishes the job
-        assert (report.restored, report.lost, report.absent, report.failed) == (out, 0, 0, 0)
-        done = 2 * BATCH + (BATCH if point in ("deleted", "mid-put", "put") else out)
-        assert (report.current, report.rekeyed) == (done, 20 - done)
+        assert (report.restored, report.lost, report.absent, report.failed) == (restored, 0, 0, 0)
+        done = 2 * BATCH + (0 if point == "partial" else BATCH)  # records already under the new names
+        assert (report.checked, report.current, report.rekeyed) == (stored, done, 20 - done)
+        assert report.opened_old == stored - done and len(s) == 20
     assert not journal.exists() and not (where / f"{JOURNAL_NAME}.partial").exists()
     with open_store(url, layout_fingerprint=FP, encryption=enc([new])) as s:  # the old key retired
         r = s.verify(payload_bytes=SIZES)
@@ -156,7 +160,7 @@ def test_object_store_rekey_keeps_a_failed_batch_in_its_journal(tmp_path: Path,
 
     old, new = key_files(tmp_path, "old", "new")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    inner = ZarrStore(MemoryStore(), layout_fingerprint=FP)
+    inner = ZarrStore(MemoryStore(), layout_fingerprint=FP)  # (adopted as a sealed level by the first wrapper)
     with EncryptedStore(inner, enc([old]), owned=False) as s:
         s.put_many([item_for(k, N) for k in KEYS])
     s = EncryptedStore(inner, enc([new, old]))
@@ -220,7 +224,23 @@ def test_replay_puts_back_only_verified_records(tmp_path: Path) -> None:
         out = np.empty(1000, np.uint8)
         assert store.get(items[0].key, out) is not None
         np.testing.assert_array_equal(out, items[0].payload)
+        # records that do not authenticate are not put back either; under a key not held,
+        # nothing is put back and the journal is kept for a holder of that key
+        rj.write(items, FP)
+        result = rj.replay(ZarrStore(MemoryStore(), layout_fingerprint=FP),
+                           authentic=lambda item: item.key != items[1].key)
+        assert (result.restored, result.lost, result.deferred) == (2, 1, False)
+        rj.write(items, FP)
+        empty = ZarrStore(MemoryStore(), layout_fingerprint=FP)
+        result = rj.replay(empty, authentic=lambda item: None)
+        assert result.deferred and result.restored == 0 and rj.path.exists() and len(empty) == 0
         rj.path.write_bytes(b"not a journal at all")
         with pytest.raises(StoreError, match="not a rekey journal"):
             rj.replay(store)
         assert rj.path.exists()
+        # a link planted at the journal's path is refused, never read through
+        elsewhere = tmp_path / "elsewhere"
+        rj.path.rename(elsewhere)
+        os.symlink(elsewhere, rj.path)
+        with pytest.raises(StoreError, match="symbolic link"):
+            rj.replay(store)

@@ -117,8 +117,9 @@ class StoreConformance:
     def open_sealed(self, where: Any, encryption: dict[str, Any] | None, **options: Any) -> BlockStore:
         """:meth:`open`, with every record sealed when ``encryption`` is given (the kill -9
         matrix runs both ways)."""
-        store = self.open(where, **options)
-        return store if encryption is None else EncryptedStore(store, encryption)
+        if encryption is None:
+            return self.open(where, **options)
+        return EncryptedStore(self.open(where, sealed=True, **options), encryption)
 
     def raw_read(self, where: Any, key: RecordKey) -> bytes:
         raise NotImplementedError
@@ -531,7 +532,7 @@ class StoreConformance:
                 assert st_.get("auth_failures", 0) == 0
                 assert st_["bytes"] <= max_bytes
                 if isinstance(s, LmdbStore) or isinstance(getattr(s, "inner", None), LmdbStore):
-                    overhead = 44 if sealed else 0  # accounting is transactional too
+                    overhead = _envelope_overhead() if sealed else 0  # accounting is transactional too
                     assert st_["bytes"] == sum(record_size(payload_size(k) + overhead) for k in s)
             seen += n
         assert seen > 0, "no writer got a record committed before it was killed"
@@ -626,6 +627,12 @@ class StoreConformance:
 
 
 # ------------------------------------------------------------------ process bodies (fork)
+def _envelope_overhead() -> int:
+    from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD
+
+    return ENVELOPE_OVERHEAD
+
+
 def _encryption(tmp_path: Path) -> dict[str, Any] | None:
     """An encryption config with a fresh key file (skips without the cryptography package)."""
     pytest.importorskip("cryptography", reason="encryption needs the cryptography package")

@@ -754,7 +754,7 @@ def test_two_processes_share_one_store_across_a_restart(store_url):
 def test_an_encrypted_backend_seals_pages_and_a_wrong_key_only_fails_pages(tmp_path, backends):
     """``encryption`` in extra_config: pages sealed for the backend's tenant; the store's
     files hold no page bytes; a restart with the key reads them exactly; another key gets
-    failed pages (SGLang recomputes), never bytes or an exception."""
+    failed pages (SGLang recomputes: its names are elsewhere), never bytes or an exception."""
     from tiered_kv.storage.crypto import write_key_file
 
     key, other = tmp_path / "fleet.key", tmp_path / "other.key"
@@ -775,4 +775,6 @@ def test_an_encrypted_backend_seals_pages_and_a_wrong_key_only_fails_pages(tmp_p
     again.close()
     wrong = _backend(backends, url, pool, tenant="t", encryption={"key_files": [str(other)]})
     assert wrong.batch_get_v1(keys, pool.alloc(3 * PAGE)) == [False] * 3
-    assert wrong.store.stats()["auth_failures"] == 3
+    # (another key's records are under other keyed names: plain misses, nothing removed)
+    st = wrong.store.stats()
+    assert (st["auth_failures"], st["hits"], st["records"]) == (0, 0, 3)

@@ -250,7 +250,7 @@ def describe_writer(info: dict[str, Any] | None) -> str:
              "sglang-adapter": "SGLang adapter"}
     kind = names.get(str(info.get("writer")), str(info.get("writer")))
     tenant = info.get("tenant_sha256")
-    parts = [kind, f"model {info.get('model')}", f"tenant sha256 {tenant}" if tenant else "no tenant"]
+    parts = [kind, f"model {info.get('model')}", f"tenant sha256 {tenant}" if tenant else "no tenant recorded"]
     if info.get("recorded_at"):
         parts.append(f"since {info['recorded_at']}")
     return ", ".join(parts)
@@ -402,7 +402,7 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
     was, the fingerprint came from another store, which ``expected`` names)."""
     import lmdb
 
-    from ..storage import IndexDamagedError, LayoutMismatchError, StoreError, StoreLockedError
+    from ..storage import EncryptedLevelError, IndexDamagedError, LayoutMismatchError, StoreError, StoreLockedError
     try:
         from ..storage.s3 import ObjectStoreError
     except ImportError:  # no obstore (the optional `s3` extra): nothing raises it
@@ -430,6 +430,8 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
                             f"{loc.path}: the store holds layout fingerprint {stored}{written}, but {wanted}") from None
     except StoreLockedError as exc:
         raise CommandFailed(ExitCode.STORE_LOCKED, f"{loc.path}: store is locked: {exc}") from None
+    except EncryptedLevelError as exc:  # (a sealed level opened without its key, or not as it is)
+        raise CommandFailed(ExitCode.USAGE, str(exc)) from None
     except lmdb.LockError as exc:
         raise CommandFailed(ExitCode.STORE_LOCKED,
                             f"{loc.path}: store is locked by another process (LMDB: {exc}); "
@@ -444,7 +446,7 @@ def store_errors(loc: StoreLocation, layout: KVLayout | None, *, expected: str =
 
 @contextmanager
 def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayout | None, *,
-                   readonly: bool = False, encryption: Any = None) -> Iterator[BlockStore]:
+                   readonly: bool = False, encryption: Any = None, migrate: bool = False) -> Iterator[BlockStore]:
     """Open the existing store at ``locs`` (several: a chain, nearest first) for ``layout``
     (exit 3 when there is none).
 
@@ -454,7 +456,8 @@ def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayo
     recorded); other backends ignore it. A chain is opened without its upload journal, so
     inspecting it uploads nothing (the node's own process does that). ``encryption``: an
     EncryptionConfig (see :mod:`._keys`) seals and opens the records of a single store
-    (a chain's levels may be sealed differently: UsageError).
+    (a chain's levels may be sealed differently: UsageError); ``migrate``: with it, open a
+    level sealed by an earlier version (``rekey``).
     """
     from ..storage import StoreChain, open_store
 
@@ -474,6 +477,7 @@ def open_cli_store(locs: StoreLocation | Sequence[StoreLocation], layout: KVLayo
                 options: dict[str, Any] = {"readonly": True} if readonly and loc.backend is Backend.LMDB else {}
                 if encryption is not None:
                     options["encryption"] = encryption
+                    options["migrate"] = migrate
                 opened.append(open_store(loc.url, layout_fingerprint=fingerprint, **options))
             fingerprint = opened[0].layout_fingerprint
         store = opened[0] if len(opened) == 1 else StoreChain(opened, journal=False)

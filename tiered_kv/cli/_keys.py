@@ -1,14 +1,19 @@
 """Encryption options of the store commands, and what ``stats`` says about a store's sealing.
 
 * ``--key-file PATH`` (or the environment variable ``TIERED_KV_KEY_FILE``: one path, or
-  several separated by ``:``, the current key first): the master key the store's records
-  are sealed under; new records are sealed under it.
-* ``--old-key-file PATH`` (repeatable): older master keys still accepted for reading.
-* ``--tenant NAME``: whose keys (default: the command's ``--salt`` where it has one, as
-  a cache defaults its tenant to its salt; else ``""``).
+  several separated by ``:``, the current key first): the key the store's records are
+  sealed under; new records are sealed under it. A master key (``tiered-kv keygen``), or
+  a tenant key file (``tiered-kv keygen --tenant T --from MASTER``), which names its
+  tenant and serves no other.
+* ``--old-key-file PATH`` (repeatable): older keys still accepted for reading.
+* ``--tenant NAME``: whose keys (default: the tenant of a tenant key file given; else the
+  command's ``--salt`` where it has one, as a cache defaults its tenant to its salt; else
+  ``""``; ``rekey`` has no default).
 
-Without a key file the store is opened plain. A bad key file (missing, not 32 bytes,
-readable by group or others) is a usage error (exit 2) naming what is wrong.
+Without a key file the store is opened plain (a sealed level then only for what needs
+no key: ``stats``, ``verify`` of the checksums, ``gc``). A bad key file (missing, not a
+key file, not this user's, readable by group or others, of another tenant) is a usage
+error (exit 2) naming what is wrong.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ def add_key_args(p: argparse.ArgumentParser, *, what: str = "the store", tenant_
                    help=f"tenant whose keys are derived from the master key (default {tenant_default})")
 
 
-def encryption_from_args(args: argparse.Namespace, *, default_tenant: str = "") -> EncryptionConfig | None:
+def encryption_from_args(args: argparse.Namespace, *, default_tenant: str = "",
+                         require_tenant: str | None = None) -> EncryptionConfig | None:
     """The :class:`~tiered_kv.storage.EncryptionConfig` the options give (key files read
-    and checked now), or None when no key file is given."""
+    and checked now), or None when no key file is given. ``require_tenant``: the tenant
+    has no default (the message says why): ``--tenant`` or a tenant key file must name it."""
     from ..storage import EncryptionConfig, KeyFileError
-    from ..storage.crypto import Keyring
+    from ..storage.crypto import Keyring, load_key_file
 
     files: list[str] = []
     if args.key_file:
@@ -58,44 +65,46 @@ def encryption_from_args(args: argparse.Namespace, *, default_tenant: str = "") 
                              f"keys seal the records")
         return None
     files += list(args.old_key_file)
-    config = EncryptionConfig(key_files=files, tenant=args.tenant if args.tenant is not None else default_tenant)
     try:
+        named = [t for t in (load_key_file(f).tenant for f in files) if t is not None]
+        tenant = args.tenant if args.tenant is not None else named[0] if named else default_tenant
+        if require_tenant is not None and args.tenant is None and not named:
+            raise UsageError(f"--tenant: expected the tenant whose records {require_tenant} (no default: a wrong "
+                             f"tenant opens nothing)")
+        config = EncryptionConfig(key_files=files, tenant=tenant)
         Keyring(config)
     except KeyFileError as exc:
         raise UsageError(str(exc)) from None
+    except ValueError as exc:  # e.g. a tenant name too long
+        raise UsageError(f"--tenant: {exc}") from None
     return config
 
 
 def describe_encryption(store: BlockStore, *, sample: int = 16) -> dict[str, Any]:
-    """What ``stats`` reports about sealing: ``encrypted`` (True / False, None when the
-    store is empty), and either the keys given (``key_id``, ``key_ids``, ``auth_failures``
-    and, of ``sample`` records read, how many open under each key) or, without keys,
-    how many of the ``sample`` records read are sealed envelopes and how many plain.
+    """What ``stats`` reports about sealing: ``encrypted`` (True when the level records that
+    it is sealed or holds envelopes, False, None when the store is empty and says
+    nothing), ``sealing`` (what the level records), and either the keys given
+    (``key_id``, ``key_ids``, ``names`` ``"keyed"``, ``auth_failures`` and, of ``sample``
+    stored records read, how many open under each key: see
+    :meth:`~tiered_kv.storage.EncryptedStore.describe`) or, without keys, how many of the
+    ``sample`` records read are sealed envelopes and how many plain.
 
     Records are read at their stored sizes (:meth:`~tiered_kv.storage.BlockStore.payload_sizes`),
     so a store of any layout is described."""
+    import itertools
+
     import numpy as np
 
     from ..storage import EncryptedStore
     from ..storage.crypto import ENVELOPE_MAGIC
 
-    keys = []
-    for key in store:
-        keys.append(key)
-        if len(keys) >= sample:
-            break
-    sizes = store.payload_sizes(keys)  # (an EncryptedStore: the plaintext sizes)
-    present = [(key, n) for key, n in zip(keys, sizes) if n is not None]
     if isinstance(store, EncryptedStore):
         s = store.stats()
-        per_key: dict[str, int] = {}
-        for n in sorted({n for _, n in present}):  # one sample call per payload size
-            group = [key for key, m in present if m == n]
-            for key_id in store.sample(group, {kind: n for kind in {key.kind for key in group}}):
-                name = key_id.hex() if key_id is not None else "none (not authentic under a key given)"
-                per_key[name] = per_key.get(name, 0) + 1
-        return {"encrypted": True, "key_id": s["key_id"], "key_ids": s["key_ids"],
-                "auth_failures": s["auth_failures"], "sampled": len(keys), "sampled_by_key": per_key}
+        return {"encrypted": True, "sealing": store.sealing, "names": "keyed", "key_id": s["key_id"],
+                "key_ids": s["key_ids"], "auth_failures": s["auth_failures"], **store.describe(sample)}
+    keys = list(itertools.islice(store.names(), sample))
+    sizes = store.payload_sizes(keys)
+    present = [(key, n) for key, n in zip(keys, sizes) if n is not None]
     sealed = plain = 0
     for key, n in present:
         buf = np.empty(n, np.uint8)
@@ -105,5 +114,7 @@ def describe_encryption(store: BlockStore, *, sample: int = 16) -> dict[str, Any
             sealed += 1
         else:
             plain += 1
-    encrypted = None if not keys or not (sealed or plain) else sealed > 0
-    return {"encrypted": encrypted, "sampled": len(keys), "sampled_sealed": sealed, "sampled_plain": plain}
+    marked = getattr(store, "sealing", None)
+    encrypted = True if marked is not None else None if not keys or not (sealed or plain) else sealed > 0
+    return {"encrypted": encrypted, "sealing": marked, "sampled": len(keys), "sampled_sealed": sealed,
+            "sampled_plain": plain}

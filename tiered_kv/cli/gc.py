@@ -16,6 +16,11 @@ bound by them. The bound applies to this run only: to keep a
 store under it, give the same bound to the processes that write (``warm-start
 --max-bytes``, ``TieredKVCache(store_options={"max_bytes": ...})``).
 
+Encrypted stores: ``gc`` needs no key, but the upload journal of an encrypted level 0 owes
+its uploads by record key while the store evicts by keyed name: with uploads journaled
+there, give ``--key-file`` (see :mod:`._keys`) so that ``gc`` can tell which names to
+keep; without it such a run is refused (exit 2).
+
 JSON: ``{"store", "model", "max_bytes", "evicted", "freed_bytes", "bytes", "records",
 "journaled_uploads"}`` (``bytes``/``records``: what is left; ``journaled_uploads``: uploads
 the store's journal still owes, whose records were kept).
@@ -30,8 +35,8 @@ import argparse
 from typing import Any
 
 from ..planner import format_bytes
-from . import _common
-from .main import ExitCode
+from . import _common, _keys
+from .main import ExitCode, UsageError
 
 __all__ = ["add_parser", "run"]
 
@@ -48,6 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", required=True, type=_common.size_arg, metavar="SIZE",
                    help="bytes the records may take afterwards, e.g. 200G, 512M or 1048576 (binary units)")
     _common.add_layout_args(p, optional=True)
+    _keys.add_key_args(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -62,10 +68,15 @@ def _run(args: argparse.Namespace) -> int:
 
     layout = _common.layout_option(args)
     locs = [_common.parse_store(text) for text in args.store]
-    with _common.open_cli_store(locs, layout) as store:
+    encryption = _keys.encryption_from_args(args)
+    with _common.open_cli_store(locs, layout, encryption=encryption) as store:
         level0 = store.levels()[0] if isinstance(store, StoreChain) else store
         _common.report_index_rebuild(locs[0], level0)
         with keep_owed_uploads(level0) as held:
+            if held and encryption is None and level0.sealing is not None:
+                raise UsageError(f"--key-file: {locs[0].path} is an encrypted level whose upload journal owes "
+                                 f"{held} uploads by record key, and its records are under keyed names: give its "
+                                 f"--key-file (and --tenant) so that gc keeps them")
             result = dict(store.gc(args.max_bytes))
         model = _common.model_of(layout, store.layout_fingerprint)
     out = {"store": _common.store_url(locs), "model": model, "max_bytes": args.max_bytes, **result,

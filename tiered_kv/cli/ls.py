@@ -16,6 +16,11 @@ Prompts are hashed in the namespace the cache uses: the layout (the store's, or 
 ``--model`` and the overrides select, which the store must hold), the model id the store's
 writer recorded (a tiered_kv cache's; else the preset's name) and the tenant ``--salt``.
 
+An encrypted store names its records by keyed names (a prompt's hash tells nothing
+without the key): give ``--key-file`` (see :mod:`._keys`; the tenant defaults to the
+``--salt``, as a cache's does); without it ``ls`` of a sealed store is refused (exit 2)
+rather than report every prompt absent.
+
 JSON: ``{"store", "model", "layout_fingerprint", "salt", "prompts": [{"id", "tokens",
 "full_blocks", "blocks_in_store", "resume_points", "cached_tokens"}]}``.
 
@@ -28,9 +33,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import _common
+from . import _common, _keys
 from ._common import Prompt
-from .main import ExitCode
+from .main import ExitCode, UsageError
 
 __all__ = ["add_parser", "resume_points", "run"]
 
@@ -48,6 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common.add_layout_args(p, optional=True)
     p.add_argument("--salt", default="", metavar="S",
                    help="tenant salt of the prefix hash, as given to warm-start (default: none)")
+    _keys.add_key_args(p, tenant_default="the --salt, as a cache's")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -62,7 +68,12 @@ def _run(args: argparse.Namespace) -> int:
     layout = _common.layout_option(args)
     loc = _common.parse_store(args.store)
     prompts = _common.load_prompts(args.prompts)
-    with _common.open_cli_store(loc, layout, readonly=True) as store:
+    encryption = _keys.encryption_from_args(args, default_tenant=args.salt)
+    with _common.open_cli_store(loc, layout, readonly=True, encryption=encryption) as store:
+        if encryption is None and store.sealing is not None:
+            raise UsageError(f"--key-file: {loc.path} is an encrypted store: its records are under keyed names, "
+                             f"so a prompt's presence can only be checked with its key (--key-file, and --tenant "
+                             f"unless it is the --salt)")
         layout = _common.hashing_layout(layout, store.layout_fingerprint)
         hasher = PrefixHasher(layout, model_id=_common.cache_model_id(store.stats().get("writer")), salt=args.salt)
         rows = [resume_points(store, hasher, p) for p in prompts]

@@ -193,6 +193,8 @@ def prefetch(layout: KVLayout | None, source: _common.StoreLocation, dest: _comm
                         assert recent is not None
                         keys = src.recent(recent)  # type: ignore[attr-defined]  (Zarr: checked by _run)
                 counts.wanted = len(keys)
+                if not keys and encryption is not None:
+                    _check_keys_open_some(src, source)
                 todo = _missing(dst, keys)
                 counts.present = len(keys) - len(todo)
                 if verbose:
@@ -253,6 +255,17 @@ def select_prompt_records(store: BlockStore, layout: KVLayout, prompts: list[Pro
                 selected[snapshot] = None
     keys = list(selected)
     return keys, {key: digests[key] for key in keys}
+
+
+def _check_keys_open_some(src: Any, source: _common.StoreLocation) -> None:
+    """Nothing was selected from an encrypted source: if what it holds opens under none of
+    the keys given, say so (a wrong key or tenant finds no name of its own: an empty
+    selection would look like prompts the source never cached)."""
+    described = src.describe(8)
+    if described["sampled"] and not described["sampled_by_key"]:
+        raise CommandFailed(ExitCode.FAILURE, f"{source.path}: no record there opens under the keys given "
+                                              f"({described['sampled']} sampled): check --key-file and --tenant "
+                                              f"(default: the --salt)")
 
 
 def _missing(store: BlockStore, keys: list[RecordKey]) -> list[RecordKey]:

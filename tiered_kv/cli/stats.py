@@ -18,11 +18,12 @@ its access times and at close), and the table shows those; other backends count 
 for the open store object, so a fresh ``tiered-kv stats`` shows zeros there (a serving
 process reports its own through ``cache.metrics()``). An LMDB store is opened read-only.
 
-Encryption: the ``encrypted`` row says whether the store's records are sealed. With
-``--key-file`` (see :mod:`._keys`) it shows the current key id and every key accepted,
-the reads that failed authentication, and how many of a sample of records open under
-each key (a rotation's progress); without one, how many of a sample are sealed envelopes
-and how many plain records.
+Encryption: the ``encrypted`` row says whether the store's records are sealed (the level
+records it; an older store: a sample). With ``--key-file`` (see :mod:`._keys`) it shows
+the current key id and every key accepted, the reads that failed authentication, and how
+many of a sample of stored records open under each key (a rotation's progress), are
+under no key given, or are of an earlier version (``rekey`` migrates them); without one,
+how many of a sample are sealed envelopes and how many plain records.
 
 Exit codes: 0 ok, 2 bad arguments, 3 no store at ``--store``, 4 the store holds another
 layout (the message names both fingerprints), 5 the store is locked.
@@ -136,10 +137,15 @@ def format_table(s: dict[str, Any]) -> str:
 def _encryption_rows(e: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The ``encrypted`` row: yes with the key ids (keys given), or what a sample shows."""
     if "key_id" in e:
-        by_key = ", ".join(f"{n} under {k}" for k, n in e["sampled_by_key"].items()) or "empty"
-        return [("encrypted", "yes", f"aes-256-gcm; key {e['key_id']} (accepted: {', '.join(e['key_ids'])})"),
-                ("", "", f"of {e['sampled']} records sampled: {by_key}")]
+        by_key = ", ".join(f"{n} under {k}" for k, n in e["sampled_by_key"].items()) or "none"
+        rest = [f"{e[k]} {what}" for k, what in (("sampled_foreign", "under no key given"),
+                                                ("sampled_unauthentic", "not authentic"),
+                                                ("sampled_legacy", "of an earlier version (run rekey)")) if e.get(k)]
+        return [("encrypted", "yes", f"xaes-256-gcm, keyed names; key {e['key_id']} "
+                                     f"(accepted: {', '.join(e['key_ids'])})"),
+                ("", "", f"of {e['sampled']} records sampled: {', '.join([by_key, *rest])}")]
     state = {True: "yes", False: "no", None: "unknown"}[e.get("encrypted")]
-    note = (f"of {e.get('sampled', 0)} records sampled: {e.get('sampled_sealed', 0)} sealed, "
+    marked = "the level records that it is sealed; " if e.get("sealing") else ""
+    note = (f"{marked}of {e.get('sampled', 0)} records sampled: {e.get('sampled_sealed', 0)} sealed, "
             f"{e.get('sampled_plain', 0)} plain" + ("; pass --key-file to check them" if e.get("encrypted") else ""))
     return [("encrypted", state, note)]

@@ -275,7 +275,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     - ``store_options``: keyword options of :func:`tiered_kv.storage.open_store`
       (``max_bytes``, ``timeout_s``, ``level_options``...).
     - ``tenant``: salt of this deployment's keys (default ``""``).
-    - ``encryption``: seal every page record for this tenant (AES-256-GCM, see
+    - ``encryption``: seal every page record for this tenant (XAES-256-GCM under keyed names, see
       docs/shared-store.md): ``{"key_files": ["/etc/tiered-kv/key"], "tenant": ...}``; the
       tenant defaults to ``tenant``. For a chain it seals every level; one level only:
       put it in that level's ``store_options["level_options"]`` entry instead.

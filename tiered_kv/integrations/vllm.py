@@ -282,7 +282,7 @@ class TieredKVTier(SecondaryTierManager):
     - ``max_bytes``: LRU bound of the store (of its first level for a chain).
     - ``store_options``: more :func:`open_store` options (``timeout_s``,
       ``level_options``, credentials...).
-    - ``encryption``: seal every record for this deployment's tenant (AES-256-GCM, see
+    - ``encryption``: seal every record for this deployment's tenant (XAES-256-GCM under keyed names, see
       docs/shared-store.md): ``{"key_files": ["/etc/tiered-kv/key"], "tenant": ...}`` or an
       :class:`~tiered_kv.storage.EncryptionConfig`; the tenant defaults to ``tenant``. For a
       chain it seals every level; to seal one level only, put it in that level's
