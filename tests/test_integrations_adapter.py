@@ -26,7 +26,7 @@ def test_open_options_seal_for_the_adapters_tenant_unless_a_config_names_one() -
     assert open_options(plain, tenant="t") == plain and plain == {"max_bytes": 1 << 30}  # (a new dict)
     got = open_options({"level_options": [None, {"encryption": {"key_files": ["/k"], "tenant": "own"}}]},
                        tenant="t", encryption={"key_files": ["/k"]})
-    assert got["encryption"] == EncryptionConfig(key_files=("/k",), tenant="t")
+    assert got["encryption"] == EncryptionConfig(key_files=("/k",), default_tenant="t")  # (a tenant key file names its own)
     assert got["level_options"][0] is None
     assert got["level_options"][1]["encryption"] == EncryptionConfig(key_files=("/k",), tenant="own")
     with pytest.raises(ValueError, match=r"extra_config\['encryption'\]: unknown keys"):
