@@ -23,8 +23,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-installs only when the build inputs change (or the stamp is removed). The install also
-# compiles the optional native read helper (storage/_fastread.c, see setup.py) in place.
-NATIVE_SRC := setup.py storage/_fastread.c
+# compiles the optional native read helper (storage/os/_fastread.c, see setup.py) in place.
+NATIVE_SRC := setup.py storage/os/_fastread.c
 
 $(STAMP): pyproject.toml $(NATIVE_SRC) | $(BIN)/python
 	$(BIN)/python -m pip install $(TORCH) $(BUILD_DEPS)

@@ -104,13 +104,13 @@ def warm(path: Path) -> None:
 def cached_fraction(path: Path) -> float:
     """Fraction of the pages of the files under ``path`` in the page cache (1.0 where
     cachestat is not available: unknown)."""
-    from tiered_kv.storage import segments
+    from tiered_kv.storage.os import libc
 
     cached = total = 0
     for f in files_under(path):
         fd = os.open(f, os.O_RDONLY)
         try:
-            got = segments._LIBC.cached_pages(fd, 0, max(os.fstat(fd).st_size, 1))
+            got = libc.cached_pages(fd, 0, max(os.fstat(fd).st_size, 1))
         finally:
             os.close(fd)
         if got is None:
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 times[name].append(s)
                 cpu[name].append(c)
         hot_threads = readers.store._segments.hot_threads
-        from tiered_kv.storage import fastread
+        from tiered_kv.storage.os import fastread
 
         native = fastread.VerifyBatch is not None
     finally:

@@ -30,10 +30,11 @@ import functools
 import importlib
 import inspect
 import math
-import os
+import os as _os  # (not `os`: the package's attribute `os` is its sub-package storage/os)
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _moved
 from .base import BlockStore, PutItem
 from .errors import (
     CorruptRecordError,
@@ -117,6 +118,9 @@ _LOCAL_BACKENDS = {"lmdb": ("lmdb_store", "LmdbStore"), "zarr": ("zarr_store", "
 _OBJECT_STORE_BACKENDS = {"zarr+s3": ("zarr_store", "ZarrStore")}
 
 
+_moved.install()
+
+
 def _backend(where: tuple[str, str]) -> type[BlockStore]:
     module, name = where
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
@@ -142,7 +146,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-StoreSpec = str | os.PathLike[str] | BlockStore
+StoreSpec = str | _os.PathLike[str] | BlockStore
 
 
 def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str | None,
@@ -204,7 +208,7 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
 
 def _open_backend(url: StoreSpec, layout_fingerprint: str | None, options: dict[str, Any]) -> BlockStore:
     """The backend :func:`open_store` selects for ``url`` (a str or path)."""
-    s = os.fspath(url)
+    s = _os.fspath(url)
     if not isinstance(s, str):
         raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
     if "://" not in s:
@@ -290,7 +294,7 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,
                 continue
             if isinstance(spec, (list, tuple)):
                 raise TypeError(f"levels[{i}]: expected a URL, path or open store, got a nested list")
-            url = os.fspath(spec)
+            url = _os.fspath(spec)
             kwargs = dict(opts or {})
             if encryption is not None and "encryption" not in kwargs:
                 kwargs["encryption"] = encryption

@@ -48,18 +48,14 @@ import abc
 import enum
 import functools
 import itertools
-import os
-import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from .counters import Counters
-from .errors import StoreError, StoreLockedError
+from .errors import StoreError
 from .record import (
     CHECKSUM_BYTES,
     HASH_BYTES,
@@ -456,98 +452,6 @@ def scatter_via_temporaries(get_many: GetMany) -> GetMany:
 
 
 # ------------------------------------------------------------------ shared machinery
-class SharedExclusiveLock:
-    """Many holders in ``shared()`` or one in ``exclusive()`` (e.g. LMDB map resizing)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
-            self._exclusive = True
-            self._cond.wait_for(lambda: self._shared == 0)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-
-
-class OpenRegistry:
-    """The store directories open in this process, by (st_dev, st_ino)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: set[tuple[int, int]] = set()
-
-    def claim(self, path: Path) -> tuple[int, int]:
-        st = os.stat(path)
-        ident = (st.st_dev, st.st_ino)
-        with self._lock:
-            if ident in self._open:
-                raise StoreLockedError(f"{path}: this store is already open in this process; "
-                                       f"share the open store object instead of opening it twice")
-            self._open.add(ident)
-        return ident
-
-    def release(self, ident: tuple[int, int]) -> None:
-        with self._lock:
-            self._open.discard(ident)
-
-
-def mkdir_private(path: Path) -> bool:
-    """Create directory ``path`` (its parents too) as 0o700 whatever the umask.
-
-    Returns True if ``path`` was created here. Parents created here are 0o700 as well.
-    """
-    if path.is_dir():
-        return False
-    if not path.parent.is_dir():
-        mkdir_private(path.parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return False
-    os.chmod(path, 0o700)
-    return True
-
-
-def create_private_file(path: Path) -> int | None:
-    """Create ``path`` exclusively as 0o600 and return its fd open for writing, or None
-    if it already exists."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return None
-    os.fchmod(fd, 0o600)
-    return fd
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def payload_of_record(nbytes: int | None) -> int | None:
     """Payload bytes of a stored record of ``nbytes`` (None: absent or too short to be one)."""
     if nbytes is None or nbytes < HEADER_BYTES + CHECKSUM_BYTES:

@@ -86,7 +86,7 @@ What the chain guarantees:
   (``abandoned_uploads``): with a journal the next process resumes those, without one
   :meth:`StoreChain.resync` (``tiered-kv sync``) queues them again.
 - A chain still open when the interpreter exits is closed then, as :meth:`StoreChain.close`
-  does, before Python's thread pools stop accepting work (:mod:`~.at_exit`): a script that
+  does, before Python's thread pools stop accepting work (:mod:`~.os.at_exit`): a script that
   never calls ``close()`` loses no promotion and no journaled upload, and prints no
   traceback.
 """
@@ -110,7 +110,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .at_exit import close_at_exit
+from .os.at_exit import close_at_exit
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name

@@ -41,7 +41,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .base import fsync_dir, mkdir_private
+from .os.files import fsync_dir, mkdir_private
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreLockedError
 from .lmdb_store import (
     _ATIME,

@@ -142,13 +142,9 @@ import numpy as np
 
 from .base import (
     BlockStore,
-    OpenRegistry,
     PutItem,
-    SharedExclusiveLock,
     StoreStats,
     check_open,
-    create_private_file,
-    mkdir_private,
     payload_of_record,
     select_victims,
 )
@@ -187,11 +183,13 @@ from .segments import (
     ReadTask,
     Reclaimable,
     SegmentFiles,
-    allocate_blocks,
 )
 from .sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
 from .writer import StoreWriter, parse_recorded
-from . import fastread
+from .os import fastread
+from .os.files import create_private_file, mkdir_private
+from .os.libc import allocate_blocks
+from .os.locks import OpenRegistry, SharedExclusiveLock
 from .rows import RowScatter
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]

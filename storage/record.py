@@ -468,7 +468,7 @@ _PAYLOAD_LENGTH = struct.Struct("<Q")
 class PartsVerifier:
     """Verify records read in parts (header, payload pieces, checksum) with few Python
     steps per record: the fields a reader knows in advance are compared as bytes, and the
-    checksum was computed while reading (:mod:`~tiered_kv.storage.fastread`).
+    checksum was computed while reading (:mod:`~tiered_kv.storage.os.fastread`).
 
     Accepts exactly the records :func:`parse_header` + :func:`verify_record_parts` accept
     (magic, version, kind, flags, length, checksum, fingerprint, key, token digest), and
@@ -490,7 +490,7 @@ class PartsVerifier:
 
         ``header``: its ``HEADER_BYTES`` bytes (bytes: sliced and compared cheaply);
         ``digest``: the canonical xxh3-128 of header + payload as read (see
-        :func:`~tiered_kv.storage.fastread.read_and_hash`; None: not read whole);
+        :func:`~tiered_kv.storage.os.fastread.read_and_hash`; None: not read whole);
         ``tail``: its stored checksum; ``record_bytes``: its stored size; ``checksum``:
         what the stored one must also equal (e.g. the index's copy; None: not checked)."""
         payload_bytes = record_bytes - HEADER_BYTES - CHECKSUM_BYTES
@@ -510,7 +510,7 @@ class PartsVerifier:
 
     def expectation(self, key: RecordKey, record_bytes: int, checksum: bytes,
                     token_digest: bytes | None = None) -> bytes:
-        """What :func:`~tiered_kv.storage.fastread.read_verify_many` checks a record of
+        """What :func:`~tiered_kv.storage.os.fastread.read_verify_many` checks a record of
         ``key``, ``record_bytes`` long, against: the header's first 72 bytes (magic,
         version, kind, flags, fingerprint, block hash), its payload length (8 B), the
         index's ``checksum`` (16 B) and, when given, the ``token_digest`` (32 B)."""

@@ -33,7 +33,7 @@ not verify stays unindexed and ``gc`` gives it back.
 
 Reads: records whose pages are in the page cache (``cachestat``, Linux >= 6.5) are read
 straight into the caller's buffers and hashed as they are read
-(:mod:`~tiered_kv.storage.fastread`). Natively (:meth:`SegmentFiles.batch_read`) each
+(:mod:`~tiered_kv.storage.os.fastread`). Natively (:meth:`SegmentFiles.batch_read`) each
 record is handed, as soon as the store has prepared it, to helper threads of the native
 module that check it is cached, read it in 128 KiB runs, hash each run at once and check
 it, with no GIL and no Python per record on their side; the calling thread joins them
@@ -50,11 +50,9 @@ disk space follows the live records without rewriting segments.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import functools
-import mmap
 import os
 import threading
 import time
@@ -68,18 +66,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import fastread
-from .base import fsync_dir, mkdir_private
 from .errors import StoreError
+from .os import fastread, libc
+from .os import threads as os_threads
+from .os.files import fsync_dir, mkdir_private
+from .os.libc import ALIGN, align_down, align_up, aligned_buffer, allocate_blocks, punch_hole
+from .os.preadv import preadv_all
+from .os.threads import started_pool
 from .rows import RowScatter
-from .thread_pool import started_pool
 
 __all__ = ["ALIGN", "Location", "Reclaimable", "Reclaimed", "SegmentFiles", "allocate_blocks", "punch_hole"]
 
 T = TypeVar("T")
 
-#: Alignment of batches in a segment and of O_DIRECT transfers.
-ALIGN = 4096
 #: A batch is written in pwrites of about this size, each sent as soon as it is staged.
 _CHUNK = 2 << 20
 #: Extents of one read: adjacent records closer than this are read in one transfer...
@@ -100,83 +99,6 @@ _MIN_SHARD = 1 << 20
 SEGMENT_SUFFIX = ".seg"
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_SYS_CACHESTAT = 451  # x86_64 and aarch64 (generic table)
-
-
-def _align_down(x: int) -> int:
-    return x & ~(ALIGN - 1)
-
-
-def _align_up(x: int) -> int:
-    return (x + ALIGN - 1) & ~(ALIGN - 1)
-
-
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
-
-
-class _Libc:
-    """fallocate(PUNCH_HOLE) and cachestat(2) through ctypes (not in the os module)."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL(None, use_errno=True)
-        self.lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        self.lib.syscall.restype = ctypes.c_long
-        self.cachestat_ok = os.uname().machine in ("x86_64", "aarch64")
-
-    def punch(self, fd: int, offset: int, length: int) -> bool:
-        if length <= 0:
-            return True
-        rc = self.lib.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
-        return rc == 0
-
-    def cached_pages(self, fd: int, offset: int, length: int) -> tuple[int, int] | None:
-        """(pages in the page cache, pages in the range) of ``[offset, offset+length)``, or
-        None where cachestat is not available."""
-        if not self.cachestat_ok:
-            return None
-        first = _align_down(offset)
-        rng, st = _CachestatRange(first, _align_up(offset + length) - first), _Cachestat()
-        rc = self.lib.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st),
-                              ctypes.c_uint(0))
-        if rc != 0:
-            if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
-                self.cachestat_ok = False
-            return None
-        return st.cache, rng.len // mmap.PAGESIZE
-
-
-_LIBC = _Libc()
-
-
-def punch_hole(fd: int, offset: int, length: int) -> bool:
-    """Free the disk blocks of ``[offset, offset+length)`` (the bytes read back as zeros);
-    False where the filesystem cannot."""
-    return _LIBC.punch(fd, offset, length)
-
-
-def allocate_blocks(fd: int, offset: int, length: int) -> int:
-    """Allocate the disk blocks of ``[offset, offset+length)`` without changing the file's
-    size (``fallocate(FALLOC_FL_KEEP_SIZE)``): a later write there, or a file grown over
-    them, needs no new block. Returns 0, or the errno (ENOSPC: no room; EOPNOTSUPP: the
-    filesystem cannot)."""
-    if _LIBC.lib.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned ``[nbytes] uint8`` array (anonymous mmap), for O_DIRECT transfers."""
-    mm = mmap.mmap(-1, max(ALIGN, _align_up(nbytes)))
-    return np.frombuffer(mm, np.uint8)
-
 
 def segment_name(seg_id: int) -> str:
     return f"{seg_id:08x}{SEGMENT_SUFFIX}"
@@ -432,7 +354,7 @@ class SegmentFiles:
         self._files = _OpenSegments(path, max_open_segments)  # read fds, LRU-bounded
         self._active: _Writing | None = None    # where the next batch is appended
         self._writing: dict[int, _Writing] = {}  # the active one + retired ones with syncs pending
-        # (started now, not on the first read: see tiered_kv.storage.thread_pool)
+        # (started now, not on the first read: see tiered_kv.storage.os.threads)
         self._pool: ThreadPoolExecutor | None = started_pool(io_threads, "tkv-seg") if io_threads > 1 else None
         self._local = threading.local()
         self._swept = time.monotonic()
@@ -589,7 +511,7 @@ class SegmentFiles:
         reservation: nothing written) or what ``fill`` raised; then the range is given
         back (cut off the segment's end, or punched when others appended after it)."""
         total = sum(lengths)
-        padded = _align_up(total)
+        padded = align_up(total)
         staged = self._staging(padded)
         batch = self._reserve_range(padded)
         fd, start = batch.segment.fd, batch.start
@@ -608,7 +530,7 @@ class SegmentFiles:
             for j, n in enumerate(lengths):
                 fill(j, staged[pos:pos + n])
                 pos += n
-                ready = _align_down(pos)
+                ready = align_down(pos)
                 if ready - sent >= _CHUNK:
                     pending.append(pool.submit(write, sent, ready))
                     sent = ready
@@ -791,7 +713,7 @@ class SegmentFiles:
             try:
                 with self._files.use(seg, direct=False) as fd:
                     first, end = group[0].loc.offset, group[-1].loc.end
-                    whole = _LIBC.cached_pages(fd, first, end - first)
+                    whole = libc.cached_pages(fd, first, end - first)
                     if whole is None or whole[0] >= whole[1]:  # (unknown: read buffered)
                         hot.extend(group)
                         continue
@@ -808,7 +730,7 @@ class SegmentFiles:
     def hot_threads(self) -> int:
         """Threads that copy and check records the page cache holds: the I/O threads,
         at most one per CPU this process may run on (more only take turns)."""
-        return max(1, min(self.io_threads, _cpus()))
+        return max(1, min(self.io_threads, os_threads.usable_cpus()))
 
     def _shards(self, hot: list[ReadTask]) -> list[list[ReadTask]]:
         """``hot`` in file order, cut into runs of about equal bytes: two per
@@ -839,9 +761,9 @@ class SegmentFiles:
 
     def _read_records(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
         """Read each of ``tasks`` (file order) from the page cache, segment by segment: one
-        :func:`~tiered_kv.storage.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
+        :func:`~tiered_kv.storage.os.fastread.read_and_hash` each (sets ``ok`` and ``digest``),
         then ``then(task)``; or, natively when every task has ``expect``, read and check a
-        segment's tasks in one :func:`~tiered_kv.storage.fastread.read_verify_many` call
+        segment's tasks in one :func:`~tiered_kv.storage.os.fastread.read_verify_many` call
         (sets ``ok`` and ``verified``; ``then`` is not called). An error (EIO; a segment gc
         unlinked; no descriptor to spare) is a miss of the records not read."""
         i = 0
@@ -859,7 +781,7 @@ class SegmentFiles:
 
     def _read_checked(self, tasks: list[ReadTask]) -> None:
         """Read and check ``tasks`` (file order, each with ``expect``) from the page cache
-        in one native :func:`~tiered_kv.storage.fastread.read_verify_many` call for the
+        in one native :func:`~tiered_kv.storage.os.fastread.read_verify_many` call for the
         whole batch (sets ``ok`` and ``verified``): the GIL is released once, and a batch
         of at least two shards' bytes is spread over :attr:`hot_threads` threads that the
         call starts itself, each taking the next record as it finishes one. Segments are
@@ -875,9 +797,9 @@ class SegmentFiles:
                 if not group:
                     continue
                 total = sum(t.loc.length for t in group)
-                threads = self.hot_threads if total >= 2 * _MIN_SHARD else 1
+                n_threads = self.hot_threads if total >= 2 * _MIN_SHARD else 1
                 statuses = many([(fds[t.loc.segment], t.loc.offset, [t.header, *t.payload, t.tail], t.expect)
-                                 for t in group], threads)
+                                 for t in group], n_threads)
             for t, status in zip(group, statuses):
                 t.ok = status != fastread.SHORT
                 t.verified = status == fastread.VERIFIED
@@ -919,7 +841,7 @@ class SegmentFiles:
     def _cached(self, fd: int, offset: int, length: int) -> bool:
         """Whether the page cache holds (at least 3/4 of) the range: then a buffered read
         beats O_DIRECT. Unknown (no cachestat): True, read buffered."""
-        got = _LIBC.cached_pages(fd, offset, length)
+        got = libc.cached_pages(fd, offset, length)
         return got is None or 4 * got[0] >= 3 * got[1]
 
     def _bounce(self, nbytes: int) -> np.ndarray:
@@ -930,10 +852,10 @@ class SegmentFiles:
 
     def _read_direct(self, ext: list[ReadTask], first: int, end: int,
                      then: Callable[[ReadTask], None] | None) -> None:
-        lo, hi = _align_down(first), _align_up(end)
+        lo, hi = align_down(first), align_up(end)
         buf = self._bounce(hi - lo)
         with self._files.use(ext[0].loc.segment, direct=True) as fd:
-            got = _preadv_all(fd, [buf[:hi - lo]], lo)
+            got = preadv_all(fd, [buf[:hi - lo]], lo)
         for t in ext:
             a = t.loc.offset - lo
             if a + t.loc.length > got:
@@ -953,7 +875,7 @@ class SegmentFiles:
 
     def read_rows(self, locs: Sequence[Location], rows: RowScatter, expects: np.ndarray) -> np.ndarray:
         """Read and verify record k at ``locs[k]`` into the pieces ``rows`` gives record k,
-        natively (:data:`~tiered_kv.storage.fastread.read_verify_rows`; only where it is
+        natively (:data:`~tiered_kv.storage.os.fastread.read_verify_rows`; only where it is
         bound); ``expects``: ``[n, E] uint8``, each record's
         :meth:`~tiered_kv.storage.record.PartsVerifier.expectation`. Returns ``[n] uint8``
         statuses (VERIFIED, SHORT, FAILED); the records of a segment that is gone are SHORT.
@@ -1035,7 +957,7 @@ class SegmentFiles:
         records (file order, up to ``_MAX_EXTENT_ROWS``) read with ``O_DIRECT`` into each
         thread's bounce buffer by :attr:`io_threads` threads at once (the disk's queue
         stays full, the page cache is not filled), each record then verified and copied
-        into its pieces natively (:data:`~tiered_kv.storage.fastread.verify_rows`).
+        into its pieces natively (:data:`~tiered_kv.storage.os.fastread.verify_rows`).
         ``locs[p]`` is record ``idx[p]``'s; statuses go to ``status[idx[p]]``."""
         verify = fastread.verify_rows
         assert verify is not None
@@ -1055,10 +977,10 @@ class SegmentFiles:
                 except IndexError:
                     return
                 first, end = locs[a].offset, locs[b - 1].end
-                lo, hi = _align_down(first), _align_up(end)
+                lo, hi = align_down(first), align_up(end)
                 buf = self._bounce(hi - lo)
                 with self._files.use(locs[a].segment, direct=True) as fd:
-                    got = _preadv_all(fd, [buf[:hi - lo]], lo)
+                    got = preadv_all(fd, [buf[:hi - lo]], lo)
                 mine = idx[a:b]
                 at = np.array([loc.offset - lo for loc in locs[a:b]], np.int64)
                 status[mine] = np.frombuffer(verify(buf[:got], at, rows.dests, rows.dest_of, rows.lengths,
@@ -1191,7 +1113,7 @@ class SegmentFiles:
 class BatchRead:
     """Tasks read as they are handed over (made by :meth:`SegmentFiles.batch_read`).
 
-    Natively (:data:`~tiered_kv.storage.fastread.VerifyBatch`), each task with ``expect``
+    Natively (:data:`~tiered_kv.storage.os.fastread.VerifyBatch`), each task with ``expect``
     goes straight to a native batch whose helper threads (``threads - 1`` of them; the
     caller joins in :meth:`finish`) check that the page cache holds the record, read it and
     check it, while the caller prepares the next task: the Python work of a batch overlaps
@@ -1263,53 +1185,6 @@ class BatchRead:
             self._files.read(later, self._then)
 
 
-#: Buffers one ``preadv`` takes at most (the kernel's UIO_MAXIOV).
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
-
-
-def _preadv_all(fd: int, bufs: list[np.ndarray], offset: int, want: int | None = None) -> int:
-    """preadv until every buffer is full or end of file; returns the bytes read. More than
-    :data:`IOV_MAX` buffers are read ``IOV_MAX`` at a time. ``want``: the buffers' total
-    size when the caller knows it."""
-    if len(bufs) > IOV_MAX:
-        got = 0
-        for i in range(0, len(bufs), IOV_MAX):
-            group = bufs[i:i + IOV_MAX]
-            want = sum(b.nbytes for b in group)
-            n = _preadv_one(fd, group, offset + got)
-            got += n
-            if n < want:
-                break
-        return got
-    return _preadv_one(fd, bufs, offset, want)
-
-
-def _preadv_one(fd: int, bufs: list[np.ndarray], offset: int, want: int | None = None) -> int:
-    if want is None:
-        want = sum(b.nbytes for b in bufs)
-    got = os.preadv(fd, bufs, offset)  # the common case: all of it at once
-    if got == want or got <= 0:
-        return max(got, 0)
-    views = [memoryview(b).cast("B") for b in bufs if b.nbytes]
-    n = got
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views.pop(0)
-    if views and n:
-        views[0] = views[0][n:]
-    while views:
-        n = os.preadv(fd, views, offset + got)
-        if n <= 0:
-            break
-        got += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return min(got, want)
-
-
 def _read_group(fd: int, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> None:
     """Read ``tasks`` of the segment open as ``fd`` (see SegmentFiles._read_records)."""
     many = fastread.read_verify_many
@@ -1342,13 +1217,6 @@ def _punch_gaps(fd: int, live: Sequence[tuple[int, int]], end: int) -> int:
         if pos >= end:
             break
     return punched
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _spans(locs: list[Location]) -> list[tuple[int, int, int, int, int]]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import create_private_file, fsync_dir, mkdir_private
+from .os.files import create_private_file, fsync_dir, mkdir_private
 from .errors import CorruptRecordError, RecordCheck, StoreError, StoreFullError
 from .record import (
     CHECKSUM_BYTES,

@@ -1,5 +1,5 @@
 """A process that exits without ``shutdown()`` / ``close()`` loses nothing and prints no
-traceback (storage/at_exit.py), and a cache refuses use after ``shutdown()``.
+traceback (storage/os/at_exit.py), and a cache refuses use after ``shutdown()``.
 
 The exits run in subprocesses (tests/_exit_worker.py): the interpreter's own exit order
 (threading atexit callbacks, then pools refusing work) is what is under test.

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for
-from tiered_kv.storage import LmdbStore, fastread, segments
+from tiered_kv.storage import LmdbStore, segments
+from tiered_kv.storage.os import fastread, libc
+from tiered_kv.storage.os import threads as os_threads
 from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES
 from tiered_kv.storage.segments import Location, ReadTask, SegmentFiles
 
@@ -37,14 +39,14 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_native_helper_is_built_where_a_compiler_is() -> None:
-    """`pip install` (make venv) builds storage/_fastread.c; it binds python-xxhash's xxh3
+    """`pip install` (make venv) builds storage/os/_fastread.c; it binds python-xxhash's xxh3
     and passes the self-check. Skipped where no C compiler or Python headers exist (the
     package then installs without it and the Python implementation is used)."""
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if not (shutil.which("cc") or shutil.which("gcc")) or not headers.exists():
         pytest.skip("no C compiler or Python headers: the optional native helper is not built")
     assert fastread.native_read_and_hash is not None, \
-        "storage/_fastread.c was not built or failed its check: reinstall with `make venv`"
+        "storage/os/_fastread.c was not built or failed its check: reinstall with `make venv`"
     assert fastread.NATIVE == (os.environ.get("TIERED_KV_NATIVE", "1") != "0")
 
 
@@ -120,7 +122,7 @@ def _tasks(lengths: list[int]) -> list[ReadTask]:
 ])
 def test_shards_cover_every_record_once_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 threads: int, lengths: list[int], shards: int) -> None:
-    monkeypatch.setattr(segments, "_cpus", lambda: threads)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: threads)
     files = SegmentFiles(tmp_path, new_segment_id=lambda: 1, segment_bytes=1 << 30, direct_io=False,
                          io_threads=8, readonly=True)
     hot = _tasks(lengths)
@@ -142,7 +144,7 @@ def test_hot_get_many_spreads_over_threads(impl, monkeypatch: pytest.MonkeyPatch
     threads of its own (records handed to it as they are prepared); in Python cut into
     shards that the calling thread and ``hot_threads - 1`` I/O threads drain (which thread
     reads which record depends on timing)."""
-    monkeypatch.setattr(segments, "_cpus", lambda: 4)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 4)
     made: list[tuple[int, int, bool]] = []
     if fastread.VerifyBatch is not None:  # (native)
         real = fastread.VerifyBatch
@@ -372,11 +374,11 @@ def test_verify_batch_cached_only_leaves_what_the_page_cache_lacks(tmp_path: Pat
     buffers untouched), so that the store reads it on its cold path."""
     fd, places = _records_file(tmp_path, [200_000, 200_000])
     try:
-        if segments._LIBC.cached_pages(fd, 0, 4096) is None:
+        if libc.cached_pages(fd, 0, 4096) is None:
             pytest.skip("no cachestat here: every record counts as cached")
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if segments._LIBC.cached_pages(fd, places[1][0], places[1][1])[0] != 0:
+        if libc.cached_pages(fd, places[1][0], places[1][1])[0] != 0:
             pytest.skip("this filesystem keeps the pages cached")
         os.pread(fd, places[0][1], places[0][0])  # record 0 back in the page cache...
         os.posix_fadvise(fd, places[1][0], places[1][1], os.POSIX_FADV_DONTNEED)  # ...not (all of) record 1
@@ -420,7 +422,7 @@ def test_get_many_batch_path_counts_broken_records_as_misses(impl, monkeypatch: 
     payload byte, a wrong length in a header, an index entry with a wrong length and a torn
     tail are each a counted corrupt miss, and removed; every other record, read into one
     buffer or a scatter list, is whole. The same answers either implementation."""
-    monkeypatch.setattr(segments, "_cpus", lambda: 2)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 2)
     keys = [make_key(i) for i in range(8)]
     path = tmp_path / "s"
     with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
@@ -467,7 +469,7 @@ def test_concurrent_get_many_share_the_helpers(impl, monkeypatch: pytest.MonkeyP
     alone) all get every record whole."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(segments, "_cpus", lambda: 2)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 2)
     keys = [make_key(i) for i in range(16)]
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP, direct_io=False) as store:
         store.put_many([item_for(k, 400_000) for k in keys])

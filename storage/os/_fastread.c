@@ -1,4 +1,4 @@
-/* tiered_kv.storage._fastread: read one stored record's parts and hash them, GIL released.
+/* tiered_kv.storage.os._fastread: read one stored record's parts and hash them, GIL released.
  *
  * The disk tier's verified reads spend most of their time in two loops that need no Python:
  * the preadv of a record's parts (header, the caller's payload buffers, the stored checksum)
@@ -821,7 +821,7 @@ static PyMethodDef vb_methods[] = {
 
 static PyTypeObject VerifyBatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tiered_kv.storage._fastread.VerifyBatch",
+    .tp_name = "tiered_kv.storage.os._fastread.VerifyBatch",
     .tp_basicsize = sizeof(VerifyBatch),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "VerifyBatch(capacity, threads=1, cached_only=False): read_verify_many fed one record "

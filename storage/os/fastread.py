@@ -6,7 +6,7 @@ checksum: in file order) from ``fd`` at ``offset`` and returns the canonical xxh
 every buffer but the last, the value the record's checksum must equal (None when the file
 ended first). Two implementations, with the same results:
 
-- native (``storage/_fastread.c``, built by ``pip install`` where a C compiler exists): one
+- native (``storage/os/_fastread.c``, built by ``pip install`` where a C compiler exists): one
   call does the ``preadv`` and the hashing with the GIL released, whatever the number of
   pieces. It uses xxHash's own streaming functions as exported by the python-xxhash module
   already loaded in the process (its x86 dispatcher's update, which picks AVX2 or AVX-512
@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
+
+from .preadv import preadv_all
 
 __all__ = ["FAILED", "NATIVE", "SHORT", "UNCACHED", "VERIFIED", "VerifyBatch", "digest_parts", "native_VerifyBatch",
            "native_read_and_hash", "native_read_verify_many", "python_read_and_hash", "read_and_hash",
@@ -104,10 +106,8 @@ NATIVE = native_read_and_hash is not None and os.environ.get("TIERED_KV_NATIVE",
 
 def python_read_and_hash(fd: int, offset: int, bufs: Sequence[Any]) -> tuple[int, bytes | None]:
     """:data:`read_and_hash` in Python: ``os.preadv``, then python-xxhash."""
-    from .segments import _preadv_all  # (segments imports this module)
-
     want = sum(b.nbytes for b in bufs)
-    got = _preadv_all(fd, list(bufs), offset, want)
+    got = preadv_all(fd, list(bufs), offset, want)
     if got < want:
         return got, None
     return got, digest_parts(bufs[:-1])

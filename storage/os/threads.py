@@ -1,4 +1,4 @@
-"""Thread pools whose threads are started ahead of their first use.
+"""Thread pools whose threads are started ahead of their first use; the CPUs this process may use.
 
 A ``ThreadPoolExecutor`` starts a thread per ``submit`` until it has ``max_workers``:
 on a cold ``open()`` that puts thread creation (about 1 ms each on a busy 2-core
@@ -10,10 +10,11 @@ start while the caller goes on.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["started_pool"]
+__all__ = ["started_pool", "usable_cpus"]
 
 #: How long a starting thread waits for its siblings (only a pool shut down at once, or
 #: a machine stalled for this long, gets there; the pool then starts the rest on demand).
@@ -37,3 +38,12 @@ def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
         for _ in range(workers):
             pool.submit(meet)
     return pool
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; the CPU count where the
+    platform has none): more threads copying or hashing at once only take turns."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
