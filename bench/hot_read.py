@@ -128,7 +128,7 @@ class Readers:
 
         from tiered_kv.storage import LmdbStore, RecordKey
         from tiered_kv.storage.lmdb_store import unpack_entry
-        from tiered_kv.storage.record import HEADER_BYTES
+        from tiered_kv.storage.format.record import HEADER_BYTES
 
         self.n, self.nbytes, self.batch, self.threads = n, nbytes, batch, threads
         self.keys = [RecordKey.block(block_hash(i)) for i in range(n)]

@@ -46,7 +46,7 @@ from .errors import (
     StoreFullError,
     StoreLockedError,
 )
-from .record import (
+from .format.record import (
     FORMAT_VERSION,
     RecordKey,
     RecordKind,
@@ -56,8 +56,8 @@ from .record import (
     encode_record_into,
     record_size,
 )
-from .rows import RowScatter
-from .writer import StoreWriter, WriterKind, tenant_hash
+from .format.rows import RowScatter
+from .format.writer import StoreWriter, WriterKind, tenant_hash
 
 if TYPE_CHECKING:
     from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain

@@ -9,7 +9,7 @@ that now holds, or re-exports, what the old one held, the very same module objec
 ``isinstance`` checks and ``monkeypatch`` of its names behave as before)::
 
     import tiered_kv.storage.lmdb_store as m     # m is tiered_kv.storage.lmdb
-    from tiered_kv.storage.record import RecordKey
+    from tiered_kv.storage.record import RecordKey   # the same class as format.record's
 
 New code imports the new paths. :data:`MOVED` is the whole table; a test checks that
 each old path still gives every name its old ``__all__`` listed.
@@ -30,7 +30,11 @@ __all__ = ["MOVED", "install"]
 MOVED: dict[str, str] = {
     "at_exit": "os.at_exit",
     "fastread": "os.fastread",
+    "record": "format.record",
+    "rows": "format.rows",
+    "sealed_level": "format.sealed_level",
     "thread_pool": "os.threads",
+    "writer": "format.writer",
 }
 
 _PACKAGE = __name__.rpartition(".")[0]  # tiered_kv.storage

@@ -56,7 +56,7 @@ import numpy as np
 
 from .counters import Counters
 from .errors import StoreError
-from .record import (
+from .format.record import (
     CHECKSUM_BYTES,
     HASH_BYTES,
     HEADER_BYTES,
@@ -68,7 +68,7 @@ from .record import (
     record_parts,
     write_segments,
 )
-from .rows import RowScatter
+from .format.rows import RowScatter
 
 __all__ = ["BlockStore", "EvictionGuard", "PayloadSink", "PutItem", "StoreStats", "Unread", "scatter_via_temporaries",
            "select_victims"]

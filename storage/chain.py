@@ -114,7 +114,7 @@ from .os.at_exit import close_at_exit
 from .base import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
-from .record import RecordKey, RecordKind, RecordMeta, write_segments
+from .format.record import RecordKey, RecordKind, RecordMeta, write_segments
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
 

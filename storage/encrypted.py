@@ -96,7 +96,7 @@ from .crypto import (
 )
 from .envelope_reads import EnvelopeSink, Opener, Outcome, Read, Skip, Target, zero
 from .errors import EncryptedLevelError, StoreError
-from .record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
+from .format.record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
 from .rekey_journal import JOURNAL_NAME, RekeyJournal, ReplayResult, default_journal_path, failpoint
 
 __all__ = ["EncryptedStore", "RekeyReport"]

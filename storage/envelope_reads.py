@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .crypto import ENVELOPE_VERSION, HEAD_BYTES, LEGACY_ENVELOPE_VERSION, TAG_BYTES, Opened, envelope_version
-from .record import RecordKey, RecordMeta
+from .format.record import RecordKey, RecordMeta
 
 if TYPE_CHECKING:
     from .encrypted import EncryptedStore

@@ -43,7 +43,7 @@ import lmdb
 
 from .base import BlockStore
 from .errors import StoreError, StoreFullError
-from .record import KEY_BYTES, RecordKey
+from .format.record import KEY_BYTES, RecordKey
 
 __all__ = ["JOURNAL_FILE", "UploadJournal", "keep_owed_uploads", "level_name"]
 

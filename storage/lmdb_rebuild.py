@@ -62,7 +62,7 @@ from .lmdb_store import (
     _segment_end_key,
     pack_entry,
 )
-from .record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
+from .format.record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
 from .segments import Location, parse_segment_name, segment_name
 
 __all__ = ["rebuild_index"]

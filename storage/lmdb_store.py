@@ -158,7 +158,7 @@ from .errors import (
 )
 from .group_commit import REWRITE, SYNCED, FaultPoint, GroupCommit
 from .lmdb_file import DataFileState, IndexDamage, IndexWalk, check_data_file, walk_index
-from .record import (
+from .format.record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -184,13 +184,13 @@ from .segments import (
     Reclaimable,
     SegmentFiles,
 )
-from .sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
-from .writer import StoreWriter, parse_recorded
+from .format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
+from .format.writer import StoreWriter, parse_recorded
 from .os import fastread
 from .os.files import create_private_file, mkdir_private
 from .os.libc import allocate_blocks
 from .os.locks import OpenRegistry, SharedExclusiveLock
-from .rows import RowScatter
+from .format.rows import RowScatter
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 

@@ -80,7 +80,7 @@ from obstore.exceptions import (
 from obstore.store import S3Store
 
 from .errors import StoreError
-from .record import as_byte_array
+from .format.record import as_byte_array
 
 if TYPE_CHECKING:
     from obstore.store import S3Credential

@@ -73,7 +73,7 @@ from .os.files import fsync_dir, mkdir_private
 from .os.libc import ALIGN, align_down, align_up, aligned_buffer, allocate_blocks, punch_hole
 from .os.preadv import preadv_all
 from .os.threads import started_pool
-from .rows import RowScatter
+from .format.rows import RowScatter
 
 __all__ = ["ALIGN", "Location", "Reclaimable", "Reclaimed", "SegmentFiles", "allocate_blocks", "punch_hole"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .record import RecordKey, RecordMeta, decode_record
+from .format.record import RecordKey, RecordMeta, decode_record
 from .zarr_objects import DIR_KINDS, META_KEY, Objects, key_of
 
 __all__ = ["ZarrApiObjects"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from .os.files import create_private_file, fsync_dir, mkdir_private
 from .errors import CorruptRecordError, RecordCheck, StoreError, StoreFullError
-from .record import (
+from .format.record import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     RecordKey,

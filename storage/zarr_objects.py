@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .base import PayloadSink, Unread
-from .record import (
+from .format.record import (
     FORMAT_VERSION,
     HEADER_BYTES,
     RecordKey,
@@ -33,7 +33,7 @@ from .record import (
     parse_header,
     record_size,
 )
-from .writer import StoreWriter
+from .format.writer import StoreWriter
 
 __all__ = ["ATTR", "DIR_KINDS", "IoPool", "KIND_DIRS", "META_KEY", "Objects", "STORE_FORMAT_VERSION", "group_metadata",
            "key_of", "object_name", "raise_first"]

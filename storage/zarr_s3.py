@@ -17,7 +17,7 @@ try:  # the object-store path needs obstore (the ``s3`` extra)
     from . import s3 as _s3
 except ImportError:  # pragma: no cover - obstore not installed
     _s3 = None  # type: ignore[assignment]
-from .record import (
+from .format.record import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     RecordKey,

@@ -93,7 +93,7 @@ from .base import (
     select_victims,
 )
 from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
-from .record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
+from .format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
 from .zarr_api import ZarrApiObjects
 from .zarr_local import LocalObjects
 from .zarr_objects import (
@@ -106,8 +106,8 @@ from .zarr_objects import (
     object_name,
     raise_first,
 )
-from .sealed_level import SEALED_LEVEL, check_opener, parse_sealing
-from .writer import StoreWriter
+from .format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing
+from .format.writer import StoreWriter
 from .zarr_s3 import _s3, s3_objects
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]

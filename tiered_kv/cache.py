@@ -299,7 +299,7 @@ class TieredKVCache(TierMoves):
         Idempotent. Afterwards ``open``, ``close``, ``flush`` and every call on a request
         raise :class:`~tiered_kv.errors.CacheShutdownError`. A cache never shut down is
         shut down at interpreter exit as far as its disk tier goes (queued writes land,
-        chain uploads are journaled; :mod:`tiered_kv.storage.os.at_exit`)."""
+        chain uploads are journaled; :mod:`tiered_kv.storage.at_exit`)."""
         if self._shut_down:
             return
         self._shut_down = True

@@ -15,7 +15,7 @@ pools (see :mod:`tiered_kv.tiering`).
 
 Exit: a disk tier still open when the interpreter exits is closed then (its queued writes
 land, a store it opened is closed), before Python's thread pools stop accepting work: see
-:mod:`tiered_kv.storage.os.at_exit`. After :meth:`DiskTier.close` a submit raises
+:mod:`tiered_kv.storage.at_exit`. After :meth:`DiskTier.close` a submit raises
 :class:`DiskTierClosedError`.
 """
 
@@ -85,7 +85,7 @@ class DiskTier:
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
             raise ValueError(f"read_threads: expected a positive int, got {read_threads!r}")
         self.read_threads = read_threads
-        # (started now, not by the first read: see tiered_kv.storage.os.threads)
+        # (started now, not by the first read: see tiered_kv.storage.thread_pool)
         self._readers: ThreadPoolExecutor | None = started_pool(read_threads, "tiered-kv-read")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-disk")
         self._pending: deque[Future[None]] = deque()

@@ -9,7 +9,7 @@ import numpy as np
 
 from tiered_kv.storage import EncryptionConfig, RecordKey, encode_record
 from tiered_kv.storage.crypto import Keyring, write_key_file
-from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES, parse_header
+from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES, parse_header
 
 
 def key_files(tmp_path: Path, *names: str) -> list[str]:
@@ -127,7 +127,7 @@ def seal_legacy(master: bytes, tenant: bytes, *, key: RecordKey, parent_hash: by
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    from tiered_kv.storage.record import fingerprint_field
+    from tiered_kv.storage.format.record import fingerprint_field
 
     okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=None,
                info=b"tiered_kv/tenant-key/v1\0" + tenant).derive(master)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tiered_kv.storage import BlockStore, LmdbStore, PutItem, RecordKey, StoreChain, StoreFullError, ZarrStore
-from tiered_kv.storage.record import record_size
+from tiered_kv.storage.format.record import record_size
 
 from storage_helpers import FP, item_for, make_key
 

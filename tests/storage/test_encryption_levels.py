@@ -334,7 +334,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     parent, digest, env = raw.data[name]
     meta = RecordMeta(key=name, parent_hash=parent, token_digest=digest, layout_fingerprint=FP,
                       payload_bytes=env.nbytes)
-    from tiered_kv.storage.record import as_out_segments
+    from tiered_kv.storage.format.record import as_out_segments
 
     def sink(out: np.ndarray) -> EnvelopeSink:
         return EnvelopeSink(s._opener, Target(name, key, 0, as_out_segments(out), None, None), meta, env.nbytes)

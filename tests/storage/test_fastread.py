@@ -18,7 +18,7 @@ from storage_helpers import FP, digest_for, item_for, make_key, payload_for
 from tiered_kv.storage import LmdbStore, segments
 from tiered_kv.storage.os import fastread, libc
 from tiered_kv.storage.os import threads as os_threads
-from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES
+from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES
 from tiered_kv.storage.segments import Location, ReadTask, SegmentFiles
 
 IMPLS = {"python": fastread.python_read_and_hash}
@@ -216,7 +216,7 @@ needs_native = pytest.mark.skipif("native" not in IMPLS, reason="native helper n
 
 def _one_record(tmp_path: Path, flip: int | None, n: int = 5000) -> tuple[int, bytes]:
     """A file holding one encoded record (one bit flipped at byte ``flip``); (fd, record)."""
-    from tiered_kv.storage.record import encode_record
+    from tiered_kv.storage.format.record import encode_record
 
     key = make_key(7)
     rec = bytearray(encode_record(key=key, parent_hash=bytes(range(32)), token_digest=digest_for(key),
@@ -232,7 +232,7 @@ def _one_record(tmp_path: Path, flip: int | None, n: int = 5000) -> tuple[int, b
 def _both_verdicts(fd: int, record: bytes, *, checksum: bytes, token_digest: bytes | None,
                    length: int | None = None) -> tuple[bool, bool]:
     """(native batch verdict, Python read_and_hash + PartsVerifier verdict) of the record at 100."""
-    from tiered_kv.storage.record import PartsVerifier
+    from tiered_kv.storage.format.record import PartsVerifier
 
     key, n = make_key(7), len(record) if length is None else length
     v = PartsVerifier(FP)
@@ -278,7 +278,7 @@ def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> N
 def _records_file(tmp_path: Path, sizes: list[int]) -> tuple[int, list[tuple[int, int, bytes]]]:
     """A file of encoded records (key i, sizes[i] of payload) after 100 bytes of junk:
     ``(fd, [(offset, record bytes, checksum)])``."""
-    from tiered_kv.storage.record import encode_record
+    from tiered_kv.storage.format.record import encode_record
 
     blob, places = bytearray(b"\x07" * 100), []
     for i, n in enumerate(sizes):
@@ -294,7 +294,7 @@ def _records_file(tmp_path: Path, sizes: list[int]) -> tuple[int, list[tuple[int
 
 def _items(fd: int, places: list[tuple[int, int, bytes]], *, pieces: int = 1):
     """read_verify_many items for the records of _records_file (payloads cut in ``pieces``)."""
-    from tiered_kv.storage.record import PartsVerifier
+    from tiered_kv.storage.format.record import PartsVerifier
 
     v, items = PartsVerifier(FP), []
     for i, (off, n, checksum) in enumerate(places):

@@ -22,7 +22,7 @@ from storage_helpers import FP, OTHER_FP, item_for, make_key, payload_size, veri
 from tiered_kv.storage import IndexDamagedError, LayoutMismatchError, LmdbStore, StoreLockedError, record_size
 from tiered_kv.storage.lmdb_file import DbRecord, IndexDamage, walk_index
 from tiered_kv.storage.lmdb_store import unpack_entry
-from tiered_kv.storage.record import HEADER_BYTES
+from tiered_kv.storage.format.record import HEADER_BYTES
 from tiered_kv.storage.segments import segment_name
 
 FORK = mp.get_context("fork")

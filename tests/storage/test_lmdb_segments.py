@@ -22,7 +22,7 @@ import pytest
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import LmdbStore, StoreError, StoreFullError, record_size
 from tiered_kv.storage.lmdb_store import unpack_entry
-from tiered_kv.storage.record import HEADER_BYTES
+from tiered_kv.storage.format.record import HEADER_BYTES
 from tiered_kv.storage.segments import ALIGN, punch_hole, segment_name
 
 N = 100_000

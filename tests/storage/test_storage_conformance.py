@@ -44,7 +44,7 @@ from tiered_kv.storage import (
     encode_record,
     record_size,
 )
-from tiered_kv.storage.record import HEADER_BYTES
+from tiered_kv.storage.format.record import HEADER_BYTES
 
 FORK = mp.get_context("fork")
 

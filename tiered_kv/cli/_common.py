@@ -243,7 +243,7 @@ def layout_hint(fingerprint: str, writer: dict[str, Any] | None) -> str:
 
 
 def describe_writer(info: dict[str, Any] | None) -> str:
-    """A store's writer record (:mod:`tiered_kv.storage.writer`) in a few words."""
+    """A store's writer record (:mod:`tiered_kv.storage.format.writer`) in a few words."""
     if not info:
         return "not recorded (created before writers were recorded, or by a maintenance tool)"
     names = {"tiered_kv-cache": "tiered_kv cache", "vllm-adapter": "vLLM adapter",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import EncryptedLevelError, StoreError
+from ..errors import EncryptedLevelError, StoreError
 
 __all__ = ["SEALED_LEVEL", "check_opener", "parse_sealing"]
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import CorruptRecordError, RecordCheck
+from ..errors import CorruptRecordError, RecordCheck
 
 __all__ = [
     "CHECKSUM_BYTES",
