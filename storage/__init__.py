@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _moved
-from .base import BlockStore, PutItem
+from .api import BlockStore, PutItem
 from .errors import (
     CorruptRecordError,
     EncryptedLevelError,

@@ -29,6 +29,8 @@ __all__ = ["MOVED", "install"]
 #: old module (relative to tiered_kv.storage) -> the module that now holds its names
 MOVED: dict[str, str] = {
     "at_exit": "os.at_exit",
+    "base": "api",
+    "counters": "api.counters",
     "fastread": "os.fastread",
     "record": "format.record",
     "rows": "format.rows",

@@ -111,7 +111,7 @@ import lmdb
 import numpy as np
 
 from .os.at_exit import close_at_exit
-from .base import BlockStore, PutItem, check_open
+from .api import BlockStore, PutItem, check_open
 from .errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
 from .format.record import RecordKey, RecordKind, RecordMeta, write_segments

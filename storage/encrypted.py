@@ -82,7 +82,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .base import BlockStore, EvictionGuard, PutItem, Unread, check_open
+from .api import BlockStore, EvictionGuard, PutItem, Unread, check_open
 from .crypto import (
     ENVELOPE_OVERHEAD,
     ENVELOPE_VERSION,

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from .base import BlockStore
+from .api import BlockStore
 from .errors import StoreError, StoreFullError
 from .format.record import KEY_BYTES, RecordKey
 

@@ -140,7 +140,7 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from .base import (
+from .api import (
     BlockStore,
     PutItem,
     StoreStats,

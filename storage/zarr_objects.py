@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import PayloadSink, Unread
+from .api import PayloadSink, Unread
 from .format.record import (
     FORMAT_VERSION,
     HEADER_BYTES,

@@ -81,7 +81,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import (
+from .api import (
     BlockStore,
     PayloadSink,
     PutItem,

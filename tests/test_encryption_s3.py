@@ -410,7 +410,7 @@ def test_read_each_checks_headers_and_streams_payloads_in_order(server: SeaweedF
     record, one of another size (kept) and one whose header fails its checks (removed,
     counted corrupt) are Unread and open no sink."""
     from tiered_kv.storage import ZarrStore
-    from tiered_kv.storage.base import Unread
+    from tiered_kv.storage.api import Unread
 
     items = [_item(_key(300 + i)) for i in range(5)]
     items[3] = _item(_key(303), n=N - 8)

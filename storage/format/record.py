@@ -440,7 +440,7 @@ def check_identity(parsed: RecordHeader, *, expect_key: RecordKey, expect_finger
 
     No checksum: :func:`verify_record_parts` runs these after it. On its own this is the
     header check of a record whose payload authenticates itself (a sealed envelope, see
-    :meth:`~tiered_kv.storage.base.BlockStore.read_each`)."""
+    :meth:`~tiered_kv.storage.api.store.BlockStore.read_each`)."""
     if parsed.fingerprint != fingerprint_field(expect_fingerprint):
         stored = parsed.fingerprint.rstrip(b"\0").decode("ascii", "replace")
         raise CorruptRecordError(RecordCheck.FINGERPRINT,

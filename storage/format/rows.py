@@ -15,7 +15,7 @@ few steps for the whole batch::
 :meth:`~tiered_kv.storage.lmdb_store.LmdbStore.get_rows` reads and verifies such a batch
 natively (``read_verify_rows`` in ``_fastread.c``, which checks every piece lies within its
 buffer before reading); every store also takes it through
-:meth:`~tiered_kv.storage.base.BlockStore.get_rows`, as a scatter list per record
+:meth:`~tiered_kv.storage.api.store.BlockStore.get_rows`, as a scatter list per record
 (:meth:`RowScatter.out_segments`) read by ``get_many``.
 """
 

@@ -92,7 +92,7 @@ from ..storage import (
     WriterKind,
     open_store,
 )
-from ..storage.counters import Counters
+from ..storage.api.counters import Counters
 from ..storage.format.record import OutSegments
 from ._adapter import block_key, display_url, namespace_root, open_options
 

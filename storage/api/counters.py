@@ -1,6 +1,6 @@
 """Counters of one object in this process: named integers that several threads add to.
 
-One type for every such set: a store's (:class:`~tiered_kv.storage.base.StoreStats`), an
+One type for every such set: a store's (:class:`StoreStats`), an
 encrypted level's, the vLLM tier's Prometheus series and the SGLang backend's page
 counters::
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable, Sequence
 
-__all__ = ["Counters"]
+__all__ = ["Counters", "StoreStats"]
 
 
 class Counters:
@@ -84,3 +84,21 @@ class Counters:
         with self._lock:
             for k, v in delta.items():
                 self._flushed[k] = self._flushed.get(k, 0) - v
+
+
+class StoreStats(Counters):
+    """Counters of one open store object (this process, since it was opened)::
+
+        hits       reads that returned the record
+        misses     every read that returned None, corrupt ones included
+        corrupt    records that failed a check and were removed
+        evictions  records evicted (by a put or gc)
+        puts       records written (put_many results that were True)
+        put_bytes  record bytes written
+    """
+
+    #: the counters, in the order a store persists them
+    NAMES = ("hits", "misses", "corrupt", "evictions", "puts", "put_bytes")
+
+    def __init__(self) -> None:
+        super().__init__(self.NAMES)

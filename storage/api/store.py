@@ -46,17 +46,14 @@ from __future__ import annotations
 
 import abc
 import enum
-import functools
-import itertools
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 
-from .counters import Counters
-from .errors import StoreError
-from .format.record import (
+from ..errors import StoreError
+from ..format.record import (
     CHECKSUM_BYTES,
     HASH_BYTES,
     HEADER_BYTES,
@@ -66,22 +63,11 @@ from .format.record import (
     as_out_segments,
     payload_views,
     record_parts,
-    write_segments,
 )
-from .format.rows import RowScatter
+from ..format.rows import RowScatter
+from .eviction import EvictionGuard
 
-__all__ = ["BlockStore", "EvictionGuard", "PayloadSink", "PutItem", "StoreStats", "Unread", "scatter_via_temporaries",
-           "select_victims"]
-
-#: Which of some eviction candidates (``RecordKey`` s, least recently used first) must stay:
-#: returns that subset. Called inside the evicting store's write path, so it must be quick
-#: and must not call back into that store.
-EvictionGuard = Callable[[Sequence[RecordKey]], Collection[RecordKey]]
-#: Candidates handed to an eviction guard per call.
-_GUARD_BATCH = 256
-#: Guarded records an eviction walks past before it gives up (a put then raises
-#: StoreFullError): bounds the cost of a put when level 0 is full of pending uploads.
-GUARD_SCAN_MAX = 1 << 16
+__all__ = ["BlockStore", "PayloadSink", "PutItem", "Unread", "check_open", "payload_of_record"]
 
 
 class PayloadSink(Protocol):
@@ -139,24 +125,6 @@ class PutItem:
         """``(header, payload view, checksum)`` of this item's record."""
         return record_parts(key=self.key, parent_hash=self.parent_hash, token_digest=self.token_digest,
                             layout_fingerprint=layout_fingerprint, payload=self.payload)
-
-
-class StoreStats(Counters):
-    """Counters of one open store object (this process, since it was opened)::
-
-        hits       reads that returned the record
-        misses     every read that returned None, corrupt ones included
-        corrupt    records that failed a check and were removed
-        evictions  records evicted (by a put or gc)
-        puts       records written (put_many results that were True)
-        put_bytes  record bytes written
-    """
-
-    #: the counters, in the order a store persists them
-    NAMES = ("hits", "misses", "corrupt", "evictions", "puts", "put_bytes")
-
-    def __init__(self) -> None:
-        super().__init__(self.NAMES)
 
 
 class BlockStore(abc.ABC):
@@ -394,64 +362,7 @@ class BlockStore(abc.ABC):
         return keys, outs, digests
 
 
-H = TypeVar("H")
-
-
-def select_victims(candidates: Iterable[tuple[H, RecordKey | None, int]], excess: int,
-                   guard: EvictionGuard | None, *, max_records: int | None = None) -> tuple[list[H], int, int]:
-    """Pick records to evict: ``candidates`` are ``(handle, key, bytes)`` least recently
-    used first (``key`` None: never guarded, e.g. a stored key that is not a RecordKey);
-    taken in order, skipping those ``guard`` holds, until their bytes reach ``excess`` or
-    ``max_records`` were taken. Returns ``(handles taken, bytes taken, guarded records
-    walked past)``; the walk gives up after :data:`GUARD_SCAN_MAX` guarded records."""
-    taken: list[H] = []
-    freed = kept = 0
-    it = iter(candidates)
-    while freed < excess and (max_records is None or len(taken) < max_records) and kept < GUARD_SCAN_MAX:
-        batch = list(itertools.islice(it, _GUARD_BATCH if guard is not None else 1))
-        if not batch:
-            break
-        held = guard([key for _, key, _ in batch if key is not None]) if guard is not None else ()
-        for handle, key, size in batch:
-            if key is not None and key in held:
-                kept += 1
-                continue
-            taken.append(handle)
-            freed += size
-            if freed >= excess or (max_records is not None and len(taken) >= max_records):
-                break
-    return taken, freed, kept
-
-
-GetMany = TypeVar("GetMany", bound=Callable[..., list[Any]])
-
-
-def scatter_via_temporaries(get_many: GetMany) -> GetMany:
-    """Scatter-list outs for a backend without native scatter reads (Zarr, S3).
-
-    Decorates a ``get_many(self, keys, outs, *, token_digests=None)`` that takes single
-    buffers: each scatter-list out is replaced by one temporary of the pieces' total
-    size (a wrong total is then the backend's own ValueError), and a hit's payload is
-    copied from it into the pieces. Other outs pass through untouched.
-    """
-    @functools.wraps(get_many)
-    def wrapper(self: BlockStore, keys: Sequence[RecordKey], outs: Sequence[Any], *,
-                token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
-        outs = list(outs)
-        pieces = {i: as_out_segments(o, name=f"outs[{i}]") for i, o in enumerate(outs)
-                  if isinstance(o, (list, tuple))}
-        for i, segs in pieces.items():
-            outs[i] = np.empty(segs.nbytes, np.uint8)
-        metas = get_many(self, keys, outs, token_digests=token_digests)
-        for i, segs in pieces.items():
-            if metas[i] is not None:
-                write_segments(segs, outs[i])
-        return metas
-
-    return wrapper  # type: ignore[return-value]
-
-
-# ------------------------------------------------------------------ shared machinery
+# ------------------------------------------------------------------ helpers of the backends
 def payload_of_record(nbytes: int | None) -> int | None:
     """Payload bytes of a stored record of ``nbytes`` (None: absent or too short to be one)."""
     if nbytes is None or nbytes < HEADER_BYTES + CHECKSUM_BYTES:
