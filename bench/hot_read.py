@@ -127,7 +127,7 @@ class Readers:
         import lmdb
 
         from tiered_kv.storage import LmdbStore, RecordKey
-        from tiered_kv.storage.lmdb_store import unpack_entry
+        from tiered_kv.storage.lmdb import unpack_entry
         from tiered_kv.storage.format.record import HEADER_BYTES
 
         self.n, self.nbytes, self.batch, self.threads = n, nbytes, batch, threads

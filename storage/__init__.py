@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
     from .crypto import EncryptionConfig, KeyFileError, Keyring
     from .encrypted import EncryptedStore
-    from .lmdb_store import LmdbStore
+    from .lmdb.store import LmdbStore
     from .zarr_store import ZarrStore
 
     SCHEMES: dict[str, type[BlockStore]]
@@ -110,11 +110,11 @@ __all__ = [
 #: ``tiered_kv.storage.record`` can be imported without them. name -> its module.
 _LAZY = {"DEFAULT_TIMEOUT_S": "chain", "DeferredLevel": "chain", "StoreChain": "chain",
          "EncryptionConfig": "crypto", "KeyFileError": "crypto", "Keyring": "crypto",
-         "EncryptedStore": "encrypted", "LmdbStore": "lmdb_store", "ZarrStore": "zarr_store"}
+         "EncryptedStore": "encrypted", "LmdbStore": "lmdb", "ZarrStore": "zarr_store"}
 #: URL scheme -> (module, class) of its backend: local paths (``scheme:///abs/path``) and
 #: object stores (``scheme://bucket/prefix?...``); :data:`SCHEMES` and
 #: :data:`OBJECT_STORE_SCHEMES` are these with the classes imported.
-_LOCAL_BACKENDS = {"lmdb": ("lmdb_store", "LmdbStore"), "zarr": ("zarr_store", "ZarrStore")}
+_LOCAL_BACKENDS = {"lmdb": ("lmdb", "LmdbStore"), "zarr": ("zarr_store", "ZarrStore")}
 _OBJECT_STORE_BACKENDS = {"zarr+s3": ("zarr_store", "ZarrStore")}
 
 

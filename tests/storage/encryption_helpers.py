@@ -76,8 +76,8 @@ def rewrite_lmdb_record(path: Path, name: RecordKey, new_record: bytes) -> None:
     checksum with the new one, so that every check but the tag passes."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
-    from tiered_kv.storage.segments import segment_name
+    from tiered_kv.storage.lmdb import pack_entry, unpack_entry
+    from tiered_kv.storage.lmdb.segments import segment_name
 
     env = lmdb.open(str(path), max_dbs=4, subdir=True)
     try:
@@ -100,8 +100,8 @@ def read_lmdb_record(path: Path, name: RecordKey) -> bytes:
     """The bytes of the record stored under ``name`` in an LMDB store's segment file."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import unpack_entry
-    from tiered_kv.storage.segments import segment_name
+    from tiered_kv.storage.lmdb import unpack_entry
+    from tiered_kv.storage.lmdb.segments import segment_name
 
     env = lmdb.open(str(path), max_dbs=4, subdir=True, readonly=True, lock=False)
     try:

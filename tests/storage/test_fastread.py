@@ -19,7 +19,7 @@ from tiered_kv.storage import LmdbStore, segments
 from tiered_kv.storage.os import fastread, libc
 from tiered_kv.storage.os import threads as os_threads
 from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES
-from tiered_kv.storage.segments import Location, ReadTask, SegmentFiles
+from tiered_kv.storage.lmdb.segments import Location, ReadTask, SegmentFiles
 
 IMPLS = {"python": fastread.python_read_and_hash}
 if fastread.native_read_and_hash is not None:
@@ -398,7 +398,7 @@ def _break_records(path: Path, keys: list, n: int) -> None:
     segment inside keys[-1] (a torn tail)."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
+    from tiered_kv.storage.lmdb import pack_entry, unpack_entry
 
     env = lmdb.open(str(path), max_dbs=4, subdir=True)
     db = env.open_db(b"records")

@@ -25,7 +25,7 @@ import pytest
 
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import LmdbStore, StoreError, StoreFullError
-from tiered_kv.storage.group_commit import FaultPoint
+from tiered_kv.storage.lmdb.group_commit import FaultPoint
 
 FORK = mp.get_context("fork")
 N = 50_000  # payload bytes of the in-process tests' records

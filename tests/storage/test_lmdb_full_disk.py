@@ -80,7 +80,7 @@ def test_gc_on_a_full_disk_needs_the_reserve_when_the_index_has_no_free_page(
     """A compact index (just rebuilt: no free page inside data.mdb), then something else
     fills the disk: even a one-record delete needs a new page. Without the reserve gc
     fails; with it, gc frees the disk."""
-    from tiered_kv.storage.lmdb_rebuild import rebuild_index
+    from tiered_kv.storage.lmdb.rebuild import rebuild_index
 
     where = tmpfs_8m / "store"
     with LmdbStore(where, layout_fingerprint=TINY_FP, segment_bytes=1 << 20) as store:

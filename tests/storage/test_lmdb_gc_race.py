@@ -28,8 +28,8 @@ import pytest
 
 from storage_helpers import FP, item_for, make_key, verify_all
 from tiered_kv.storage import LmdbStore, StoreFullError, record_size
-from tiered_kv.storage.group_commit import FaultPoint
-from tiered_kv.storage.segments import ALIGN, segment_name
+from tiered_kv.storage.lmdb.group_commit import FaultPoint
+from tiered_kv.storage.lmdb.segments import ALIGN, segment_name
 
 FORK = mp.get_context("fork")
 REC = 10_000  # payload bytes

@@ -21,9 +21,9 @@ import pytest
 
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import LmdbStore, StoreError, StoreFullError, record_size
-from tiered_kv.storage.lmdb_store import unpack_entry
+from tiered_kv.storage.lmdb import unpack_entry
 from tiered_kv.storage.format.record import HEADER_BYTES
-from tiered_kv.storage.segments import ALIGN, punch_hole, segment_name
+from tiered_kv.storage.lmdb.segments import ALIGN, punch_hole, segment_name
 
 N = 100_000
 ONE = record_size(N)
@@ -352,7 +352,7 @@ def _rewrite_entry(path: Path, key, **change: int) -> None:
     """Replace fields of ``key``'s index entry (segment, offset, length) in place."""
     from dataclasses import replace
 
-    from tiered_kv.storage.lmdb_store import pack_entry
+    from tiered_kv.storage.lmdb import pack_entry
 
     env = lmdb.open(str(path), max_dbs=4, lock=False)
     try:
@@ -397,7 +397,7 @@ def test_verify_counts_an_absurd_index_entry(tmp_path: Path) -> None:
 def test_scatter_reads_of_cold_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
     """The cold paths (O_DIRECT into the bounce buffer, then piece by piece; buffered
     preadv after WILLNEED) fill scatter lists exactly and catch a bad payload."""
-    from tiered_kv.storage.segments import SegmentFiles
+    from tiered_kv.storage.lmdb.segments import SegmentFiles
 
     monkeypatch.setattr(SegmentFiles, "_cached", lambda self, fd, offset, length: False)
     where = tmp_path / "s"

@@ -66,14 +66,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .errors import StoreError
-from .os import fastread, libc
-from .os import threads as os_threads
-from .os.files import fsync_dir, mkdir_private
-from .os.libc import ALIGN, align_down, align_up, aligned_buffer, allocate_blocks, punch_hole
-from .os.preadv import preadv_all
-from .os.threads import started_pool
-from .format.rows import RowScatter
+from ..errors import StoreError
+from ..os import fastread, libc
+from ..os import threads as os_threads
+from ..os.files import fsync_dir, mkdir_private
+from ..os.libc import ALIGN, align_down, align_up, aligned_buffer, allocate_blocks, punch_hole
+from ..os.preadv import preadv_all
+from ..os.threads import started_pool
+from ..format.rows import RowScatter
 
 __all__ = ["ALIGN", "Location", "Reclaimable", "Reclaimed", "SegmentFiles", "allocate_blocks", "punch_hole"]
 

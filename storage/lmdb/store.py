@@ -140,7 +140,7 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from .api import (
+from ..api import (
     BlockStore,
     PutItem,
     StoreStats,
@@ -148,7 +148,7 @@ from .api import (
     payload_of_record,
     select_victims,
 )
-from .errors import (
+from ..errors import (
     CorruptRecordError,
     IndexDamagedError,
     LayoutMismatchError,
@@ -157,8 +157,8 @@ from .errors import (
     StoreFullError,
 )
 from .group_commit import REWRITE, SYNCED, FaultPoint, GroupCommit
-from .lmdb_file import DataFileState, IndexDamage, IndexWalk, check_data_file, walk_index
-from .format.record import (
+from .pages import DataFileState, IndexDamage, IndexWalk, check_data_file, walk_index
+from ..format.record import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -184,13 +184,13 @@ from .segments import (
     Reclaimable,
     SegmentFiles,
 )
-from .format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
-from .format.writer import StoreWriter, parse_recorded
-from .os import fastread
-from .os.files import create_private_file, mkdir_private
-from .os.libc import allocate_blocks
-from .os.locks import OpenRegistry, SharedExclusiveLock
-from .format.rows import RowScatter
+from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
+from ..format.writer import StoreWriter, parse_recorded
+from ..os import fastread
+from ..os.files import create_private_file, mkdir_private
+from ..os.libc import allocate_blocks
+from ..os.locks import OpenRegistry, SharedExclusiveLock
+from ..format.rows import RowScatter
 
 __all__ = ["DEFAULT_MAX_BYTES", "LmdbStore", "STORE_FORMAT_VERSION", "pack_entry", "unpack_entry"]
 
@@ -561,7 +561,7 @@ class LmdbStore(BlockStore):
             problem = str(e)
         if self.readonly or not self._repair_index:
             raise IndexDamagedError(str(self.path), problem)
-        from .lmdb_rebuild import rebuild_claimed
+        from .rebuild import rebuild_claimed
 
         self.index_rebuild = rebuild_claimed(self.path, self.layout_fingerprint, io_threads=self._io_threads,
                                              problem=problem)

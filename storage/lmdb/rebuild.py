@@ -41,9 +41,9 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .os.files import fsync_dir, mkdir_private
-from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreLockedError
-from .lmdb_store import (
+from ..os.files import fsync_dir, mkdir_private
+from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreLockedError
+from .store import (
     _ATIME,
     _REGISTRY,
     _LRU_NS,
@@ -62,7 +62,7 @@ from .lmdb_store import (
     _segment_end_key,
     pack_entry,
 )
-from .format.record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
+from ..format.record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
 from .segments import Location, parse_segment_name, segment_name
 
 __all__ = ["rebuild_index"]
