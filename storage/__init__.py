@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from .crypto import EncryptionConfig, KeyFileError, Keyring
     from .encrypted import EncryptedStore
     from .lmdb.store import LmdbStore
-    from .zarr_store import ZarrStore
+    from .zarr.store import ZarrStore
 
     SCHEMES: dict[str, type[BlockStore]]
     OBJECT_STORE_SCHEMES: dict[str, type[BlockStore]]
@@ -110,12 +110,12 @@ __all__ = [
 #: ``tiered_kv.storage.record`` can be imported without them. name -> its module.
 _LAZY = {"DEFAULT_TIMEOUT_S": "chain", "DeferredLevel": "chain", "StoreChain": "chain",
          "EncryptionConfig": "crypto", "KeyFileError": "crypto", "Keyring": "crypto",
-         "EncryptedStore": "encrypted", "LmdbStore": "lmdb", "ZarrStore": "zarr_store"}
+         "EncryptedStore": "encrypted", "LmdbStore": "lmdb", "ZarrStore": "zarr"}
 #: URL scheme -> (module, class) of its backend: local paths (``scheme:///abs/path``) and
 #: object stores (``scheme://bucket/prefix?...``); :data:`SCHEMES` and
 #: :data:`OBJECT_STORE_SCHEMES` are these with the classes imported.
-_LOCAL_BACKENDS = {"lmdb": ("lmdb", "LmdbStore"), "zarr": ("zarr_store", "ZarrStore")}
-_OBJECT_STORE_BACKENDS = {"zarr+s3": ("zarr_store", "ZarrStore")}
+_LOCAL_BACKENDS = {"lmdb": ("lmdb", "LmdbStore"), "zarr": ("zarr", "ZarrStore")}
+_OBJECT_STORE_BACKENDS = {"zarr+s3": ("zarr", "ZarrStore")}
 
 
 _moved.install()

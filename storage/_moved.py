@@ -42,6 +42,11 @@ MOVED: dict[str, str] = {
     "segments": "lmdb.segments",
     "thread_pool": "os.threads",
     "writer": "format.writer",
+    "zarr_api": "zarr.generic",
+    "zarr_local": "zarr.local",
+    "zarr_objects": "zarr.objects",
+    "zarr_s3": "zarr.bucket",
+    "zarr_store": "zarr",
 }
 
 _PACKAGE = __name__.rpartition(".")[0]  # tiered_kv.storage

@@ -305,7 +305,7 @@ class EncryptedStore(BlockStore):
         return out
 
     def recent(self, n: int) -> list[RecordKey]:
-        """The keys of the backend's :meth:`~.zarr_store.ZarrStore.recent` ``n`` names
+        """The keys of the backend's :meth:`~.zarr.ZarrStore.recent` ``n`` names
         (Zarr backends only) that are records under a key given."""
         recent = getattr(self._inner, "recent", None)
         if recent is None:

@@ -36,7 +36,7 @@ from tiered_kv.storage import EncryptionConfig, RecordKind, encode_record, open_
 from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, Keyring, write_key_file  # noqa: E402
 from tiered_kv.storage.format.record import HEADER_BYTES, parse_header  # noqa: E402
 from tiered_kv.storage.s3 import get_bytes, list_keys, open_object_store, parse_s3_url  # noqa: E402
-from tiered_kv.storage.zarr_objects import object_name  # noqa: E402
+from tiered_kv.storage.zarr.objects import object_name  # noqa: E402
 
 BUCKET = "tkv-crypto"
 FP = "kvl1-test-0123456789abcdef0123"
@@ -278,7 +278,7 @@ def test_rekey_of_a_bucket_killed_mid_batch_then_run_again_loses_nothing(
 # to fail) and cut the responses into odd pieces, so heads, ciphertext and tags straddle
 # chunk boundaries and scatter-list pieces.
 def _streamed_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiered_kv.storage.zarr_s3 import S3Objects
+    from tiered_kv.storage.zarr.bucket import S3Objects
 
     def staged(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a sealed read took the staging path (S3Objects.read_into), not read_each")
@@ -291,7 +291,7 @@ def _rechunk(monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...], *, cut_aft
     """S3 responses handed over in pieces of ``sizes`` (cycled); with ``cut_after``, the
     responses of ``names`` fail (store unavailable) after that many bytes."""
     from tiered_kv.storage.s3 import ObjectStoreUnavailable
-    from tiered_kv.storage.zarr_s3 import S3Objects
+    from tiered_kv.storage.zarr.bucket import S3Objects
 
     real = S3Objects.read_stream
 

@@ -1,12 +1,12 @@
-"""The object layer under :class:`~.zarr_store.ZarrStore`: record names, the I/O pool, and
+"""The object layer under :class:`~.store.ZarrStore`: record names, the I/O pool, and
 the interface each backend implements.
 
 A ZarrStore keeps its records as raw objects under string keys (see the layout in
-:mod:`~.zarr_store`); where those objects live is an :class:`Objects`:
+:mod:`~.store`); where those objects live is an :class:`Objects`:
 
-- :class:`~.zarr_local.LocalObjects`: files under a local directory;
-- :class:`~.zarr_s3.S3Objects`: objects in an S3-compatible bucket (create-only puts);
-- :class:`~.zarr_api.ZarrApiObjects`: any other zarr Store, through the zarr Store API.
+- :class:`~.local.LocalObjects`: files under a local directory;
+- :class:`~.bucket.S3Objects`: objects in an S3-compatible bucket (create-only puts);
+- :class:`~.generic.ZarrApiObjects`: any other zarr Store, through the zarr Store API.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .api import PayloadSink, Unread
-from .format.record import (
+from ..api import PayloadSink, Unread
+from ..format.record import (
     FORMAT_VERSION,
     HEADER_BYTES,
     RecordKey,
@@ -33,7 +33,7 @@ from .format.record import (
     parse_header,
     record_size,
 )
-from .format.writer import StoreWriter
+from ..format.writer import StoreWriter
 
 __all__ = ["ATTR", "DIR_KINDS", "IoPool", "KIND_DIRS", "META_KEY", "Objects", "STORE_FORMAT_VERSION", "group_metadata",
            "key_of", "object_name", "raise_first"]

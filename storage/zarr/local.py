@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .os.files import create_private_file, fsync_dir, mkdir_private
-from .errors import CorruptRecordError, RecordCheck, StoreError, StoreFullError
-from .format.record import (
+from ..os.files import create_private_file, fsync_dir, mkdir_private
+from ..errors import CorruptRecordError, RecordCheck, StoreError, StoreFullError
+from ..format.record import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     RecordKey,
@@ -33,7 +33,7 @@ from .format.record import (
     record_size,
     verify_record_parts,
 )
-from .zarr_objects import DIR_KINDS, META_KEY, IoPool, Objects, key_of, raise_first
+from .objects import DIR_KINDS, META_KEY, IoPool, Objects, key_of, raise_first
 
 __all__ = ["LocalObjects"]
 

@@ -66,8 +66,8 @@ Maintenance: :meth:`ZarrStore.verify` reads and checks every record (on S3: one 
 each), :meth:`ZarrStore.gc` evicts least recently accessed records down to a bound.
 
 Code: this module holds the store (index, LRU, put / get / verify / gc); the objects live
-behind :class:`~.zarr_objects.Objects` (names, I/O pool): :mod:`~.zarr_local` (a local
-directory), :mod:`~.zarr_s3` (an S3 bucket), :mod:`~.zarr_api` (any other zarr Store).
+behind :class:`~.objects.Objects` (names, I/O pool): :mod:`~.local` (a local
+directory), :mod:`~.bucket` (an S3 bucket), :mod:`~.generic` (any other zarr Store).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .api import (
+from ..api import (
     BlockStore,
     PayloadSink,
     PutItem,
@@ -92,11 +92,11 @@ from .api import (
     scatter_via_temporaries,
     select_victims,
 )
-from .errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
-from .format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
-from .zarr_api import ZarrApiObjects
-from .zarr_local import LocalObjects
-from .zarr_objects import (
+from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
+from ..format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
+from .generic import ZarrApiObjects
+from .local import LocalObjects
+from .objects import (
     ATTR,
     META_KEY,
     STORE_FORMAT_VERSION,
@@ -106,9 +106,9 @@ from .zarr_objects import (
     object_name,
     raise_first,
 )
-from .format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing
-from .format.writer import StoreWriter
-from .zarr_s3 import _s3, s3_objects
+from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing
+from ..format.writer import StoreWriter
+from .bucket import _s3, s3_objects
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 try:  # the object-store path needs obstore (the ``s3`` extra)
-    from . import s3 as _s3
+    from .. import s3 as _s3
 except ImportError:  # pragma: no cover - obstore not installed
     _s3 = None  # type: ignore[assignment]
-from .format.record import (
+from ..format.record import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     RecordKey,
@@ -27,7 +27,7 @@ from .format.record import (
     record_size,
     verify_record_parts,
 )
-from .zarr_objects import DIR_KINDS, META_KEY, Objects, key_of
+from .objects import DIR_KINDS, META_KEY, Objects, key_of
 
 __all__ = ["S3Objects", "s3_objects"]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .format.record import RecordKey, RecordMeta, decode_record
-from .zarr_objects import DIR_KINDS, META_KEY, Objects, key_of
+from ..format.record import RecordKey, RecordMeta, decode_record
+from .objects import DIR_KINDS, META_KEY, Objects, key_of
 
 __all__ = ["ZarrApiObjects"]
 
