@@ -60,9 +60,9 @@ from .format.rows import RowScatter
 from .format.writer import StoreWriter, WriterKind, tenant_hash
 
 if TYPE_CHECKING:
-    from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
-    from .crypto import EncryptionConfig, KeyFileError, Keyring
-    from .encrypted import EncryptedStore
+    from .chain.store import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
+    from .encrypted.crypto import EncryptionConfig, KeyFileError, Keyring
+    from .encrypted.store import EncryptedStore
     from .lmdb.store import LmdbStore
     from .zarr.store import ZarrStore
 
@@ -109,7 +109,7 @@ __all__ = [
 #: command that opens an LMDB store loads neither the Zarr backend nor the chain, and
 #: ``tiered_kv.storage.record`` can be imported without them. name -> its module.
 _LAZY = {"DEFAULT_TIMEOUT_S": "chain", "DeferredLevel": "chain", "StoreChain": "chain",
-         "EncryptionConfig": "crypto", "KeyFileError": "crypto", "Keyring": "crypto",
+         "EncryptionConfig": "encrypted.crypto", "KeyFileError": "encrypted.crypto", "Keyring": "encrypted.crypto",
          "EncryptedStore": "encrypted", "LmdbStore": "lmdb", "ZarrStore": "zarr"}
 #: URL scheme -> (module, class) of its backend: local paths (``scheme:///abs/path``) and
 #: object stores (``scheme://bucket/prefix?...``); :data:`SCHEMES` and
@@ -189,8 +189,8 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
         raise TypeError("sealed: set by the encryption option (a sealed level is opened with its keys)")
     encryption = options.pop("encryption", None)
     if encryption is not None:
-        from .crypto import EncryptionConfig, Keyring
-        from .encrypted import EncryptedStore
+        from .encrypted.crypto import EncryptionConfig, Keyring
+        from .encrypted.store import EncryptedStore
 
         keyring = Keyring(EncryptionConfig.parse(encryption))  # checked before anything is created
         if options.get("writer") is not None:  # (an encrypted level records no hash of its tenant)
@@ -269,7 +269,7 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,
     :class:`~tiered_kv.storage.s3.ObjectStoreUnavailable`) is opened later in the background,
     while wrong credentials, a missing bucket or another layout raise here.
     """
-    from .chain import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
+    from .chain.store import DEFAULT_TIMEOUT_S, DeferredLevel, StoreChain
 
     levels = list(levels)
     if not levels:

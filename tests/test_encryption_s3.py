@@ -33,7 +33,7 @@ import obstore  # noqa: E402
 from seaweedfs import SeaweedFS  # noqa: E402
 from tiered_kv.cli import main as cli_main  # noqa: E402
 from tiered_kv.storage import EncryptionConfig, RecordKind, encode_record, open_store  # noqa: E402
-from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, Keyring, write_key_file  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, Keyring, write_key_file  # noqa: E402
 from tiered_kv.storage.format.record import HEADER_BYTES, parse_header  # noqa: E402
 from tiered_kv.storage.s3 import get_bytes, list_keys, open_object_store, parse_s3_url  # noqa: E402
 from tiered_kv.storage.zarr.objects import object_name  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from tiered_kv import CacheShutdownError, TieredKVCache, presets
 from tiered_kv.disk import DiskTierClosedError
 from tiered_kv.storage import RecordKey, open_store
-from tiered_kv.storage.journal import UploadJournal
+from tiered_kv.storage.chain.journal import UploadJournal
 
 HERE = Path(__file__).parent
 FP = presets.tiny().fingerprint

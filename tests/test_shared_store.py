@@ -338,7 +338,7 @@ def test_two_chains_resuming_one_journal_upload_each_record_once(near: LmdbStore
     keys = [make_key(i, salt=b"twice") for i in range(40)]
     with _chain(near, far, journal=False):
         pass
-    from tiered_kv.storage.journal import UploadJournal, level_name
+    from tiered_kv.storage.chain.journal import UploadJournal, level_name
 
     with UploadJournal(near.path) as journal:              # as a killed process left it
         near.put_many([item_for(k, N) for k in keys])

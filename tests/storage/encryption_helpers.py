@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered_kv.storage import EncryptionConfig, RecordKey, encode_record
-from tiered_kv.storage.crypto import Keyring, write_key_file
+from tiered_kv.storage.encrypted.crypto import Keyring, write_key_file
 from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES, parse_header
 
 

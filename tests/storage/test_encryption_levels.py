@@ -49,7 +49,7 @@ from tiered_kv.storage import (  # noqa: E402
     ZarrStore,
     open_store,
 )
-from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
 
 N = 20_000
 SIZES = {RecordKind.BLOCK: N, RecordKind.SNAPSHOT: N}
@@ -323,7 +323,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     """The sink of a streamed read: a transfer that ends before the tag is a miss (an
     explicit check, no assertion), a discard (the read given up) zeroes the out and no
     later write lands, and an envelope fed in odd pieces opens exactly."""
-    from tiered_kv.storage.envelope_reads import EnvelopeSink, Outcome, Target
+    from tiered_kv.storage.encrypted.envelopes import EnvelopeSink, Outcome, Target
 
     files = key_files(tmp_path, "a")
     raw = _RawStore()
@@ -429,7 +429,7 @@ def test_rekey_drop_old_deletes_what_only_the_old_key_authenticates(tmp_path: Pa
 def test_a_journaled_envelope_that_does_not_authenticate_is_not_put_back(tmp_path: Path) -> None:
     """The rekey journal sits in the store's directory: a record planted there under a
     valid checksum (another record's envelope relabelled) is counted lost, never stored."""
-    from tiered_kv.storage.rekey_journal import JOURNAL_NAME, RekeyJournal
+    from tiered_kv.storage.encrypted.rekey_journal import JOURNAL_NAME, RekeyJournal
 
     old, new = key_files(tmp_path, "old", "new")
     where = tmp_path / "s"

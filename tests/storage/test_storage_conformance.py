@@ -628,7 +628,7 @@ class StoreConformance:
 
 # ------------------------------------------------------------------ process bodies (fork)
 def _envelope_overhead() -> int:
-    from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD
+    from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD
 
     return ENVELOPE_OVERHEAD
 
@@ -636,7 +636,7 @@ def _envelope_overhead() -> int:
 def _encryption(tmp_path: Path) -> dict[str, Any] | None:
     """An encryption config with a fresh key file (skips without the cryptography package)."""
     pytest.importorskip("cryptography", reason="encryption needs the cryptography package")
-    from tiered_kv.storage.crypto import write_key_file
+    from tiered_kv.storage.encrypted.crypto import write_key_file
 
     key = tmp_path / "master.key"
     if not key.exists():

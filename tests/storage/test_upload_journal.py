@@ -14,7 +14,7 @@ import pytest
 from storage_helpers import FP, item_for, make_key
 
 from tiered_kv.storage import LmdbStore, StoreChain, ZarrStore, journal
-from tiered_kv.storage.journal import JOURNAL_FILE, UploadJournal, level_name
+from tiered_kv.storage.chain.journal import JOURNAL_FILE, UploadJournal, level_name
 
 N = 4096
 

@@ -72,10 +72,10 @@ from typing import Any
 
 import numpy as np
 
-from .api import BlockStore, PutItem
-from .os.files import create_private_file, fsync_dir, mkdir_private
-from .errors import CorruptRecordError, StoreError, StoreLockedError
-from .format.record import HEADER_BYTES, RecordKey, decode_record, parse_header, record_parts, record_size
+from ..api import BlockStore, PutItem
+from ..os.files import create_private_file, fsync_dir, mkdir_private
+from ..errors import CorruptRecordError, StoreError, StoreLockedError
+from ..format.record import HEADER_BYTES, RecordKey, decode_record, parse_header, record_parts, record_size
 
 __all__ = [
     "FAILPOINT_ENV",

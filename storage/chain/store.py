@@ -110,11 +110,11 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .os.at_exit import close_at_exit
-from .api import BlockStore, PutItem, check_open
-from .errors import LayoutMismatchError, StoreError
+from ..os.at_exit import close_at_exit
+from ..api import BlockStore, PutItem, check_open
+from ..errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
-from .format.record import RecordKey, RecordKind, RecordMeta, write_segments
+from ..format.record import RecordKey, RecordKind, RecordMeta, write_segments
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
 

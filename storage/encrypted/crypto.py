@@ -78,7 +78,7 @@ from .key_files import (
     write_tenant_key_file,
 )
 from .names import KeyedNames
-from .format.record import FINGERPRINT_BYTES, RecordKey, fingerprint_field
+from ..format.record import FINGERPRINT_BYTES, RecordKey, fingerprint_field
 from .xaes import Xaes256Gcm
 
 __all__ = [

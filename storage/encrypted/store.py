@@ -82,7 +82,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .api import BlockStore, EvictionGuard, PutItem, Unread, check_open
+from ..api import BlockStore, EvictionGuard, PutItem, Unread, check_open
 from .crypto import (
     ENVELOPE_OVERHEAD,
     ENVELOPE_VERSION,
@@ -94,9 +94,9 @@ from .crypto import (
     Opened,
     envelope_version,
 )
-from .envelope_reads import EnvelopeSink, Opener, Outcome, Read, Skip, Target, zero
-from .errors import EncryptedLevelError, StoreError
-from .format.record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
+from .envelopes import EnvelopeSink, Opener, Outcome, Read, Skip, Target, zero
+from ..errors import EncryptedLevelError, StoreError
+from ..format.record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
 from .rekey_journal import JOURNAL_NAME, RekeyJournal, ReplayResult, default_journal_path, failpoint
 
 __all__ = ["EncryptedStore", "RekeyReport"]

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .crypto import ENVELOPE_VERSION, HEAD_BYTES, LEGACY_ENVELOPE_VERSION, TAG_BYTES, Opened, envelope_version
-from .format.record import RecordKey, RecordMeta
+from ..format.record import RecordKey, RecordMeta
 
 if TYPE_CHECKING:
-    from .encrypted import EncryptedStore
+    from .store import EncryptedStore
 
 __all__ = ["EnvelopeSink", "Opener", "Outcome", "Read", "Skip", "Target", "digest_ok", "zero"]
 

@@ -41,9 +41,9 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from .api import BlockStore
-from .errors import StoreError, StoreFullError
-from .format.record import KEY_BYTES, RecordKey
+from ..api import BlockStore
+from ..errors import StoreError, StoreFullError
+from ..format.record import KEY_BYTES, RecordKey
 
 __all__ = ["JOURNAL_FILE", "UploadJournal", "keep_owed_uploads", "level_name"]
 
