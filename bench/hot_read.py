@@ -260,7 +260,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for name, (s, c) in got.items():
                 times[name].append(s)
                 cpu[name].append(c)
-        hot_threads = readers.store._segments.hot_threads
+        hot_threads = readers.store._segments.reads.hot_threads
         from tiered_kv.storage.os import fastread
 
         native = fastread.VerifyBatch is not None

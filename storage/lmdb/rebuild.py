@@ -63,7 +63,7 @@ from .store import (
     pack_entry,
 )
 from ..format.record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
-from .segments import Location, parse_segment_name, segment_name
+from .schema import Location, parse_segment_name, segment_name
 
 __all__ = ["rebuild_index"]
 

@@ -62,7 +62,7 @@ is still writing or committing), so:
 Reads: one read transaction looks up every key; the records are then read in parallel
 (from the page cache when it holds them: straight into the caller's buffers, natively by
 helper threads that take each record as soon as it is prepared, hashed as it is read,
-see :meth:`~tiered_kv.storage.segments.SegmentFiles.batch_read`; else adjacent records of
+see :meth:`~tiered_kv.storage.lmdb.reads.ReadEngine.batch_read`; else adjacent records of
 a segment in one ``O_DIRECT`` transfer), and each one is verified (header,
 xxh3-128 checksum against the record and the index, fingerprint, key, token digest; see
 :class:`~tiered_kv.storage.record.PartsVerifier`). A record that fails while the index still points at it is corrupt: a miss,
@@ -176,14 +176,10 @@ from ..format.record import (
     verify_record_parts,
     write_segments,
 )
-from .segments import (
-    DEFAULT_MAX_OPEN_SEGMENTS,
-    Appended,
-    Location,
-    ReadTask,
-    Reclaimable,
-    SegmentFiles,
-)
+from .open_files import DEFAULT_MAX_OPEN_SEGMENTS
+from .read_tasks import ReadTask
+from .schema import Location
+from .segments import Appended, Reclaimable, SegmentFiles
 from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
 from ..format.writer import StoreWriter, parse_recorded
 from ..os import fastread
@@ -1155,7 +1151,7 @@ class LmdbStore(BlockStore):
 
         # Each task is handed to the reader as soon as it is made: natively, helper threads
         # read and check the first records while this loop prepares the next ones.
-        reader = self._segments.batch_read(len(jobs), sum(out.nbytes for _, _, _, out, _ in jobs if out is not None),
+        reader = self._segments.reads.batch_read(len(jobs), sum(out.nbytes for _, _, _, out, _ in jobs if out is not None),
                                            check)
         try:
             for i, key, value, out, digest in jobs:
@@ -1166,7 +1162,7 @@ class LmdbStore(BlockStore):
                 loc = Location(seg, offset, length)
                 payload_bytes = length - (HEADER_BYTES + CHECKSUM_BYTES)
                 if out is None:
-                    if payload_bytes < 0 or not self._segments.holds(loc):
+                    if payload_bytes < 0 or not self._segments.reads.holds(loc):
                         failed.append(i)
                         continue
                     out = as_out_segments(np.empty(payload_bytes, np.uint8))
@@ -1191,13 +1187,13 @@ class LmdbStore(BlockStore):
             else:
                 metas[t.index] = t.result
         for i, key, loc, out, digest in odd:  # stored size differs from the out buffer's
-            if loc.length < HEADER_BYTES + CHECKSUM_BYTES or not self._segments.holds(loc):
+            if loc.length < HEADER_BYTES + CHECKSUM_BYTES or not self._segments.reads.holds(loc):
                 failed.append(i)  # never allocate what an entry claims unchecked
                 continue
             whole = np.empty(loc.length, np.uint8)
             task = ReadTask(i, loc, whole[:HEADER_BYTES], [whole[HEADER_BYTES:-CHECKSUM_BYTES]],
                             whole[-CHECKSUM_BYTES:])
-            self._segments.read([task])
+            self._segments.reads.read([task])
             try:
                 if not task.ok:
                     raise CorruptRecordError(RecordCheck.TRUNCATED, "record bytes could not be read")
@@ -1269,7 +1265,7 @@ class LmdbStore(BlockStore):
     def get_rows(self, keys: Sequence[RecordKey], rows: RowScatter, *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[bool]:
         """See :meth:`BlockStore.get_rows`. Natively: one read transaction looks up every
-        key, then :meth:`SegmentFiles.read_rows` reads and verifies the batch on its
+        key, then :meth:`~.reads.ReadEngine.read_rows` reads and verifies the batch on its
         threads, each record's pieces straight into ``rows`` (the same checks as
         ``get_many``: header, both checksums, fingerprint, key, token digest). Failures
         are counted and a corrupt record unindexed as by ``get_many``."""
@@ -1302,7 +1298,7 @@ class LmdbStore(BlockStore):
             expects = np.frombuffer(b"".join(e for _, _, e in read), np.uint8).reshape(len(read), -1)
             with self._rw.shared():
                 check_open(self._closed, str(self.path))
-                status = self._segments.read_rows([loc for _, loc, _ in read],
+                status = self._segments.reads.read_rows([loc for _, loc, _ in read],
                                                   rows.take([i for i, _, _ in read]), expects)
             for (i, _, _), st in zip(read, status.tolist()):
                 if st == fastread.VERIFIED:

@@ -15,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for
-from tiered_kv.storage import LmdbStore, segments
+from tiered_kv.storage import LmdbStore
 from tiered_kv.storage.os import fastread, libc
 from tiered_kv.storage.os import threads as os_threads
 from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES
-from tiered_kv.storage.lmdb.segments import Location, ReadTask, SegmentFiles
+from tiered_kv.storage.lmdb.read_tasks import MIN_SHARD, ReadTask, cut_shards
+from tiered_kv.storage.lmdb.schema import Location, segment_name
+from tiered_kv.storage.lmdb.segments import SegmentFiles
 
 IMPLS = {"python": fastread.python_read_and_hash}
 if fastread.native_read_and_hash is not None:
@@ -126,14 +128,14 @@ def test_shards_cover_every_record_once_in_order(monkeypatch: pytest.MonkeyPatch
     files = SegmentFiles(tmp_path, new_segment_id=lambda: 1, segment_bytes=1 << 30, direct_io=False,
                          io_threads=8, readonly=True)
     hot = _tasks(lengths)
-    got = files._shards(hot)
-    assert len(got) == shards and files.hot_threads == min(8, threads)
+    got = cut_shards(hot, files.reads.hot_threads)
+    assert len(got) == shards and files.reads.hot_threads == min(8, threads)
     assert len(got) <= (2 * threads if threads > 1 else 1)
     assert [t for shard in got for t in shard] == hot
     if len(got) > 1:
-        # about equal bytes, on average at least _MIN_SHARD (cut at record boundaries)
+        # about equal bytes, on average at least MIN_SHARD (cut at record boundaries)
         sizes = [sum(t.loc.length for t in s) for s in got]
-        assert sum(sizes) / len(sizes) >= segments._MIN_SHARD
+        assert sum(sizes) / len(sizes) >= MIN_SHARD
         assert max(sizes) - min(sizes) <= 2 * max(lengths)
 
 
@@ -407,7 +409,7 @@ def _break_records(path: Path, keys: list, n: int) -> None:
         loc, checksum = locs[keys[3]]
         txn.put(keys[3].to_bytes(), pack_entry(Location(loc.segment, loc.offset, loc.length + 4096), checksum), db=db)
     env.close()
-    seg_file = path / "segments" / segments.segment_name(locs[keys[1]][0].segment)
+    seg_file = path / "segments" / segment_name(locs[keys[1]][0].segment)
     raw = bytearray(seg_file.read_bytes())
     raw[locs[keys[1]][0].offset + HEADER_BYTES + n // 2] ^= 0x40
     raw[locs[keys[2]][0].offset + 136] ^= 0x01

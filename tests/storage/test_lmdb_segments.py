@@ -397,9 +397,9 @@ def test_verify_counts_an_absurd_index_entry(tmp_path: Path) -> None:
 def test_scatter_reads_of_cold_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
     """The cold paths (O_DIRECT into the bounce buffer, then piece by piece; buffered
     preadv after WILLNEED) fill scatter lists exactly and catch a bad payload."""
-    from tiered_kv.storage.lmdb.segments import SegmentFiles
+    from tiered_kv.storage.lmdb.reads import ReadEngine
 
-    monkeypatch.setattr(SegmentFiles, "_cached", lambda self, fd, offset, length: False)
+    monkeypatch.setattr(ReadEngine, "cached", lambda self, fd, offset, length: False)
     where = tmp_path / "s"
     keys = [make_key(i) for i in range(4)]
     with LmdbStore(where, layout_fingerprint=FP) as store:
