@@ -94,6 +94,7 @@ What the chain guarantees:
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import hashlib
 import logging
@@ -111,12 +112,13 @@ import lmdb
 import numpy as np
 
 from ..os.at_exit import close_at_exit
+from ..os.faults import Faults
 from ..api import BlockStore, PutItem, check_open
 from ..errors import LayoutMismatchError, StoreError
 from .journal import UploadJournal, level_name
 from ..format.record import RecordKey, RecordKind, RecordMeta, write_segments
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DeferredLevel", "StoreChain"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ChainPoint", "DeferredLevel", "StoreChain"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,12 @@ _TRANSIENT = (ConnectionError, PermissionError, TimeoutError)
 _SKIPPED = object()
 #: Journal entries read into a level's memory queue per background step.
 _RESUME_CHUNK = 256
+
+
+class ChainPoint(enum.Enum):
+    """The steps of a chain where its faults are hit (``chain.faults``)."""
+
+    JOURNAL_ADD = "journal-add"  # uploads about to be journaled (info: their (key, bytes) entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +276,8 @@ class StoreChain(BlockStore):
         self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures",
                                         "journal_errors"), 0)
         self.last_journal_error: str | None = None
+        #: the fault points of its journal (:class:`ChainPoint`): a test seam
+        self.faults = Faults()
         self._writing: dict[RecordKey, int] = {}  # keys in a put_many / promotion of this process
         self._closing = False
         self._close_deadline = 0.0
@@ -364,7 +374,7 @@ class StoreChain(BlockStore):
             # The journal's commit (its fsync) runs beside level 0's write, not after it: the
             # request path pays the longer of the two. Both are done before anything is queued.
             journaled = None if self._journal is None else self._journal_io.submit(
-                self._journal.add, [level.journal_name for level in self._far], list(zip(keys, sizes)))
+                self._journal_add, [level.journal_name for level in self._far], list(zip(keys, sizes)))
             try:
                 results = self._near.put_many(items)
             except BaseException:
@@ -397,6 +407,12 @@ class StoreChain(BlockStore):
                     left = self._writing.pop(key) - 1
                     if left:
                         self._writing[key] = left
+
+    def _journal_add(self, levels: list[str], entries: list[tuple[RecordKey, int]]) -> None:
+        """Journal ``entries`` (key, payload bytes) as owed to ``levels`` (one commit)."""
+        assert self._journal is not None
+        self.faults.hit(ChainPoint.JOURNAL_ADD, entries)
+        self._journal.add(levels, entries)
 
     def _journal_done(self, journaled: Future[None], n: int) -> None:
         """Wait for a journal commit. Its failure (e.g. a full disk) does not undo level 0's
@@ -511,7 +527,7 @@ class StoreChain(BlockStore):
         with self._writing_keys([item.key for item in items]):
             if self._journal is not None and between:
                 self._journal_done(self._journal_io.submit(
-                    self._journal.add, [level.journal_name for level in between],
+                    self._journal_add, [level.journal_name for level in between],
                     [(item.key, item.payload_bytes) for item in items]), len(items))
             with self._cond:
                 self._counters["promotions"] += len(items)
@@ -632,7 +648,7 @@ class StoreChain(BlockStore):
             owed = [(key, n) for key, n in zip(missing, sizes) if n is not None]  # (None: gone meanwhile)
             out["queued"] += len(owed)
             if self._journal is not None:
-                self._journal.add([level.journal_name], owed)
+                self._journal_add([level.journal_name], owed)
             with self._cond:
                 for key, n in owed:
                     self._enqueue(level, key, n)

@@ -58,11 +58,11 @@ skips the replay when a run holds it (the run replays, or whoever comes after it
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import fcntl
 import hashlib
 import os
-import signal
 import stat
 import struct
 from collections.abc import Callable, Iterator, Sequence
@@ -73,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from ..api import BlockStore, PutItem
+from ..os.faults import FAILPOINT_ENV, Faults, failpoint
 from ..os.files import create_private_file, fsync_dir, mkdir_private
 from ..errors import CorruptRecordError, StoreError, StoreLockedError
 from ..format.record import HEADER_BYTES, RecordKey, decode_record, parse_header, record_parts, record_size
@@ -82,6 +83,7 @@ __all__ = [
     "JOURNAL_NAME",
     "JOURNAL_VERSION",
     "RekeyJournal",
+    "RekeyPoint",
     "ReplayResult",
     "default_journal_path",
     "failpoint",
@@ -97,18 +99,17 @@ _PAYLOAD_LEN_AT = HEADER_BYTES - _PAYLOAD_LEN.size  # the record header's last f
 #: Journaled records put back per backend call.
 _REPLAY_CHUNK_BYTES = 8 << 20
 _IOV_MAX = 512
-#: Environment variable of the kill -9 tests (see :func:`failpoint`).
-FAILPOINT_ENV = "TIERED_KV_FAILPOINT"
 
 
-def failpoint(name: str, n: int) -> None:
-    """A place a kill -9 test can stop this process: when the environment variable
-    ``TIERED_KV_FAILPOINT`` is ``"<name>:<n>"`` (e.g. ``rekey-deleted:2``, the second
-    batch rewritten), this process kills itself with SIGKILL here. Unset (always, outside
-    tests): one dictionary lookup."""
-    spec = os.environ.get(FAILPOINT_ENV)
-    if spec and spec == f"{name}:{n}":
-        os.kill(os.getpid(), signal.SIGKILL)
+class RekeyPoint(enum.Enum):
+    """The steps of a rekey batch where the wrapper's faults are hit (``store.faults``; as
+    ``TIERED_KV_FAILPOINT=<value>:<n>``, ``n`` is the batch: e.g. ``rekey-deleted:2``, the
+    second batch rewritten, after its old records were removed)."""
+
+    PARTIAL = "rekey-partial"      # the batch written and fsynced to the temporary, not renamed
+    JOURNALED = "rekey-journaled"  # the journal in place, nothing removed
+    DELETED = "rekey-deleted"      # the batch's old records removed, none written
+    PUT = "rekey-put"              # the new records written, the journal not yet deleted
 
 
 def default_journal_path(where: str) -> Path:
@@ -131,10 +132,12 @@ class ReplayResult:
 
 class RekeyJournal:
     """The journal file at ``path`` (see the module docstring), its lock and its
-    temporary. ``writes`` counts :meth:`write` calls (the batch number of failpoints)."""
+    temporary. ``writes`` counts :meth:`write` calls (the batch number of the fault
+    points); ``faults``: where :data:`RekeyPoint.PARTIAL` is hit (the rekeying store's)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, faults: Faults | None = None) -> None:
         self.path = Path(path)
+        self.faults = Faults() if faults is None else faults
         if self.path.is_dir():
             raise ValueError(f"journal: expected a file path (created if needed), got the directory {self.path}")
         self.lock_path = self.path.with_name(self.path.name + ".lock")
@@ -193,7 +196,7 @@ class RekeyJournal:
             os.fsync(fd)
         finally:
             os.close(fd)
-        failpoint("rekey-partial", self.writes)
+        self.faults.hit(RekeyPoint.PARTIAL, n=self.writes)
         os.replace(self.partial_path, self.path)
         fsync_dir(self.path.parent)  # durable before any record is removed
 

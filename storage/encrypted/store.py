@@ -97,7 +97,8 @@ from .crypto import (
 from .envelopes import EnvelopeSink, Opener, Outcome, Read, Skip, Target, zero
 from ..errors import EncryptedLevelError, StoreError
 from ..format.record import RecordKey, RecordKind, RecordMeta, as_out_segments, payload_views, write_segments
-from .rekey_journal import JOURNAL_NAME, RekeyJournal, ReplayResult, default_journal_path, failpoint
+from ..os.faults import Faults
+from .rekey_journal import JOURNAL_NAME, RekeyJournal, RekeyPoint, ReplayResult, default_journal_path
 
 __all__ = ["EncryptedStore", "RekeyReport"]
 
@@ -214,6 +215,8 @@ class EncryptedStore(BlockStore):
         self._sizes: dict[RecordKind, int] = {}  # payload size of each kind, as seen
         self._guard: EvictionGuard | None = None
         self._opener = Opener(self)
+        #: the fault points of its rekey batches (:class:`~.rekey_journal.RekeyPoint`): a test seam
+        self.faults = Faults()
         self._closed = inner.closed
         self._adopt_level(migrate)
         self._replayed = self._replay_rekey_journal()  # (reported by this handle's next rekey)
@@ -902,12 +905,12 @@ class EncryptedStore(BlockStore):
             if journal is not None:
                 raise ValueError(f"journal: expected None for a local store (its journal is "
                                  f"{Path(path) / JOURNAL_NAME}, where every opener finds it), got {journal!r}")
-            return RekeyJournal(Path(path) / JOURNAL_NAME)
+            return RekeyJournal(Path(path) / JOURNAL_NAME, faults=self.faults)
         if journal is None:
-            return RekeyJournal(default_journal_path(self.where))
+            return RekeyJournal(default_journal_path(self.where), faults=self.faults)
         if not isinstance(journal, (str, os.PathLike)):
             raise TypeError(f"journal: expected a file path or None, got {type(journal).__name__}")
-        return RekeyJournal(journal)
+        return RekeyJournal(journal, faults=self.faults)
 
     def rekey(self, payload_bytes: Mapping[RecordKind, int], *, batch: int = 16,
               journal: str | os.PathLike[str] | None = None, drop_old: bool = False,
@@ -998,17 +1001,17 @@ class EncryptedStore(BlockStore):
             zero([_joined(item.payload)])  # (the plaintext of the batch is not kept)
         rj.write(sealed, self.layout_fingerprint)
         n = rj.writes
-        failpoint("rekey-journaled", n)
+        self.faults.hit(RekeyPoint.JOURNALED, n=n)
         try:
             for old, _, _ in batch:
                 self._inner.delete(old)
-            failpoint("rekey-deleted", n)
+            self.faults.hit(RekeyPoint.DELETED, n=n)
             written = self._inner.put_many(sealed)
         except BaseException as e:
             e.add_note(f"rekey: the batch being rewritten ({len(sealed)} records) is kept in {rj.path}; the "
                        f"next rekey (or, for a local store, any encrypted open) puts back what is missing")
             raise
-        failpoint("rekey-put", n)
+        self.faults.hit(RekeyPoint.PUT, n=n)
         rj.clear()
         for (_, _, legacy), ok in zip(batch, written):  # (False: another writer stored it meanwhile)
             if not ok:

@@ -29,9 +29,10 @@ Errors go to the writers they belong to:
 - :meth:`GroupCommit.close` fails the queued batches with the store's "closed" error and
   waits for the groups being committed.
 
-Fault injection: :attr:`GroupCommit.fault` (None in production) is called at each
-:class:`FaultPoint`, so tests kill or pause a process at an exact step of a group
-(tests/storage/test_group_commit.py) instead of sleeping and hoping.
+Fault injection: each :class:`FaultPoint` of a write is a point of the store's
+:class:`~tiered_kv.storage.os.faults.Faults` (``store.faults``), so tests kill or pause a
+process at an exact step of a group (tests/storage/test_group_commit.py) instead of
+sleeping and hoping.
 """
 
 from __future__ import annotations
@@ -43,19 +44,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ..os.faults import Faults
+
 __all__ = ["REWRITE", "SYNCED", "FaultPoint", "GroupCommit"]
 
 W = TypeVar("W")   # one writer's batch (the store's type)
 
 
 class FaultPoint(enum.Enum):
-    """The steps of a write where :attr:`GroupCommit.fault` is called."""
+    """The steps of an LMDB store's writes where its faults are hit (``store.faults``)."""
 
+    RESERVE = "reserve"    # segment space about to be reserved for a batch (info: bytes)
     STAGED = "staged"      # one record of a writer's batch staged (info: its index in the batch)
     APPENDED = "appended"  # a writer's records are written to the segment, not synced (info: batch)
     ENQUEUED = "enqueued"  # a writer queued its written batch for a commit (info: batch)
     LEAD = "lead"          # a writer leads the next commit, before it takes the queue
     SYNCED = "synced"      # the group's segments synced, the index not committed (info: group size)
+    INDEXING = "indexing"  # the group's index stage begins (info: its batches)
+    INDEX_TXN = "index-txn"      # an index transaction indexes batches (info: them); in the transaction
+    INDEX_BATCH = "index-batch"  # one batch's records are indexed (info: their key bytes); in the transaction
     INDEXED = "indexed"    # the index committed, the followers not woken (info: group size)
     CLOSING = "closing"    # close() failed the queued batches; it waits for the group in commit
 
@@ -100,11 +107,12 @@ class GroupCommit(Generic[W]):
     :data:`REWRITE`. ``index(batches) -> outcomes``: commits the synced batches of a
     group, in group order; one outcome per batch: its result or an exception. If a stage
     raises, every batch it was given gets that exception. ``closed_error()``: the
-    exception of a write to a closed store.
+    exception of a write to a closed store. ``faults``: where its points are hit (the
+    store's).
     """
 
     def __init__(self, *, sync: Callable[[list[W]], Sequence[Any]], index: Callable[[list[W]], Sequence[Any]],
-                 closed_error: Callable[[], BaseException]) -> None:
+                 closed_error: Callable[[], BaseException], faults: Faults | None = None) -> None:
         self._sync = sync
         self._index = index
         self._closed_error = closed_error
@@ -114,16 +122,14 @@ class GroupCommit(Generic[W]):
         self._indexing = 0                  # groups in (or waiting for) the index stage
         self._index_stage = threading.Lock()
         self._closed = False
-        #: fault-injection hook ``fault(point, info)``; None in production
-        self.fault: Callable[[FaultPoint, Any], None] | None = None
+        self.faults = Faults() if faults is None else faults
         #: groups committed and the batches in them (lifetime of this object)
         self.groups = 0
         self.batches = 0
 
     def hook(self, point: FaultPoint, info: Any = None) -> None:
-        """Call the fault hook, if any, at ``point``."""
-        if self.fault is not None:
-            self.fault(point, info)
+        """``point`` is reached (see :class:`~tiered_kv.storage.os.faults.Faults`)."""
+        self.faults.hit(point, info)
 
     def queued(self) -> int:
         """Batches waiting for a leader (tests: wait until a group can be formed)."""

@@ -52,9 +52,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import StoreError
+from ..os.faults import Faults
 from ..os.files import fsync_dir, mkdir_private
 from ..os.libc import ALIGN, align_down, align_up, aligned_buffer, allocate_blocks, punch_hole
 from ..os.threads import started_pool
+from .group_commit import FaultPoint
 from .open_files import DEFAULT_MAX_OPEN_SEGMENTS, OpenSegments
 from .reads import ReadEngine
 from .schema import SEGMENT_SUFFIX, Location, parse_segment_name, segment_name
@@ -125,12 +127,14 @@ class SegmentFiles:
 
     ``new_segment_id``: allocates a fresh id (a write transaction on the index).
     ``direct_io``: True / False, or None to use O_DIRECT where the filesystem accepts it.
+    ``faults``: the store's fault points (:data:`FaultPoint.RESERVE` is hit here).
     """
 
     def __init__(self, path: Path, *, new_segment_id: Callable[[], int], segment_bytes: int,
                  direct_io: bool | None, io_threads: int, readonly: bool,
-                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS) -> None:
+                 max_open_segments: int = DEFAULT_MAX_OPEN_SEGMENTS, faults: Faults | None = None) -> None:
         self.path = path
+        self.faults = Faults() if faults is None else faults
         self._new_id = new_segment_id
         self.segment_bytes = segment_bytes
         self.io_threads = io_threads
@@ -444,6 +448,7 @@ class SegmentFiles:
             os.close(fd)
 
     def _reserve(self, fd: int, offset: int, length: int) -> None:
+        self.faults.hit(FaultPoint.RESERVE, length)
         if not self._can_reserve:
             return
         try:

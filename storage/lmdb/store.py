@@ -156,6 +156,7 @@ from ..errors import (
     StoreError,
     StoreFullError,
 )
+from ..os.faults import Faults
 from .group_commit import REWRITE, SYNCED, FaultPoint, GroupCommit
 from .pages import DataFileState, IndexDamage, IndexWalk, check_data_file, walk_index
 from ..format.record import (
@@ -420,6 +421,8 @@ class LmdbStore(BlockStore):
         self._last_ns = 0
         self._closed = True
         self._verifier: PartsVerifier | None = None
+        #: the fault points of its writes (:class:`~.group_commit.FaultPoint`): a test seam
+        self.faults = Faults()
 
         if (self.path / "zarr.json").exists():
             raise StoreError(f"{self.path}: this directory holds a Zarr block store; open it with "
@@ -455,10 +458,10 @@ class LmdbStore(BlockStore):
         self._segments = SegmentFiles(self.path / "segments", new_segment_id=self._new_segment_id,
                                       segment_bytes=segment_bytes, direct_io=direct_io,
                                       io_threads=io_threads, readonly=readonly,
-                                      max_open_segments=max_open_segments)
+                                      max_open_segments=max_open_segments, faults=self.faults)
         self._commits: GroupCommit[_PutBatch] = GroupCommit(
             sync=self._sync_group, index=self._index_group,
-            closed_error=lambda: StoreError(f"{self.path}: store is closed"))
+            closed_error=lambda: StoreError(f"{self.path}: store is closed"), faults=self.faults)
         self._closed = False
         self._recovered = 0
         if not readonly:
@@ -976,6 +979,7 @@ class LmdbStore(BlockStore):
         return outcomes
 
     def _index_txns(self, group: list[_PutBatch]) -> list[Any]:
+        self.faults.hit(FaultPoint.INDEXING, group)
         appended = [b.appended for b in group if b.appended is not None]
         ends = self._segments.indexed_ends(appended)
         taken = self._take_access()
@@ -1018,6 +1022,7 @@ class LmdbStore(BlockStore):
                    taken: dict[bytes, int]) -> list[Any]:
         """One index transaction: the queued access times, each segment's indexed end
         (``ends``: a recovery scan starts there), then each batch's records."""
+        self.faults.hit(FaultPoint.INDEX_TXN, batches)
         self._apply_access(txn, taken)
         for seg, end in ends.items():
             txn.put(_segment_end_key(seg), _U64.pack(end), db=self._meta)
@@ -1044,6 +1049,7 @@ class LmdbStore(BlockStore):
                     ) -> tuple[list[bool], int, int, int, list[Location]]:
         """Index one ``put_many``'s records (in the group's transaction). Returns
         ``(results, evicted, corrupt replaced, bytes written, locations to punch)``."""
+        self.faults.hit(FaultPoint.INDEX_BATCH, kbs)
         total = self._get_total(txn)
         freed: list[Location] = []
         results: list[bool] = []

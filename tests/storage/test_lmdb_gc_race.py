@@ -115,11 +115,12 @@ def test_gc_never_gives_back_a_batch_indexed_after_its_snapshot(tmp_path: Path, 
 def _write_then_die(where: Path, ready: Any) -> None:
     store = LmdbStore(where, layout_fingerprint=FP)
 
-    def die(*args: Any, **kwargs: Any) -> None:
-        ready.set()
-        os.kill(os.getpid(), signal.SIGKILL)
+    def die(point: FaultPoint, info: Any) -> None:
+        if point is FaultPoint.INDEX_BATCH:  # the step after the synced append
+            ready.set()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    store._index_puts = die  # type: ignore[method-assign]  (the step after the synced append)
+    store.faults.hook = die
     store.put_many([item_for(make_key(100 + i), REC) for i in range(8)])
 
 
@@ -214,7 +215,7 @@ def test_a_writer_keeps_its_segment_locked_until_its_last_batch_is_indexed(tmp_p
             appended.set()
 
     with LmdbStore(where, layout_fingerprint=FP, segment_bytes=PADDED) as store:
-        store._commits.fault = hook
+        store.faults.hook = hook
         with ThreadPoolExecutor(2) as pool:
             a = pool.submit(store.put_many, [item_for(k, REC) for k in a_keys])
             assert synced.wait(WAIT_S)

@@ -22,6 +22,7 @@ import pytest
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import LmdbStore, StoreError, StoreFullError, record_size
 from tiered_kv.storage.lmdb import unpack_entry
+from tiered_kv.storage.lmdb.group_commit import FaultPoint
 from tiered_kv.storage.format.record import HEADER_BYTES
 from tiered_kv.storage.lmdb.segments import ALIGN, punch_hole, segment_name
 
@@ -113,11 +114,12 @@ def _write_then_die(where: Path, ready) -> None:
     """Append a batch to the segment, then die before the index transaction commits."""
     store = LmdbStore(where, layout_fingerprint=FP)
 
-    def die(*args, **kwargs):
-        ready.set()
-        os.kill(os.getpid(), signal.SIGKILL)
+    def die(point: FaultPoint, info: object) -> None:
+        if point is FaultPoint.INDEX_BATCH:  # the step after the durable segment append
+            ready.set()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    store._index_puts = die  # the step after the durable segment append
+    store.faults.hook = die
     store.put_many([item_for(make_key(100 + i), N) for i in range(8)])
 
 
