@@ -41,29 +41,24 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from ..os.files import fsync_dir, mkdir_private
 from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreLockedError
-from .store import (
-    _ATIME,
-    _REGISTRY,
-    _LRU_NS,
-    _M_FINGERPRINT,
-    _M_FORMAT,
-    _M_NEXT_SEGMENT,
-    _M_RECORD_FORMAT,
-    _M_TOTAL,
-    _PAYLOAD_BYTES,
-    _U16,
-    _U32,
-    _U64,
-    STORE_FORMAT_VERSION,
-    _next_magic,
-    _scan_segment,
-    _segment_end_key,
+from ..format.record import CHECKSUM_BYTES, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
+from ..os.files import fsync_dir, mkdir_private
+from .claims import REGISTRY
+from .scan import next_magic, scan_segment
+from .schema import (
+    ATIME,
+    DB_NAMES,
+    LRU_NS,
+    PAYLOAD_BYTES,
+    U64,
+    Location,
     pack_entry,
+    parse_segment_name,
+    segment_end_key,
+    segment_name,
+    write_new_meta,
 )
-from ..format.record import CHECKSUM_BYTES, FORMAT_VERSION, HEADER_BYTES, RecordKey, decode_record, parse_header, record_size
-from .schema import Location, parse_segment_name, segment_name
 
 __all__ = ["rebuild_index"]
 
@@ -112,11 +107,11 @@ def rebuild_index(path: str | os.PathLike[str], layout_fingerprint: str | None, 
     store is open, in another process or in this one (LMDB's lock cannot tell this
     process's own handle apart: the in-process registry does)."""
     root = Path(os.path.abspath(path))
-    ident = _REGISTRY.claim(root)
+    ident = REGISTRY.claim(root)
     try:
         return rebuild_claimed(root, layout_fingerprint, io_threads=io_threads, problem=problem)
     finally:
-        _REGISTRY.release(ident)
+        REGISTRY.release(ident)
 
 
 def rebuild_claimed(root: Path, layout_fingerprint: str | None, *, io_threads: int, problem: str) -> dict[str, Any]:
@@ -173,18 +168,18 @@ def _fingerprint_of_segments(seg_dir: Path, segs: list[int]) -> str | None:
 
 
 def _first_fingerprint(fd: int, size: int) -> str | None:
-    pos = _next_magic(fd, 0, size)
+    pos = next_magic(fd, 0, size)
     while pos + HEADER_BYTES + CHECKSUM_BYTES <= size:
         head = os.pread(fd, HEADER_BYTES, pos)
         try:
-            n = record_size(_PAYLOAD_BYTES.unpack_from(head, HEADER_BYTES - 8)[0])
+            n = record_size(PAYLOAD_BYTES.unpack_from(head, HEADER_BYTES - 8)[0])
             parsed = parse_header(head, n)
             fp = parsed.fingerprint.rstrip(b"\0").decode("ascii")
             decode_record(np.frombuffer(os.pread(fd, n, pos), np.uint8),
                           expect_key=RecordKey(parsed.kind, parsed.block_hash), expect_fingerprint=fp)
             return fp
         except (CorruptRecordError, UnicodeDecodeError, ValueError, struct.error):
-            pos = _next_magic(fd, pos + 1, size)
+            pos = next_magic(fd, pos + 1, size)
     return None
 
 
@@ -200,7 +195,7 @@ def _scan_all(seg_dir: Path, segs: list[int], fingerprint: str, io_threads: int
         try:
             size = os.fstat(fd).st_size
             try:
-                return seg, size, _scan_segment(fd, seg, 0, size, fingerprint)
+                return seg, size, scan_segment(fd, seg, 0, size, fingerprint)
             except OSError:  # unreadable (EIO): its records stay out of the index
                 return seg, size, []
         finally:
@@ -226,23 +221,19 @@ def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Locat
                     sync=True, metasync=True, writemap=False, meminit=True)
     try:
         with env.begin(write=True) as txn:
-            dbs = {name: env.open_db(name, txn=txn, create=True) for name in (b"records", b"meta", b"atime", b"lru")}
+            dbs = {name: env.open_db(name, txn=txn, create=True) for name in DB_NAMES}
             meta = dbs[b"meta"]
-            txn.put(_M_FORMAT, _U16.pack(STORE_FORMAT_VERSION), db=meta)
-            txn.put(_M_RECORD_FORMAT, _U16.pack(FORMAT_VERSION), db=meta)
-            txn.put(_M_FINGERPRINT, fingerprint.encode("ascii"), db=meta)
-            txn.put(_M_TOTAL, _U64.pack(total), db=meta)
-            txn.put(_M_NEXT_SEGMENT, _U32.pack(max(sizes, default=0) + 1), db=meta)
+            write_new_meta(txn, meta, fingerprint, total=total, next_segment=max(sizes, default=0) + 1)
             for seg, size in sizes.items():
-                txn.put(_segment_end_key(seg), _U64.pack(size), db=meta)
+                txn.put(segment_end_key(seg), U64.pack(size), db=meta)
         # Access times in segment order (oldest write first), all in the past, distinct.
         ordered = sorted(records.items(), key=lambda kv: (kv[1][0].segment, kv[1][0].offset))
         base = time.time_ns() - len(ordered) - 1
         ns = {kb: base + i for i, (kb, _) in enumerate(ordered)}
         by_key = sorted(records.items())  # each tree filled in key order (MDB_APPEND: dense pages)
         _append(env, dbs[b"records"], ((kb, pack_entry(loc, sum_)) for kb, (loc, sum_) in by_key))
-        _append(env, dbs[b"atime"], ((kb, _ATIME.pack(ns[kb], loc.length)) for kb, (loc, _) in by_key))
-        _append(env, dbs[b"lru"], ((_LRU_NS.pack(ns[kb]) + kb, b"") for kb, _ in ordered))
+        _append(env, dbs[b"atime"], ((kb, ATIME.pack(ns[kb], loc.length)) for kb, (loc, _) in by_key))
+        _append(env, dbs[b"lru"], ((LRU_NS.pack(ns[kb]) + kb, b"") for kb, _ in ordered))
         env.sync(True)
     finally:
         env.close()

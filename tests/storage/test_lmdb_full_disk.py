@@ -23,6 +23,7 @@ import torch
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv import presets
 from tiered_kv.storage import LmdbStore, StoreFullError
+from tiered_kv.storage.lmdb.maintenance import Maintenance
 
 FORK = mp.get_context("fork")
 TINY_FP = presets.tiny().fingerprint
@@ -99,7 +100,7 @@ def test_gc_on_a_full_disk_needs_the_reserve_when_the_index_has_no_free_page(
     assert _free(tmpfs_8m) == 0
     with LmdbStore(where, layout_fingerprint=TINY_FP) as store:
         with monkeypatch.context() as m:  # the control: the reserve kept back
-            m.setattr(LmdbStore, "_release_reserve", lambda self: False)
+            m.setattr(Maintenance, "release_reserve", lambda self: False)
             with pytest.raises(StoreFullError):
                 store.gc(1 << 20)
         got = store.gc(1 << 20)

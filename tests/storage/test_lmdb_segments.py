@@ -235,7 +235,7 @@ def test_index_commits_flush_pages_but_not_the_meta_page(tmp_path: Path) -> None
     """MDB_NOMETASYNC (integrity kept after an OS crash, the last transaction recoverable
     from the segments), never MDB_NOSYNC (an OS crash could corrupt the index)."""
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
-        flags = store._env.flags()
+        flags = store._index.env.flags()
         assert flags["sync"] is True and flags["metasync"] is False and flags["writemap"] is False
 
 
