@@ -1,7 +1,7 @@
 """How an encrypted level opens what it reads: the envelope head's meaning for a read, the
 tag's verdict, and the streamed sink that decrypts an object store's response in place.
 
-Shared by every read path of :class:`~.encrypted.EncryptedStore` (the whole-record path of
+Shared by every read path of :class:`~.store.EncryptedStore` (:mod:`.reads`) (the whole-record path of
 local backends and the streamed path of object stores), so that both decide alike what
 is authentic where it was read, and both leave nothing unauthenticated behind: see that
 module's docstring for the rules; :class:`EnvelopeSink` for the streamed path.
@@ -14,15 +14,12 @@ import hmac
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .crypto import ENVELOPE_VERSION, HEAD_BYTES, LEGACY_ENVELOPE_VERSION, TAG_BYTES, Opened, envelope_version
 from ..format.record import RecordKey, RecordMeta
-
-if TYPE_CHECKING:
-    from .store import EncryptedStore
+from .crypto import ENVELOPE_VERSION, HEAD_BYTES, LEGACY_ENVELOPE_VERSION, TAG_BYTES, Keyring, Opened, envelope_version
 
 __all__ = ["EnvelopeSink", "Opener", "Outcome", "Read", "Skip", "Target", "digest_ok", "zero"]
 
@@ -81,9 +78,9 @@ class Opener:
     """The decision every read path shares: what an envelope head means for a target, its
     associated data, and the outcome of a tag."""
 
-    def __init__(self, store: EncryptedStore) -> None:
-        self.keyring = store.keyring
-        self.fingerprint = store.layout_fingerprint
+    def __init__(self, keyring: Keyring, layout_fingerprint: str) -> None:
+        self.keyring = keyring
+        self.fingerprint = layout_fingerprint
 
     def identify(self, t: Target, head: Any, meta: RecordMeta, env_bytes: int) -> tuple[Read | None, Opened | None,
                                                                                         RecordKey | None]:
