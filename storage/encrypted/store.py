@@ -73,12 +73,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..api.counters import Counters
 from ..api.eviction import EvictionGuard
 from ..api.store import BlockStore, PutItem, check_open
 from ..format.record import RecordKey, RecordKind, RecordMeta, as_out_segments
@@ -95,21 +95,8 @@ from .work import Workers
 __all__ = ["EncryptedStore", "RekeyReport"]
 
 
-class _Counters:
-    NAMES = ("hits", "misses", "auth_failures", "auth_removed", "corrupt", "rekey_restored", "rekey_lost")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values = dict.fromkeys(self.NAMES, 0)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for k, v in counts.items():
-                self.values[k] += v
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.values)
+#: The counters of an encrypted level (this handle), on top of its backend's.
+_COUNTERS = ("hits", "misses", "auth_failures", "auth_removed", "corrupt", "rekey_restored", "rekey_lost")
 
 
 class EncryptedStore(BlockStore):
@@ -148,7 +135,7 @@ class EncryptedStore(BlockStore):
         self.maintenance = inner.maintenance  # (the backend refuses the envelopes' puts then)
         self._workers = Workers(self.config.threads)
         self.threads = self._workers.threads
-        self._counters = _Counters()
+        self._counters = Counters(_COUNTERS)
         self._sizes: dict[RecordKind, int] = {}  # payload size of each kind, as seen
         self._guard: EvictionGuard | None = None
         self._opener = Opener(self.keyring, self.layout_fingerprint)

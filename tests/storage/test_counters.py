@@ -1,4 +1,4 @@
-"""storage/api/counters.py: the one counters type (stores, the vLLM tier, the SGLang backend)."""
+"""storage/api/counters.py: the one counters type (stores, encrypted levels, the vLLM tier, the SGLang backend)."""
 
 from __future__ import annotations
 
