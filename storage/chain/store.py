@@ -1,5 +1,10 @@
 """A chain of block stores, nearest first: a node's local store in front of a shared one.
 
+:class:`StoreChain` is assembled from one part per concern: :mod:`.levels` (the levels and
+their health), :mod:`.writes` (writes, the upload queues and their journal), :mod:`.reads`
+(reads and promotions), :mod:`.scheduler` (the background thread: uploads, probes,
+resuming the journal), :mod:`.stats`.
+
     chain = open_store(["lmdb:///var/cache/kv", "zarr+s3://kv-cache/v4?endpoint=https://..."],
                        layout_fingerprint=layout.fingerprint, timeout_s=2.0)
 
@@ -93,107 +98,31 @@ What the chain guarantees:
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import functools
-import hashlib
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import lmdb
-import numpy as np
-
+from ..api.store import BlockStore, check_open
+from ..errors import LayoutMismatchError, StoreError
+from ..format.record import RecordKey
 from ..os.at_exit import close_at_exit
 from ..os.faults import Faults
-from ..api import BlockStore, PutItem, check_open
-from ..errors import LayoutMismatchError, StoreError
-from .journal import UploadJournal, level_name
-from ..format.record import RecordKey, RecordKind, RecordMeta, write_segments
+from .levels import DEFAULT_TIMEOUT_S, ChainPoint, DeferredLevel, Level, where_of
+from .reads import ChainReads
+from .scheduler import ChainScheduler
+from .stats import ChainStats
+from .writes import open_journal
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ChainPoint", "DeferredLevel", "StoreChain"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 2.0
-#: A key no record has (the probe of a down level asks for it).
-_PROBE_KEY = RecordKey(RecordKind.BLOCK, hashlib.sha256(b"tiered_kv.chain: probe, never stored").digest())
-#: What a far level raises when it fails (as opposed to bad input, which propagates).
-_LEVEL_ERRORS = (StoreError, OSError)
-#: Failures of the level as a whole, not of an item: they do not use up an item's attempts.
-_TRANSIENT = (ConnectionError, PermissionError, TimeoutError)
-_SKIPPED = object()
-#: Journal entries read into a level's memory queue per background step.
-_RESUME_CHUNK = 256
 
-
-class ChainPoint(enum.Enum):
-    """The steps of a chain where its faults are hit (``chain.faults``)."""
-
-    JOURNAL_ADD = "journal-add"  # uploads about to be journaled (info: their (key, bytes) entries)
-
-
-@dataclass(frozen=True, slots=True)
-class DeferredLevel:
-    """A far level to be opened later by the chain's background thread.
-
-    ``opener()`` returns the open store (and raises while it cannot); ``where`` names it in
-    stats and messages (no credentials); ``error``: why it could not be opened yet.
-    """
-
-    where: str
-    opener: Callable[[], BlockStore]
-    error: str = ""
-
-
-@dataclass(slots=True)
-class _Pending:
-    nbytes: int
-    attempts: int = 0       # failures of this item while its level was up
-    failed: bool = False    # failed at least once (its next try counts as a retry)
-
-
-_LEVEL_COUNTERS = ("hits", "misses", "timeouts", "errors", "auth_errors", "unavailable", "uploads",
-                   "uploads_existing", "upload_failures", "upload_retries", "dropped_uploads",
-                   "failed_uploads", "uploads_skipped", "promotions_in", "recoveries", "uploads_resumed",
-                   "deferred_uploads")
-
-
-@dataclass(eq=False)
-class _Level:
-    """One level's store and health (guarded by the chain's condition)."""
-
-    index: int
-    where: str
-    store: BlockStore | None
-    opener: Callable[[], BlockStore] | None
-    owned: bool
-    up: bool
-    down_until: float = 0.0
-    failures: int = 0                       # consecutive
-    last_error: str | None = None
-    pending: OrderedDict[RecordKey, _Pending] = field(default_factory=OrderedDict)
-    inflight: int = 0
-    inflight_keys: set[RecordKey] = field(default_factory=set)
-    # The journal pass that loads this level's entries into ``pending`` (see _resume):
-    scan_more: bool = False                 # a pass is due or under way
-    scan_again: bool = False                # start another pass after this one
-    scan_after: RecordKey | None = None     # where the pass stands (key order)
-
-    @property
-    def journal_name(self) -> str:
-        return level_name(self.where)
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_LEVEL_COUNTERS, 0))
-
-
-class StoreChain(BlockStore):
+class StoreChain(ChainReads, ChainScheduler, ChainStats, BlockStore):
     """Block stores ``[near, ..., far]`` of one layout, used as one (see the module docstring).
 
     Args:
@@ -221,34 +150,17 @@ class StoreChain(BlockStore):
                  max_pending_promotions: int = 64, owned: Sequence[bool] | None = None,
                  journal: bool | str | os.PathLike[str] | None = None) -> None:
         levels = list(levels)
-        if not levels:
-            raise ValueError("levels: expected at least one store")
-        if not isinstance(levels[0], BlockStore):
-            raise TypeError(f"levels[0]: expected an open BlockStore (the local level), got "
-                            f"{type(levels[0]).__name__}")
-        for i, lvl in enumerate(levels):
-            if not isinstance(lvl, (BlockStore, DeferredLevel)):
-                raise TypeError(f"levels[{i}]: expected a BlockStore or DeferredLevel, got {type(lvl).__name__}")
-        for name, value in (("timeout_s", timeout_s), ("backoff_initial_s", backoff_initial_s),
-                            ("backoff_max_s", backoff_max_s), ("close_timeout_s", close_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-        for name, value in (("max_pending_uploads", max_pending_uploads), ("upload_batch", upload_batch),
-                            ("max_upload_attempts", max_upload_attempts),
-                            ("max_pending_promotions", max_pending_promotions)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if owned is None:
-            owned = [True] * len(levels)
-        owned = list(owned)
-        if len(owned) != len(levels):
-            raise ValueError(f"owned: expected one flag per level ({len(levels)}), got {len(owned)}")
+        owned = _check_args(levels, owned, seconds=dict(
+            timeout_s=timeout_s, backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+            close_timeout_s=close_timeout_s), counts=dict(
+            max_pending_uploads=max_pending_uploads, upload_batch=upload_batch,
+            max_upload_attempts=max_upload_attempts, max_pending_promotions=max_pending_promotions))
         near = levels[0]
         self.layout_fingerprint = near.layout_fingerprint
         self.maintenance = near.maintenance  # (level 0 refuses puts then)
         for i, lvl in enumerate(levels):
             if isinstance(lvl, BlockStore) and lvl.layout_fingerprint != self.layout_fingerprint:
-                raise LayoutMismatchError(f"levels[{i}] ({_where(lvl)})", lvl.layout_fingerprint,
+                raise LayoutMismatchError(f"levels[{i}] ({where_of(lvl)})", lvl.layout_fingerprint,
                                           self.layout_fingerprint)
         self.max_bytes = near.max_bytes
         self.supports_multiprocess = near.supports_multiprocess
@@ -262,16 +174,15 @@ class StoreChain(BlockStore):
         self.max_upload_attempts = max_upload_attempts
         self.close_timeout_s = float(close_timeout_s)
         self.max_pending_promotions = max_pending_promotions
-        self._levels = [
-            _Level(index=i, where=lvl.where if isinstance(lvl, DeferredLevel) else _where(lvl),
-                   store=None if isinstance(lvl, DeferredLevel) else lvl,
-                   opener=lvl.opener if isinstance(lvl, DeferredLevel) else None, owned=o,
-                   up=not isinstance(lvl, DeferredLevel),
-                   last_error=lvl.error or None if isinstance(lvl, DeferredLevel) else None)
-            for i, (lvl, o) in enumerate(zip(levels, owned))]
+        self._levels = [_level(i, lvl, o) for i, (lvl, o) in enumerate(zip(levels, owned))]
         self._near: BlockStore = near
         self._far = self._levels[1:]
         self.where = " -> ".join(level.where for level in self._levels)
+        self._start(journal)
+
+    def _start(self, journal: bool | str | os.PathLike[str] | None) -> None:
+        """The chain's state, journal and threads; level 0 given the eviction guard."""
+        near = self._near
         self._cond = threading.Condition()
         self._counters = dict.fromkeys(("hits", "misses", "far_hits", "promotions", "promotion_failures",
                                         "journal_errors"), 0)
@@ -285,7 +196,7 @@ class StoreChain(BlockStore):
                                         thread_name_prefix="tiered_kv.chain.far")
         self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered_kv.chain.promote")
         self._pending_promotions = 0
-        self._journal = _open_journal(near, journal) if self._far else None
+        self._journal = open_journal(near, journal) if self._far else None
         self.journal_path = None if self._journal is None else self._journal.path
         self._journal_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiered_kv.chain.journal")
         for level in self._far:
@@ -297,266 +208,6 @@ class StoreChain(BlockStore):
             near.eviction_guard = self._uploads_pending
         self._worker.start()
         self._at_exit = close_at_exit(self.close)
-
-    # ------------------------------------------------------------------ health
-    def _usable(self, level: _Level) -> bool:
-        return level.up and level.store is not None
-
-    def _failed(self, level: _Level, what: str, exc: BaseException | None = None, *, timeout: bool = False) -> None:
-        """Mark ``level`` down after a failed call; it is probed again after its backoff."""
-        message = f"{what} timed out after {self.timeout_s:g} s" if timeout else f"{what}: {type(exc).__name__}: {exc}"
-        with self._cond:
-            was_up = level.up
-            level.up = False
-            level.failures += 1
-            backoff = min(self.backoff_max_s, self.backoff_initial_s * 2 ** min(level.failures - 1, 30))
-            level.down_until = time.monotonic() + backoff
-            level.last_error = message
-            c = level.counters
-            c["timeouts" if timeout else "errors"] += 1
-            if isinstance(exc, PermissionError):
-                c["auth_errors"] += 1
-            self._cond.notify_all()
-        if was_up:
-            log.warning("store level %d (%s) unavailable, serving from nearer levels; retrying in %.1f s: %s",
-                        level.index, level.where, backoff, message)
-
-    def _call_far(self, level: _Level, what: str, fn: Callable[[BlockStore], Any]) -> Any:
-        """``fn(level's store)`` on a worker thread, bounded by ``timeout_s``; ``_SKIPPED``
-        when the level is down, failed or too slow (and then marked down)."""
-        with self._cond:
-            if not self._usable(level):
-                level.counters["unavailable"] += 1
-                return _SKIPPED
-            store = level.store
-        assert store is not None
-        future = self._pool.submit(fn, store)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            if not future.done():
-                future.cancel()
-                self._failed(level, what, timeout=True)
-                return _SKIPPED
-            exc = future.exception()  # the store itself raised a TimeoutError
-            self._failed(level, what, exc)
-        except _LEVEL_ERRORS as e:
-            self._failed(level, what, e)
-        return _SKIPPED
-
-    def _uploads_pending(self, keys: Sequence[RecordKey]) -> set[RecordKey]:
-        """Level 0's eviction guard: which of ``keys`` a far level still needs (queued, in
-        flight, being written and queued by this process, or journaled by any process)."""
-        with self._cond:
-            held = {key for key in keys if key in self._writing
-                    or any(key in level.pending or key in level.inflight_keys for level in self._far)}
-        if self._journal is not None and not self._closed:
-            rest = [key for key in keys if key not in held]
-            try:
-                held |= self._journal.pending_among([level.journal_name for level in self._far], rest)
-            except (StoreError, lmdb.Error) as e:  # unreadable journal: hold them all, never lose one
-                log.warning("upload journal %s: could not be read for level 0's eviction (%s); "
-                            "nothing is evicted meanwhile", self._journal.path, e)
-                return set(keys)
-        return held
-
-    # ------------------------------------------------------------------ writes
-    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
-        """Write to level 0 (its result is returned; its errors raise) and queue every item
-        for the farther levels."""
-        check_open(self._closed, self.where)
-        items = self._check_put_items(items)
-        if not self._far:
-            return self._near.put_many(items)
-        sizes = [item.payload_bytes for item in items]
-        keys = [item.key for item in items]
-        with self._writing_keys(keys):
-            # The journal's commit (its fsync) runs beside level 0's write, not after it: the
-            # request path pays the longer of the two. Both are done before anything is queued.
-            journaled = None if self._journal is None else self._journal_io.submit(
-                self._journal_add, [level.journal_name for level in self._far], list(zip(keys, sizes)))
-            try:
-                results = self._near.put_many(items)
-            except BaseException:
-                if journaled is not None:  # journaled, maybe not written: the journal pass sorts them out
-                    _wait_quietly(journaled)
-                    with self._cond:
-                        for level in self._far:
-                            self._rescan(level)
-                raise
-            if journaled is not None:
-                self._journal_done(journaled, len(items))
-            with self._cond:
-                for level in self._far:
-                    for key, n in zip(keys, sizes):
-                        self._enqueue(level, key, n)
-        return results
-
-    @contextlib.contextmanager
-    def _writing_keys(self, keys: list[RecordKey]) -> Iterator[None]:
-        """Mark ``keys`` as being written and queued by this process: their journal entries
-        may exist before their level-0 records do, so the journal pass leaves them alone."""
-        with self._cond:
-            for key in keys:
-                self._writing[key] = self._writing.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                for key in keys:
-                    left = self._writing.pop(key) - 1
-                    if left:
-                        self._writing[key] = left
-
-    def _journal_add(self, levels: list[str], entries: list[tuple[RecordKey, int]]) -> None:
-        """Journal ``entries`` (key, payload bytes) as owed to ``levels`` (one commit)."""
-        assert self._journal is not None
-        self.faults.hit(ChainPoint.JOURNAL_ADD, entries)
-        self._journal.add(levels, entries)
-
-    def _journal_done(self, journaled: Future[None], n: int) -> None:
-        """Wait for a journal commit. Its failure (e.g. a full disk) does not undo level 0's
-        write: the uploads are queued in memory only, counted as ``journal_errors``."""
-        try:
-            journaled.result()
-        except (StoreError, OSError, lmdb.Error) as e:
-            with self._cond:
-                first = not self._counters["journal_errors"]
-                self._counters["journal_errors"] += n
-                self.last_journal_error = f"{type(e).__name__}: {e}"
-            if first:
-                log.warning("upload journal %s: could not journal %d uploads (queued in memory only; "
-                            "counted as journal_errors): %s", self.journal_path, n, e)
-
-    def _rescan(self, level: _Level) -> None:
-        """Have the background thread read ``level``'s journal (again): it holds entries
-        not in memory. Caller holds the condition."""
-        if level.scan_more:
-            level.scan_again = True
-        else:
-            level.scan_more, level.scan_after = True, None
-        self._cond.notify_all()
-
-    def _enqueue(self, level: _Level, key: RecordKey, nbytes: int) -> None:
-        """Queue ``key`` for upload to ``level`` (caller holds the condition)."""
-        if key in level.pending:
-            return
-        if len(level.pending) >= self.max_pending_uploads:
-            if self._journal is not None:  # journaled: read back when the queue has room
-                level.counters["deferred_uploads"] += 1
-                self._rescan(level)
-                return
-            level.counters["dropped_uploads"] += 1
-            if level.counters["dropped_uploads"] == 1:
-                log.warning("store level %d (%s): %d uploads pending, not queueing more (records stay in "
-                            "level 0; counted as dropped_uploads)", level.index, level.where, len(level.pending))
-            return
-        level.pending[key] = _Pending(nbytes)
-        self._cond.notify_all()
-
-    # ------------------------------------------------------------------ reads
-    def get_many(self, keys: Sequence[RecordKey], outs: Sequence[Any], *,
-                 token_digests: Sequence[bytes | None] | None = None) -> list[RecordMeta | None]:
-        check_open(self._closed, self.where)
-        keys, dsts, digests = self._check_get_args(keys, outs, token_digests, scatter=True)
-        # (scatter lists go down as they are: level 0 reads into the pieces when it can)
-        metas = self._near.get_many(keys, [d[0] if len(d) == 1 else d for d in dsts], token_digests=digests)
-        missing = [i for i, m in enumerate(metas) if m is None]
-        for level in self._far:
-            if not missing:
-                break
-            bufs = [np.empty(dsts[i].nbytes, dtype=np.uint8) for i in missing]  # private: see _call_far
-            want = [keys[i] for i in missing]
-            want_digests = [digests[i] for i in missing]
-            # Bound now: a call abandoned after the timeout may run after this loop moved on.
-            got = self._call_far(level, "get", functools.partial(_get_many, keys=want, outs=bufs,
-                                                                 token_digests=want_digests))
-            if got is _SKIPPED:
-                continue
-            found = [(i, meta, buf) for i, meta, buf in zip(missing, got, bufs) if meta is not None]
-            with self._cond:
-                level.counters["hits"] += len(found)
-                level.counters["misses"] += len(missing) - len(found)
-            for i, meta, buf in found:
-                write_segments(dsts[i], buf)
-                metas[i] = meta
-            if found:
-                self._promote(level, found)
-            missing = [i for i in missing if metas[i] is None]
-        with self._cond:
-            self._counters["hits"] += len(keys) - len(missing)
-            self._counters["misses"] += len(missing)
-        return metas
-
-    def _promote(self, source: _Level, found: list[tuple[int, RecordMeta, np.ndarray]]) -> None:
-        """Have records found in ``source`` written into level 0 and queued for the levels
-        between: in the background, or here when too many are waiting already."""
-        items = [PutItem(meta.key, meta.parent_hash, meta.token_digest, buf) for _, meta, buf in found]
-        with self._cond:
-            self._counters["far_hits"] += len(items)
-            behind = self._pending_promotions + len(items) <= self.max_pending_promotions
-            if behind:
-                self._pending_promotions += len(items)
-        if not behind:
-            self._write_promotions(source, items)
-            return
-
-        def write() -> None:
-            try:
-                self._write_promotions(source, items)
-            except Exception:  # a bug, not a store failure: surface it, keep serving
-                log.exception("promotion into store level 0 (%s) failed", self._levels[0].where)
-                with self._cond:
-                    self._counters["promotion_failures"] += len(items)
-            finally:
-                with self._cond:
-                    self._pending_promotions -= len(items)
-                    self._cond.notify_all()
-
-        self._promoter.submit(write)
-
-    def _write_promotions(self, source: _Level, items: list[PutItem]) -> None:
-        try:
-            self._near.put_many(items)
-        except StoreError as e:  # level 0 full: the records were served anyway
-            with self._cond:
-                self._counters["promotion_failures"] += len(items)
-            log.warning("promotion into store level 0 (%s) failed: %s", self._levels[0].where, e)
-            return
-        between = self._far[:source.index - 1]
-        with self._writing_keys([item.key for item in items]):
-            if self._journal is not None and between:
-                self._journal_done(self._journal_io.submit(
-                    self._journal_add, [level.journal_name for level in between],
-                    [(item.key, item.payload_bytes) for item in items]), len(items))
-            with self._cond:
-                self._counters["promotions"] += len(items)
-                self._levels[0].counters["promotions_in"] += len(items)
-                for level in between:
-                    for item in items:
-                        self._enqueue(level, item.key, item.payload_bytes)
-
-    def contains(self, key: RecordKey) -> bool:
-        check_open(self._closed, self.where)
-        if self._near.contains(key):
-            return True
-        return any(self._call_far(level, "contains", lambda s: s.contains(key)) is True for level in self._far)
-
-    def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
-        """Nearest level first; the keys it lacks go to each farther level in one batch,
-        bounded by ``timeout_s`` per level (a level that is down answers False)."""
-        check_open(self._closed, self.where)
-        found = self._near.contains_many(keys)
-        for level in self._far:
-            todo = [i for i, f in enumerate(found) if not f]
-            if not todo:
-                break
-            answer = self._call_far(level, "contains", lambda s: s.contains_many([keys[i] for i in todo]))
-            if answer is _SKIPPED:
-                continue
-            for i, f in zip(todo, answer):
-                found[i] = bool(f)
-        return found
 
     # ------------------------------------------------------------------ admin
     def delete(self, key: RecordKey) -> bool:
@@ -574,7 +225,7 @@ class StoreChain(BlockStore):
             found = self._open_store(level, "delete").delete(key) or found
         return found
 
-    def _open_store(self, level: _Level, what: str) -> BlockStore:
+    def _open_store(self, level: Level, what: str) -> BlockStore:
         if level.store is None:
             raise StoreError(f"{what}: store level {level.index} ({level.where}) is not open yet "
                              f"({level.last_error})")
@@ -614,46 +265,6 @@ class StoreChain(BlockStore):
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending_promotions, timeout=timeout_s)
 
-    def resync(self, payload_bytes: dict[RecordKind, int] | None = None) -> dict[str, int]:
-        """Queue for upload every level-0 record that a farther level lacks.
-
-        ``payload_bytes``: the payload size of each record kind, when the layout is known
-        (``{BLOCK: layout.block_bytes, SNAPSHOT: layout.snapshot_bytes}``); None (default):
-        each record's own size, from level 0's index (:meth:`BlockStore.payload_sizes`), so
-        a store of any layout (an engine's pages of several sizes) resyncs. An upload reads
-        the record back from level 0 into a buffer of that size.
-
-        With a journal (see the module docstring) uploads pending when a process stopped are
-        resumed by the next one; this is for the rest: records written before the journal,
-        by a chain without one, or lost with a journal that was removed. Each far level is listed once
-        (one request per 1000 keys on S3) and level 0 once; the uploads then run in the
-        background like any other (:meth:`wait_uploads` waits for them). A level that is
-        down is skipped and counted in ``levels_skipped``.
-        """
-        check_open(self._closed, self.where)
-        local = list(self._near)
-        out = {"local_records": len(local), "queued": 0, "present": 0, "levels_skipped": 0}
-        for level in self._far:
-            # a far level's listing is of its stored names (an encrypted level's are keyed):
-            # the local keys are compared by the names that level gives them
-            listed = self._call_far(level, "list", lambda s: (s, set(s.names())))
-            if listed is _SKIPPED:
-                out["levels_skipped"] += 1
-                continue
-            far, names = listed
-            missing = [key for key in local if far.name_of(key) not in names]
-            out["present"] += len(local) - len(missing)
-            sizes = ([payload_bytes[key.kind] for key in missing] if payload_bytes is not None
-                     else self._near.payload_sizes(missing))
-            owed = [(key, n) for key, n in zip(missing, sizes) if n is not None]  # (None: gone meanwhile)
-            out["queued"] += len(owed)
-            if self._journal is not None:
-                self._journal_add([level.journal_name], owed)
-            with self._cond:
-                for key, n in owed:
-                    self._enqueue(level, key, n)
-        return out
-
     def payload_sizes(self, keys: Sequence[RecordKey]) -> list[int | None]:
         """Level 0's answer, and for the keys it lacks each farther level's in turn (far
         levels are asked directly, an admin call: one not open raises StoreError)."""
@@ -670,79 +281,6 @@ class StoreChain(BlockStore):
     def levels(self) -> list[BlockStore | None]:
         """The levels' stores, nearest first (None: a deferred level not opened yet)."""
         return [level.store for level in self._levels]
-
-    def stats(self) -> dict[str, Any]:
-        """Level 0's figures (records, bytes, max_bytes, evictions, puts, access times), the
-        chain's read counters (hits / misses of the chain as a whole, far_hits, promotions,
-        promotion_failures, pending_promotions), ``corrupt`` and ``auth_failures`` summed over the
-        levels (an encrypted level's records that failed authentication), the upload counters summed over far levels (uploads,
-        uploads_existing, upload_failures, upload_retries, pending_uploads, dropped_uploads,
-        failed_uploads, uploads_skipped; journaled_uploads: entries in the journal,
-        uploads_resumed: read back from it, deferred_uploads: journaled past the memory
-        bound; journal_errors: uploads that could not be journaled), ``journal``: its path
-        or None, the health counters (level_unavailable: calls that
-        skipped a down level; timeouts; level_errors; auth_errors; levels_down), every
-        numeric figure of level ``i`` as ``level{i}_<name>``, and ``levels``: one dict per
-        level (where, up, last_error, retry_in_s, encrypted, key_ids when encrypted, ...)."""
-        check_open(self._closed, self.where)
-        near = self._near.stats()
-        out: dict[str, Any] = {
-            "backend": "chain", "path": self.where, "layout_fingerprint": self.layout_fingerprint,
-            "writer": near.get("writer"),
-            **{k: near.get(k) for k in ("records", "bytes", "max_bytes", "evictions", "puts", "put_bytes",
-                                          "oldest_access_ns", "newest_access_ns")},
-        }
-        per_level: list[dict[str, Any]] = []
-        journaled = {} if self._journal is None else {
-            level.index: self._journal.count(level.journal_name) for level in self._far}
-        corrupt = auth_failures = 0
-        now = time.monotonic()
-        for level in self._levels:
-            store_stats: dict[str, Any] = near if level.index == 0 else {}
-            stats_error = None
-            if level.index > 0 and level.store is not None:
-                try:
-                    store_stats = level.store.stats()
-                except _LEVEL_ERRORS as e:
-                    stats_error = f"{type(e).__name__}: {e}"
-            corrupt += int(store_stats.get("corrupt") or 0)
-            auth_failures += int(store_stats.get("auth_failures") or 0)
-            with self._cond:
-                if level.index == 0:  # written and read synchronously: no health to report
-                    info: dict[str, Any] = {"where": level.where, "promotions_in": level.counters["promotions_in"]}
-                else:
-                    info = {"where": level.where, "up": level.up and level.store is not None,
-                            "open": level.store is not None, "last_error": level.last_error,
-                            "retry_in_s": None if level.up else round(max(0.0, level.down_until - now), 3),
-                            "consecutive_failures": level.failures, "pending_uploads": len(level.pending),
-                            "journaled_uploads": journaled.get(level.index, 0), **level.counters}
-                if stats_error is not None:
-                    info["stats_error"] = stats_error
-                info["writer"] = store_stats.get("writer")
-                info["records"] = store_stats.get("records")
-                info["encrypted"] = bool(store_stats.get("encrypted"))  # (a level not open yet: False)
-                if info["encrypted"]:
-                    info["key_ids"] = store_stats.get("key_ids")
-            per_level.append(info)
-            for k, v in {**store_stats, **info}.items():
-                if isinstance(v, (int, float)):  # bools as 0 / 1
-                    out[f"level{level.index}_{k}"] = int(v) if isinstance(v, bool) else v
-        with self._cond:
-            out.update(self._counters)
-            out["pending_promotions"] = self._pending_promotions
-        far = per_level[1:]
-        out["corrupt"] = corrupt
-        out["auth_failures"] = auth_failures
-        out["journal"] = None if self.journal_path is None else str(self.journal_path)
-        for name in ("uploads", "uploads_existing", "upload_failures", "upload_retries", "pending_uploads",
-                     "dropped_uploads", "failed_uploads", "uploads_skipped", "timeouts", "auth_errors",
-                     "journaled_uploads", "uploads_resumed", "deferred_uploads"):
-            out[name] = sum(info[name] for info in far)
-        out["level_unavailable"] = sum(info["unavailable"] for info in far)
-        out["level_errors"] = sum(info["errors"] for info in far)
-        out["levels_down"] = sum(not info["up"] for info in far)
-        out["levels"] = per_level
-        return out
 
     # ------------------------------------------------------------------ maintenance
     def verify(self, *, repair: bool = False) -> dict[str, Any]:
@@ -765,176 +303,6 @@ class StoreChain(BlockStore):
         collected by running ``gc`` on its own URL, once for the fleet)."""
         check_open(self._closed, self.where)
         return {**self._near.gc(max_bytes), "level": 0}
-
-    # ------------------------------------------------------------------ background
-    def _next_job(self) -> tuple[_Level | None, str, float | None]:
-        """(level, "probe" | "resume" | "upload", None) or (None, "", seconds to wait; None:
-        until notified). Caller holds the condition."""
-        now = time.monotonic()
-        wait: float | None = None
-        for level in self._far:
-            if not level.up:
-                if level.down_until <= now:
-                    return level, "probe", None
-                wait = level.down_until - now if wait is None else min(wait, level.down_until - now)
-            elif level.scan_more and len(level.pending) < min(_RESUME_CHUNK, self.max_pending_uploads):
-                return level, "resume", None
-            elif level.pending:
-                return level, "upload", None
-        return None, "", wait
-
-    def _done_closing(self) -> bool:
-        if time.monotonic() >= self._close_deadline:
-            return True
-        return not any(level.up and (level.pending or level.scan_more) for level in self._far)
-
-    def _run_background(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if self._closing and self._done_closing():
-                        return
-                    level, job, wait = self._next_job()
-                    if level is not None:
-                        break
-                    if self._closing:
-                        left = self._close_deadline - time.monotonic()
-                        wait = left if wait is None else min(wait, left)
-                    self._cond.wait(timeout=wait)
-            try:
-                if job == "probe":
-                    self._probe(level)
-                elif job == "resume":
-                    self._resume(level)
-                else:
-                    self._upload_batch(level)
-            except Exception as e:  # a bug, not a store failure: keep the thread, surface it
-                log.exception("store level %d (%s): background %s failed", level.index, level.where, job)
-                self._failed(level, f"background {job}", e)
-
-    def _probe(self, level: _Level) -> None:
-        try:
-            if level.store is None:
-                assert level.opener is not None
-                store = level.opener()
-                if store.layout_fingerprint != self.layout_fingerprint:
-                    store.close()
-                    raise LayoutMismatchError(level.where, store.layout_fingerprint, self.layout_fingerprint)
-                with self._cond:
-                    level.store = store
-            else:
-                level.store.contains(_PROBE_KEY)
-        except _LEVEL_ERRORS as e:
-            self._failed(level, "probe" if level.store is not None else "open", e)
-            return
-        with self._cond:
-            level.up = True
-            level.failures = 0
-            level.counters["recoveries"] += 1
-            pending = len(level.pending)
-            self._cond.notify_all()
-        log.warning("store level %d (%s) available again; %d uploads pending", level.index, level.where, pending)
-
-    def _resume(self, level: _Level) -> None:
-        """Read the next chunk of ``level``'s journal entries into its queue (those not
-        queued or in flight already); at the end of the pass, start another if asked."""
-        assert self._journal is not None
-        with self._cond:
-            after = level.scan_after
-            room = min(_RESUME_CHUNK, self.max_pending_uploads - len(level.pending))
-        entries = self._journal.scan(level.journal_name, after=after, limit=max(1, room))
-        with self._cond:
-            for key, nbytes in entries:
-                if key not in level.pending and key not in level.inflight_keys and key not in self._writing:
-                    level.pending[key] = _Pending(nbytes)
-                    level.counters["uploads_resumed"] += 1
-            if len(entries) < max(1, room):
-                level.scan_more, level.scan_again, level.scan_after = level.scan_again, False, None
-            else:
-                level.scan_after = entries[-1][0]
-            self._cond.notify_all()
-
-    def _upload_batch(self, level: _Level) -> None:
-        with self._cond:
-            batch: list[tuple[RecordKey, _Pending]] = []
-            while level.pending and len(batch) < self.upload_batch:
-                batch.append(level.pending.popitem(last=False))
-            level.inflight += len(batch)
-            level.inflight_keys.update(key for key, _ in batch)
-            store = level.store
-        assert store is not None
-        done: list[RecordKey] = []  # sent or gone from level 0: out of the journal
-        try:
-            items, gone = self._read_back(batch)
-            done += gone
-            try:
-                results = store.put_many(items) if items else []
-            except _LEVEL_ERRORS as e:
-                done += self._requeue(level, batch, e)
-                self._failed(level, "upload", e)
-                return
-            done += [item.key for item in items]
-            with self._cond:
-                c = level.counters
-                c["uploads"] += sum(results)
-                c["uploads_existing"] += len(results) - sum(results)
-                c["uploads_skipped"] += len(gone)
-                c["upload_retries"] += sum(p.failed for _, p in batch)
-                level.failures = 0
-        finally:
-            self._unjournal(level, done)
-            with self._cond:
-                level.inflight -= len(batch)
-                level.inflight_keys.difference_update(key for key, _ in batch)
-                self._cond.notify_all()
-
-    def _unjournal(self, level: _Level, keys: list[RecordKey]) -> None:
-        """Remove ``keys`` from ``level``'s journal entries. A failure only means they are
-        sent again later (create-only: found present), so it is logged, not raised."""
-        if self._journal is None or not keys or self._closed:  # closed: an abandoned upload ended late
-            return
-        try:
-            self._journal.remove(level.journal_name, keys)
-        except (StoreError, OSError, lmdb.Error) as e:
-            log.warning("upload journal %s: could not remove %d entries (they will be re-sent): %s",
-                        self._journal.path, len(keys), e)
-
-    def _read_back(self, batch: list[tuple[RecordKey, _Pending]]) -> tuple[list[PutItem], list[RecordKey]]:
-        """The batch's records as read from level 0; the keys gone from it."""
-        bufs = [np.empty(p.nbytes, dtype=np.uint8) for _, p in batch]
-        keys = [k for k, _ in batch]
-        try:
-            metas = self._near.get_many(keys, bufs)
-        except ValueError:  # a record of another size under a key: read one by one, skip those
-            metas = []
-            for key, buf in zip(keys, bufs):
-                try:
-                    metas.append(self._near.get(key, buf))
-                except ValueError:
-                    metas.append(None)
-        items = [PutItem(m.key, m.parent_hash, m.token_digest, buf) for m, buf in zip(metas, bufs) if m is not None]
-        return items, [key for key, m in zip(keys, metas) if m is None]
-
-    def _requeue(self, level: _Level, batch: list[tuple[RecordKey, _Pending]],
-                 exc: BaseException) -> list[RecordKey]:
-        """Put a failed batch back at the front of the queue, in order; the keys given up."""
-        transient = isinstance(exc, _TRANSIENT)
-        given_up: list[RecordKey] = []
-        with self._cond:
-            level.counters["upload_failures"] += len(batch)
-            for key, p in reversed(batch):
-                p.failed = True
-                if not transient:
-                    p.attempts += 1
-                    if p.attempts >= self.max_upload_attempts:
-                        level.counters["failed_uploads"] += 1
-                        log.warning("store level %d (%s): giving up upload of %r after %d attempts: %s",
-                                    level.index, level.where, key, p.attempts, exc)
-                        given_up.append(key)
-                        continue
-                level.pending[key] = level.pending.pop(key, p)
-                level.pending.move_to_end(key, last=False)
-        return given_up
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -985,36 +353,34 @@ class StoreChain(BlockStore):
         return f"StoreChain({self.where!r}, {'closed' if self._closed else 'open'})"
 
 
-def _get_many(store: BlockStore, *, keys: list[RecordKey], outs: list[np.ndarray],
-              token_digests: list[bytes | None]) -> list[RecordMeta | None]:
-    return store.get_many(keys, outs, token_digests=token_digests)
+def _check_args(levels: list[BlockStore | DeferredLevel], owned: Sequence[bool] | None, *,
+                seconds: dict[str, float], counts: dict[str, int]) -> list[bool]:
+    """ValueError / TypeError naming the first bad argument of a StoreChain; the owned flags."""
+    if not levels:
+        raise ValueError("levels: expected at least one store")
+    if not isinstance(levels[0], BlockStore):
+        raise TypeError(f"levels[0]: expected an open BlockStore (the local level), got "
+                        f"{type(levels[0]).__name__}")
+    for i, lvl in enumerate(levels):
+        if not isinstance(lvl, (BlockStore, DeferredLevel)):
+            raise TypeError(f"levels[{i}]: expected a BlockStore or DeferredLevel, got {type(lvl).__name__}")
+    for name, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if owned is None:
+        owned = [True] * len(levels)
+    owned = list(owned)
+    if len(owned) != len(levels):
+        raise ValueError(f"owned: expected one flag per level ({len(levels)}), got {len(owned)}")
+    return owned
 
 
-def _wait_quietly(future: Future[Any]) -> None:
-    """Wait for ``future``; its exception is not this caller's to raise."""
-    try:
-        future.result()
-    except Exception:  # the caller raises its own error; this one is secondary
-        log.debug("secondary failure while handling a level-0 write error", exc_info=True)
-
-
-def _open_journal(near: BlockStore, journal: bool | str | os.PathLike[str] | None) -> UploadJournal | None:
-    """The upload journal ``journal`` asks for (see :class:`StoreChain`)."""
-    if journal is False:
-        return None
-    if journal is None or journal is True:
-        path = getattr(near, "path", None)
-        usable = isinstance(path, os.PathLike) and os.path.isdir(path) and not getattr(near, "readonly", False)
-        if not usable:
-            if journal is True:
-                raise ValueError(f"journal=True: level 0 ({_where(near)}) has no local directory to hold the "
-                                 f"upload journal; pass a directory or journal=False")
-            return None
-        return UploadJournal(path)
-    if isinstance(journal, (str, os.PathLike)):
-        return UploadJournal(journal)
-    raise TypeError(f"journal: expected None, a bool or a directory, got {type(journal).__name__}")
-
-
-def _where(store: BlockStore) -> str:
-    return str(getattr(store, "where", None) or getattr(store, "path", None) or repr(store))
+def _level(i: int, lvl: BlockStore | DeferredLevel, owned: bool) -> Level:
+    """Level ``i`` of a new chain: an open store, or one to open later."""
+    if isinstance(lvl, DeferredLevel):
+        return Level(index=i, where=lvl.where, store=None, opener=lvl.opener, owned=owned, up=False,
+                     last_error=lvl.error or None)
+    return Level(index=i, where=where_of(lvl), store=lvl, opener=None, owned=owned, up=True, last_error=None)
