@@ -73,7 +73,6 @@ directory), :mod:`~.bucket` (an S3 bucket), :mod:`~.generic` (any other zarr Sto
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -94,21 +93,18 @@ from ..api import (
 )
 from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
 from ..format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
-from .generic import ZarrApiObjects
-from .local import LocalObjects
 from .objects import (
     ATTR,
     META_KEY,
     STORE_FORMAT_VERSION,
     IoPool,
-    Objects,
     group_metadata,
     object_name,
     raise_first,
 )
 from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing
 from ..format.writer import StoreWriter
-from .bucket import _s3, s3_objects
+from .targets import local_dir, make_objects
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
 
@@ -164,14 +160,14 @@ class ZarrStore(BlockStore):
         self.writer_info: dict[str, Any] | None = None
         #: what ``zarr.json`` records about sealing (sealed_level.py), None for a plain level
         self.sealing: dict[str, str] | None = None
-        local = _local_dir(url_or_path)
+        local = local_dir(url_or_path)
         if self.maintenance and local is not None and not (local / META_KEY).is_file():
             raise FileNotFoundError(f"{local}: no Zarr store here (no {META_KEY}) to open without a layout "
                                     f"fingerprint")
         self.max_bytes = max_bytes
         self._rescan_bytes = None if max_bytes is None else max(1, int(rescan_fraction * max_bytes))
         self._io = IoPool(io_threads)
-        self._objects = self._make_objects(url_or_path, stale_partial_s, self._io, dict(s3_options))
+        self._objects = make_objects(url_or_path, stale_partial_s, self._io, dict(s3_options))
         self.path: Path | None = getattr(self._objects, "root", None)
         self.supports_multiprocess = self._objects.local or self._objects.remote
         self.supports_shared_writers = True
@@ -190,50 +186,6 @@ class ZarrStore(BlockStore):
         if not self._objects.remote or max_bytes is not None:
             self._rescan()
         self._closed = False
-
-    @staticmethod
-    def _make_objects(url_or_path: Any, stale_partial_s: float, io: IoPool,
-                      s3_options: dict[str, Any]) -> Objects:
-        objects = ZarrStore._object_store(url_or_path, s3_options)
-        if objects is not None:
-            return objects
-        if s3_options:
-            raise ValueError(f"options {sorted(s3_options)}: expected only with an object store "
-                             f"(zarr+s3:// URL, S3Location or S3Store), got {url_or_path!r}")
-        if isinstance(url_or_path, (str, os.PathLike)):
-            s = os.fspath(url_or_path)
-            if "://" in s:
-                scheme, _, rest = s.partition("://")
-                if scheme != "file":
-                    raise ValueError(f"url_or_path: expected a local path, file:// URL or zarr+s3:// URL "
-                                     f"(pass a zarr Store instance for other stores), got {s!r}")
-                s = rest
-            return LocalObjects(Path(os.path.abspath(s)), stale_partial_s=stale_partial_s, io=io)
-        try:
-            from zarr.abc.store import Store
-            from zarr.storage import LocalStore
-        except ImportError:  # pragma: no cover - zarr is a dependency
-            raise TypeError("url_or_path: a zarr Store needs zarr installed") from None
-        if isinstance(url_or_path, LocalStore):
-            return LocalObjects(Path(url_or_path.root).absolute(), stale_partial_s=stale_partial_s, io=io)
-        if isinstance(url_or_path, Store):
-            return ZarrApiObjects(url_or_path)
-        raise TypeError(f"url_or_path: expected a path, file:// URL or zarr Store, got "
-                        f"{type(url_or_path).__name__}")
-
-    @staticmethod
-    def _object_store(target: Any, s3_options: dict[str, Any]) -> Objects | None:
-        """The S3 objects of ``target`` if it names an S3 bucket prefix, else None."""
-        if isinstance(target, str) and target.startswith("zarr+s3://"):
-            return s3_objects(target, s3_options)
-        if _s3 is None:
-            return None
-        if isinstance(target, _s3.S3Location | _s3.S3Store):
-            return s3_objects(target, s3_options)
-        inner = getattr(target, "store", None)  # zarr.storage.ObjectStore over an obstore store
-        if isinstance(inner, _s3.S3Store) and type(target).__name__ == "ObjectStore":
-            return s3_objects(inner, s3_options)
-        return None
 
     def _open_meta(self) -> None:
         raw = self._objects.read_meta()
@@ -644,16 +596,3 @@ class ZarrStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"ZarrStore({self.where!r}, {self.layout_fingerprint!r}, {'closed' if self._closed else 'open'})"
-
-
-def _local_dir(url_or_path: Any) -> Path | None:
-    """The directory a local ``url_or_path`` (path or ``file://`` URL) names; None otherwise."""
-    if not isinstance(url_or_path, (str, os.PathLike)):
-        return None
-    s = os.fspath(url_or_path)
-    if "://" in s:
-        scheme, _, rest = s.partition("://")
-        if scheme != "file":
-            return None
-        s = rest
-    return Path(os.path.abspath(s))
