@@ -95,6 +95,7 @@ __all__ = [
     "ObjectStoreUnavailable",
     "S3Credentials",
     "S3Location",
+    "S3Store",
     "delete",
     "exists",
     "get_bytes",

@@ -180,25 +180,7 @@ def parse_s3_url(url: str, *, env: Mapping[str, str] | None = None, **options: A
     prefix = _clean_prefix(parts.path)
     if parts.fragment:
         raise ValueError(f"url: expected no #fragment, got {_redact_query(url)!r}")
-
-    query: dict[str, str] = {}
-    try:
-        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise ValueError(f"url: expected a query of NAME=VALUE pairs joined by '&', got {parts.query!r}") from None
-    for k, v in pairs:
-        if k in _SECRET_OPTIONS:
-            raise ValueError(f"url: credentials do not go into URLs (they end up in logs): got {k}=...; "
-                             f"set {', '.join(CREDENTIAL_ENV_VARS)} or pass {k}= as a keyword")
-        if k in query:
-            raise ValueError(f"url: option {k!r} given twice")
-        query[k] = v
-    unknown = set(query) - {"endpoint", "region", "allow_http"} - _BOOL_OPTIONS - _STR_OPTIONS
-    unknown |= set(options) - {"endpoint", "region", "allow_http"} - _BOOL_OPTIONS - _STR_OPTIONS \
-        - {"access_key_id", "secret_access_key", "session_token"}
-    if unknown:
-        known = sorted({"endpoint", "region", "allow_http"} | _BOOL_OPTIONS | _STR_OPTIONS)
-        raise ValueError(f"unknown option(s) {sorted(unknown)}; expected some of {known}")
+    query = _query_options(parts.query, options)
 
     def pick(name: str, *env_vars: str) -> Any:
         if options.get(name) is not None:
@@ -230,6 +212,30 @@ def parse_s3_url(url: str, *, env: Mapping[str, str] | None = None, **options: A
     credentials = None if extra.get("skip_signature") else _resolve_credentials(options, environ)
     return S3Location(bucket=bucket, prefix=prefix, endpoint=endpoint, region=region, allow_http=allow_http,
                       options=MappingProxyType(extra), credentials=credentials)
+
+
+def _query_options(raw: str, options: Mapping[str, Any]) -> dict[str, str]:
+    """The URL query's options (``raw``), checked: no credentials, none twice, and no
+    option unknown there or among the keywords ``options``."""
+    query: dict[str, str] = {}
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=bool(raw))
+    except ValueError:
+        raise ValueError(f"url: expected a query of NAME=VALUE pairs joined by '&', got {raw!r}") from None
+    for k, v in pairs:
+        if k in _SECRET_OPTIONS:
+            raise ValueError(f"url: credentials do not go into URLs (they end up in logs): got {k}=...; "
+                             f"set {', '.join(CREDENTIAL_ENV_VARS)} or pass {k}= as a keyword")
+        if k in query:
+            raise ValueError(f"url: option {k!r} given twice")
+        query[k] = v
+    unknown = set(query) - {"endpoint", "region", "allow_http"} - _BOOL_OPTIONS - _STR_OPTIONS
+    unknown |= set(options) - {"endpoint", "region", "allow_http"} - _BOOL_OPTIONS - _STR_OPTIONS \
+        - {"access_key_id", "secret_access_key", "session_token"}
+    if unknown:
+        known = sorted({"endpoint", "region", "allow_http"} | _BOOL_OPTIONS | _STR_OPTIONS)
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; expected some of {known}")
+    return query
 
 
 def _resolve_credentials(options: Mapping[str, Any], environ: Mapping[str, str]) -> S3Credentials:
