@@ -48,6 +48,7 @@ import abc
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -150,19 +151,44 @@ class BlockStore(abc.ABC):
     #: 0) where ``supports_eviction_guard``; None: every record may be evicted.
     eviction_guard: EvictionGuard | None = None
 
+    #: :meth:`recent` lists records by their last write or access (Zarr stores).
+    supports_recent: bool = False
+
     layout_fingerprint: str
     max_bytes: int | None
     #: Opened with ``layout_fingerprint=None``: bound to whatever fingerprint the store
     #: holds, for maintenance (stats, verify, gc, delete, reads); puts raise StoreError.
     maintenance: bool = False
-    #: What the store records about sealing (:mod:`.sealed_level`): None for a plain level.
+    #: Opened without writing: nothing is written, not even access times.
+    readonly: bool = False
+    #: The store's directory on this machine (a chain's upload journal and a rekey journal
+    #: live there), None where it has none (an object store, a chain of several).
+    path: Path | None = None
+    #: What the store records about sealing (:mod:`~..format.sealed_level`): None for a
+    #: plain level.
     sealing: dict[str, str] | None = None
+    #: What a rebuild of the store's damaged index did when it was opened (an LMDB store:
+    #: see :mod:`~..lmdb.environment`), None when there was none.
+    index_rebuild: dict[str, Any] | None = None
     _closed: bool = True
+    _where: str | None = None
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called (every other call then raises StoreError)."""
         return self._closed
+
+    @property
+    def where(self) -> str:
+        """How the store is named in messages and stats, without credentials: what it was
+        given this name, else its directory, else its type."""
+        if self._where is not None:
+            return self._where
+        return str(self.path) if self.path is not None else type(self).__name__
+
+    @where.setter
+    def where(self, value: str) -> None:
+        self._where = value
 
     # --------------------------------------------------------------- interface
     @abc.abstractmethod
@@ -284,6 +310,12 @@ class BlockStore(abc.ABC):
         """The stored names (:meth:`name_of` of each record), listed without reading any
         record: the keys themselves, except on an encrypted level."""
         return iter(self)
+
+    def recent(self, n: int) -> list[RecordKey]:
+        """The keys of the ``n`` most recent records, newest first (where
+        ``supports_recent``: by last write on an object store, by last access on a local
+        directory)."""
+        raise NotImplementedError(f"{type(self).__name__}: keeps no write or access order (supports_recent is False)")
 
     def record_sealing(self) -> None:
         """Record that this store is a sealed level (:mod:`.sealed_level`); backends that

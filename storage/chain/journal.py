@@ -257,7 +257,7 @@ def keep_owed_uploads(store: BlockStore) -> Iterator[int]:
     a farther level, whichever chain or process journaled it. Yields the number of
     journal entries (0: no journal there, or a store that cannot guard its evictions, which
     is left as it is). Any guard the store has already is kept."""
-    path = getattr(store, "path", None)
+    path = store.path
     if not store.supports_eviction_guard or not isinstance(path, os.PathLike) \
             or not (Path(path) / JOURNAL_FILE).is_file():
         yield 0

@@ -106,7 +106,7 @@ class Level:
 
 def where_of(store: BlockStore) -> str:
     """How a level is named in stats and messages."""
-    return str(getattr(store, "where", None) or getattr(store, "path", None) or repr(store))
+    return store.where
 
 
 class ChainHealth:

@@ -206,8 +206,8 @@ def open_journal(near: BlockStore, journal: bool | str | os.PathLike[str] | None
     if journal is False:
         return None
     if journal is None or journal is True:
-        path = getattr(near, "path", None)
-        usable = isinstance(path, os.PathLike) and os.path.isdir(path) and not getattr(near, "readonly", False)
+        path = near.path
+        usable = isinstance(path, os.PathLike) and os.path.isdir(path) and not near.readonly
         if not usable:
             if journal is True:
                 raise ValueError(f"journal=True: level 0 ({where_of(near)}) has no local directory to hold the "

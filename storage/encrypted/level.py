@@ -50,7 +50,7 @@ def adopt_level(inner: BlockStore, *, migrate: bool, where: str) -> None:
         raise EncryptedLevelError(
             f"{where}: holds plain (unsealed) records: a level is sealed from its creation. Open it "
             f"without encryption, or give the encrypted level a new path or bucket prefix")
-    if getattr(inner, "readonly", False) or inner.maintenance:
+    if inner.readonly or inner.maintenance:
         return
     try:
         inner.record_sealing()

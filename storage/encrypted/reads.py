@@ -54,7 +54,7 @@ class EnvelopeReads:
 
     @property
     def readonly(self) -> bool:
-        return bool(getattr(self.inner, "readonly", False))
+        return self.inner.readonly
 
     def keys_of(self, names: list[RecordKey]) -> list[RecordKey]:
         """The keys of the records at ``names`` that are this version's envelopes under a

@@ -80,8 +80,10 @@ import numpy as np
 
 from ..api.counters import Counters
 from ..api.eviction import EvictionGuard
-from ..api.store import BlockStore, PutItem, check_open
+from ..api.store import BlockStore, PayloadSink, PutItem, check_open
+from ..api.wrapper import StoreWrapper
 from ..format.record import RecordKey, RecordKind, RecordMeta, as_out_segments
+from ..format.rows import RowScatter
 from ..os.faults import Faults
 from .crypto import ENVELOPE_OVERHEAD, LEGACY_ENVELOPE_OVERHEAD, LEGACY_ENVELOPE_VERSION, EncryptionConfig, Keyring
 from .envelopes import Opener, Outcome, Read, Target
@@ -99,7 +101,7 @@ __all__ = ["EncryptedStore", "RekeyReport"]
 _COUNTERS = ("hits", "misses", "auth_failures", "auth_removed", "corrupt", "rekey_restored", "rekey_lost")
 
 
-class EncryptedStore(BlockStore):
+class EncryptedStore(StoreWrapper):
     """``inner`` with every payload sealed under ``encryption`` and every record under a
     keyed name (see the module docstring).
 
@@ -114,25 +116,20 @@ class EncryptedStore(BlockStore):
             recorded sealed at once, so plain writers are refused from then on.
     """
 
+    # What it changes of the backend's capabilities (the rest is the backend's, forwarded:
+    # the layout, bounds, directory, sealing, maintenance, multi-process and guard flags).
     supports_mmap_reads = False
     supports_scatter_reads = True  # scatter-list outs are filled here, not by the backend
+    supports_row_reads = False  # (get_rows goes through get_many: every record is opened)
+    supports_streamed_reads = False  # (it opens envelopes; it hands no raw payload to a sink)
 
     def __init__(self, inner: BlockStore, encryption: EncryptionConfig | Mapping[str, Any] | Keyring, *,
                  owned: bool = True, migrate: bool = False) -> None:
-        if not isinstance(inner, BlockStore):
-            raise TypeError(f"inner: expected an open BlockStore, got {type(inner).__name__}")
         if isinstance(inner, EncryptedStore):
             raise ValueError("inner: already an EncryptedStore (records would be sealed twice)")
+        super().__init__(inner, owned=owned)
         self.keyring = encryption if isinstance(encryption, Keyring) else Keyring(EncryptionConfig.parse(encryption))
         self.config = self.keyring.config
-        self._inner = inner
-        self._owned = owned
-        self.layout_fingerprint = inner.layout_fingerprint
-        self.max_bytes = inner.max_bytes
-        self.supports_multiprocess = inner.supports_multiprocess
-        self.supports_shared_writers = inner.supports_shared_writers
-        self.supports_eviction_guard = inner.supports_eviction_guard  # (the guard goes to the backend)
-        self.maintenance = inner.maintenance  # (the backend refuses the envelopes' puts then)
         self._workers = Workers(self.config.threads)
         self.threads = self._workers.threads
         self._counters = Counters(_COUNTERS)
@@ -146,34 +143,11 @@ class EncryptedStore(BlockStore):
         self._rekeying = Rekeying(inner, self.keyring, self._opener, self._workers, self._counters, self._reads,
                                   self._sealer, self.faults, layout_fingerprint=self.layout_fingerprint,
                                   where=self.where, path=self.path)
-        self._closed = inner.closed
         adopt_level(inner, migrate=migrate, where=self.where)
         self._replayed = self._rekeying.replay_at_open(  # (reported by this handle's next rekey)
             closed=self._closed, maintenance=self.maintenance, readonly=self.readonly)
 
     # ------------------------------------------------------------------ what it wraps
-    @property
-    def inner(self) -> BlockStore:
-        """The backend holding the envelopes."""
-        return self._inner
-
-    @property
-    def path(self) -> Any:
-        """The backend's directory (None for an object store): the chain's journal lives there."""
-        return getattr(self._inner, "path", None)
-
-    @property
-    def readonly(self) -> bool:
-        return bool(getattr(self._inner, "readonly", False))
-
-    @property
-    def where(self) -> str:
-        return str(getattr(self._inner, "where", None) or getattr(self._inner, "path", None) or repr(self._inner))
-
-    @property
-    def sealing(self) -> dict[str, str] | None:  # type: ignore[override]
-        return self._inner.sealing
-
     @property  # type: ignore[override]
     def eviction_guard(self) -> EvictionGuard | None:
         """The guard given (the backend is given one that maps its names back to keys)."""
@@ -218,16 +192,26 @@ class EncryptedStore(BlockStore):
 
     def __len__(self) -> int:
         """Objects in the level: records of every key and tenant (a listing counts them)."""
-        check_open(self._closed, self.where)
-        return len(self._inner)
+        return super().__len__()
 
     def recent(self, n: int) -> list[RecordKey]:
         """The keys of the backend's :meth:`~.zarr.ZarrStore.recent` ``n`` names
         (Zarr backends only) that are records under a key given."""
-        recent = getattr(self._inner, "recent", None)
-        if recent is None:
+        if not self._inner.supports_recent:
             raise TypeError(f"recent: the backend {type(self._inner).__name__} keeps no write or access order")
-        return self._reads.keys_of(list(recent(n)))
+        return self._reads.keys_of(list(self._inner.recent(n)))
+
+    def get_rows(self, keys: Sequence[RecordKey], rows: RowScatter, *,
+                 token_digests: Sequence[bytes | None] | None = None) -> list[bool]:
+        """Through :meth:`get_many`, as any store without native row reads (never the
+        backend's: it would hand over envelopes)."""
+        return BlockStore.get_rows(self, keys, rows, token_digests=token_digests)
+
+    def read_each(self, keys: Sequence[RecordKey], payload_bytes: Sequence[int],
+                  open_sink: Callable[[int, RecordMeta], PayloadSink]) -> list[Any]:
+        """Not supported (``supports_streamed_reads`` is False): the backend streams, this
+        level opens what it streams."""
+        return BlockStore.read_each(self, keys, payload_bytes, open_sink)
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
@@ -316,19 +300,13 @@ class EncryptedStore(BlockStore):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
         self._workers.close()
-        if self._owned:
-            self._inner.close()
+        super().close()
 
     def __repr__(self) -> str:
         return f"EncryptedStore({self._inner!r}, key {self.keyring.key_ids[0]})"
 
     # ------------------------------------------------------------------ maintenance
-    def gc(self, max_bytes: int) -> dict[str, Any]:
-        check_open(self._closed, self.where)
-        return self._inner.gc(max_bytes)
-
     def verify(self, *, repair: bool = False,
                payload_bytes: Mapping[RecordKind, int] | None = None) -> dict[str, Any]:
         """The backend's :meth:`~.base.BlockStore.verify` (checksums, layout, names), then

@@ -140,6 +140,7 @@ class ZarrStore(BlockStore):
     supports_shared_writers = True
     supports_mmap_reads = False
     supports_eviction_guard = True
+    supports_recent = True
 
     def __init__(self, url_or_path: Any, *, layout_fingerprint: str | None, max_bytes: int | None = None,
                  io_threads: int = 8, stale_partial_s: float = 3600.0, rescan_fraction: float = 0.1,

@@ -388,7 +388,7 @@ def index_damaged_message(loc: StoreLocation, problem: str) -> str:
 
 def report_index_rebuild(loc: StoreLocation, store: Any) -> None:
     """One line on stderr when opening ``store`` for writing rebuilt its damaged index."""
-    rebuilt = getattr(store, "index_rebuild", None)
+    rebuilt = store.index_rebuild
     if rebuilt:
         print(f"{loc.path}: the index was damaged ({rebuilt['problem']}); rebuilt it from the segment "
               f"files: {rebuilt['records']} records (the damaged index is kept at {rebuilt['moved_to']})",

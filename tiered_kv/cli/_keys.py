@@ -114,7 +114,7 @@ def describe_encryption(store: BlockStore, *, sample: int = 16) -> dict[str, Any
             sealed += 1
         else:
             plain += 1
-    marked = getattr(store, "sealing", None)
+    marked = store.sealing
     encrypted = True if marked is not None else None if not keys or not (sealed or plain) else sealed > 0
     return {"encrypted": encrypted, "sealing": marked, "sampled": len(keys), "sampled_sealed": sealed,
             "sampled_plain": plain}
