@@ -44,6 +44,7 @@ import lmdb
 from ..api import BlockStore
 from ..errors import StoreError, StoreFullError
 from ..format.record import KEY_BYTES, RecordKey
+from ..os.files import open_private_file
 
 __all__ = ["JOURNAL_FILE", "UploadJournal", "keep_owed_uploads", "level_name"]
 
@@ -97,7 +98,10 @@ class UploadJournal:
         if not directory.is_dir():
             raise ValueError(f"directory: expected an existing directory (the local store's), got {directory}")
         self.path = directory / JOURNAL_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # before LMDB: owner-only
+        # Both files created before LMDB does, owner-only whatever the umask (LMDB's mode
+        # argument is subject to it).
+        os.close(open_private_file(Path(f"{self.path}-lock")))
+        fd = open_private_file(self.path)
         try:
             st = os.fstat(fd)
         finally:

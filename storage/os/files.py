@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["create_private_file", "fsync_dir", "mkdir_private"]
+__all__ = ["create_private_file", "fsync_dir", "mkdir_private", "open_private_file"]
 
 
 def mkdir_private(path: Path) -> bool:
@@ -38,6 +38,20 @@ def create_private_file(path: Path) -> int | None:
     except FileExistsError:
         return None
     os.fchmod(fd, 0o600)
+    return fd
+
+
+def open_private_file(path: Path) -> int:
+    """Open ``path`` for reading and writing, creating it as 0o600 whatever the umask
+    (an existing file of this user is made 0o600 too); returns its fd."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o777 != 0o600:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

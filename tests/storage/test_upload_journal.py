@@ -40,6 +40,21 @@ def test_add_scan_remove_count(tmp_path: Path) -> None:
     assert level_name("zarr+s3://bkt/p?endpoint=http://h:1") == "zarr+s3://bkt/p"
 
 
+@pytest.mark.parametrize("umask", [0o000, 0o277])
+def test_journal_files_are_owner_only_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    """The journal and LMDB's lock file beside it are 0o600 like every file of a store
+    (LMDB creates its lock file subject to the umask: 0o400 under 0o277, unless created first)."""
+    old = os.umask(umask)
+    try:
+        j = UploadJournal(tmp_path)
+        j.add(["far"], [(make_key(0), 100)])
+        j.close()
+    finally:
+        os.umask(old)
+    for name in (JOURNAL_FILE, f"{JOURNAL_FILE}-lock"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
+
+
 def test_handles_share_one_environment_and_the_map_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(journal, "_INITIAL_MAP", 64 << 10)
     a, b = UploadJournal(tmp_path), UploadJournal(tmp_path)               # same file, one process
