@@ -53,6 +53,9 @@ __all__ = [
     "FORMAT_VERSION",
     "HASH_BYTES",
     "HEADER_BYTES",
+    "HEADER_FIELDS",
+    "HEADER_LAYOUT",
+    "HEADER_OFFSETS",
     "KEY_BYTES",
     "MAGIC",
     "RecordHeader",
@@ -83,8 +86,18 @@ FORMAT_VERSION = 1
 HASH_BYTES = 32
 FINGERPRINT_BYTES = 32
 CHECKSUM_BYTES = 16
-_HEADER = struct.Struct("<4sHBB32s32s32s32sQ")
+#: The record header, field by field in file order (name, struct code, little-endian): its
+#: one definition. The struct, the offsets below and the native reader's constants (checked
+#: against :data:`HEADER_LAYOUT` when it loads, :mod:`~tiered_kv.storage.os.fastread`) all
+#: come from it.
+HEADER_FIELDS = (("magic", "4s"), ("version", "H"), ("kind", "B"), ("flags", "B"),
+                 ("fingerprint", f"{FINGERPRINT_BYTES}s"), ("block_hash", f"{HASH_BYTES}s"),
+                 ("parent_hash", f"{HASH_BYTES}s"), ("token_digest", f"{HASH_BYTES}s"), ("payload_length", "Q"))
+_HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 HEADER_BYTES = _HEADER.size  # 144
+#: Byte offset of each header field.
+HEADER_OFFSETS = {name: struct.calcsize("<" + "".join(code for _, code in HEADER_FIELDS[:i]))
+                  for i, (name, _) in enumerate(HEADER_FIELDS)}
 #: Bytes of :meth:`RecordKey.to_bytes`: 1 kind byte + the 32-byte hash.
 KEY_BYTES = 1 + HASH_BYTES
 
@@ -460,8 +473,15 @@ def check_identity(parsed: RecordHeader, *, expect_key: RecordKey, expect_finger
 
 #: Offsets of the header's fields after the fingerprint: block hash, parent hash, token
 #: digest, payload length (see the module docstring).
-_HASH_AT, _PARENT_AT, _DIGEST_AT, _LENGTH_AT = 40, 72, 104, 136
-_LEAD = struct.Struct("<4sHBB")  # magic, version, kind, flags
+_HASH_AT, _PARENT_AT, _DIGEST_AT, _LENGTH_AT = (HEADER_OFFSETS[name] for name in (
+    "block_hash", "parent_hash", "token_digest", "payload_length"))
+#: What the native reader (``storage/os/_fastread.c``) was compiled with must equal this
+#: (its module constants of these names): the header's size, where the identity it compares
+#: in one piece ends (magic to block hash), where the token digest and the payload length
+#: are, and the checksum's size.
+HEADER_LAYOUT = {"HEADER_BYTES": HEADER_BYTES, "ID_BYTES": _PARENT_AT, "DIGEST_AT": _DIGEST_AT,
+                 "LENGTH_AT": _LENGTH_AT, "DIGEST_BYTES": CHECKSUM_BYTES}
+_LEAD = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS[:4]))  # magic, version, kind, flags
 _PAYLOAD_LENGTH = struct.Struct("<Q")
 
 

@@ -16,6 +16,7 @@ locks.py        a shared/exclusive lock; the store directories open in this proc
 at_exit.py      closing stores left open at interpreter exit, before thread pools stop
 ==============  ===========================================================================
 
-Imports only ``errors`` (and ``format`` for nothing but buffer views). The modules are
+Imports only ``errors`` and ``format`` (buffer views; the record layout and read statuses
+the native helper is checked against). The modules are
 imported where used: ``tiered_kv.storage.os`` itself loads none of them.
 """

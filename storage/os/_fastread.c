@@ -1188,6 +1188,20 @@ PyInit__fastread(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    /* The layout and statuses compiled in: fastread.py uses this module only if they are
+     * the Python definitions' (format/record.py HEADER_LAYOUT, format/status.py). */
+    if (PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0
+            || PyModule_AddIntConstant(m, "ID_BYTES", ID_BYTES) < 0
+            || PyModule_AddIntConstant(m, "DIGEST_AT", DIGEST_AT) < 0
+            || PyModule_AddIntConstant(m, "LENGTH_AT", LENGTH_AT) < 0
+            || PyModule_AddIntConstant(m, "DIGEST_BYTES", DIGEST_BYTES) < 0
+            || PyModule_AddIntConstant(m, "ST_OK", ST_OK) < 0
+            || PyModule_AddIntConstant(m, "ST_SHORT", ST_SHORT) < 0
+            || PyModule_AddIntConstant(m, "ST_BAD", ST_BAD) < 0
+            || PyModule_AddIntConstant(m, "ST_UNCACHED", ST_UNCACHED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&VerifyBatchType);
     if (PyModule_AddObject(m, "VerifyBatch", (PyObject *)&VerifyBatchType) < 0) {
         Py_DECREF(&VerifyBatchType);

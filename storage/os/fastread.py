@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 
+from ..format.record import HEADER_LAYOUT
+from ..format.status import FAILED, NATIVE_NAMES, SHORT, UNCACHED, VERIFIED
 from .preadv import preadv_all
 
-__all__ = ["FAILED", "NATIVE", "SHORT", "UNCACHED", "VERIFIED", "VerifyBatch", "digest_parts", "native_VerifyBatch",
+__all__ = ["FAILED", "NATIVE", "SHORT", "UNCACHED", "VERIFIED", "VerifyBatch", "digest_parts", "layout_mismatches",
+           "native_VerifyBatch",
            "native_read_and_hash", "native_read_verify_many", "python_read_and_hash", "read_and_hash",
            "read_verify_many"]
 
@@ -75,13 +79,29 @@ def _self_test(fn: Callable[[int, int, Sequence[Any]], tuple[int, bytes | None]]
         os.close(fd)
 
 
+def layout_mismatches(ext: Any) -> list[str]:
+    """What the native module ``ext`` was compiled with that differs from the Python
+    definitions: the header layout (:data:`~..format.record.HEADER_LAYOUT`) and the read
+    statuses (:mod:`~..format.status`); empty when it reads this format."""
+    want = {**HEADER_LAYOUT, **{name: int(status) for name, status in NATIVE_NAMES.items()}}
+    return [f"{name} = {getattr(ext, name, None)} (Python: {value})" for name, value in want.items()
+            if getattr(ext, name, None) != value]
+
+
 def _bind_native() -> Callable[[int, int, Sequence[Any]], tuple[int, bytes | None]] | None:
     """The native read_and_hash, bound to python-xxhash's exported xxh3 functions; None
-    where the module was not built, the symbols are not exported, or the check fails."""
+    where the module was not built, was built for another record format (with a warning:
+    :func:`layout_mismatches`), the symbols are not exported, or the check fails."""
     try:
         from . import _fastread  # type: ignore[attr-defined]
         from xxhash import _xxhash
     except ImportError:
+        return None
+    mismatches = layout_mismatches(_fastread)
+    if mismatches:
+        warnings.warn(f"tiered_kv.storage: the native read helper ({_fastread.__file__}) was built for another "
+                      f"record format ({'; '.join(mismatches)}): using the Python read path (rebuild it: "
+                      f"pip install -e .)", RuntimeWarning, stacklevel=2)
         return None
     try:
         lib = ctypes.CDLL(_xxhash.__file__)  # already loaded: the same handle, nothing new mapped
@@ -121,7 +141,6 @@ def python_read_and_hash(fd: int, offset: int, bufs: Sequence[Any]) -> tuple[int
 #: Status :data:`VERIFIED`, :data:`SHORT` (not read whole: end of file, read error) or
 #: :data:`FAILED` (a check failed). The same verdicts as read_and_hash + PartsVerifier.verify.
 read_verify_many: Callable[[Sequence[tuple[int, int, Sequence[Any], bytes]]], list[int]] | None = None
-VERIFIED, SHORT, FAILED = 0, 1, 2
 
 #: ``read_and_hash(fd, offset, bufs) -> (bytes read, digest or None)``: fill ``bufs``
 #: (writable 1-D uint8 buffers, the last one 16 bytes) from ``fd`` at ``offset`` and return
@@ -145,8 +164,6 @@ VerifyBatch: Any = None
 native_VerifyBatch: Any = None
 if native_read_and_hash is not None:
     native_VerifyBatch = _fastread.VerifyBatch
-#: read_verify_many / VerifyBatch status of a record left unread (``cached_only``)
-UNCACHED = 3
 if NATIVE:
     read_verify_many = native_read_verify_many
     VerifyBatch = native_VerifyBatch

@@ -58,6 +58,50 @@ def _file(tmp_path: Path, data: np.ndarray) -> int:
     return os.open(path, os.O_RDONLY)
 
 
+def test_native_helper_exports_the_python_record_format() -> None:
+    """The C helper's compiled-in header layout and read statuses are the Python ones."""
+    if fastread.native_read_and_hash is None:
+        pytest.skip("the native helper is not built here")
+    from tiered_kv.storage.os import _fastread
+
+    assert fastread.layout_mismatches(_fastread) == []
+    assert (_fastread.HEADER_BYTES, _fastread.ST_UNCACHED) == (HEADER_BYTES, fastread.UNCACHED)
+
+
+_MISMATCH_SCRIPT = """
+import json, sys, warnings
+import tiered_kv.storage.os._fastread as ext
+setattr(ext, sys.argv[1], getattr(ext, sys.argv[1]) + 1)   # as if built from another format
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from tiered_kv.storage.os import fastread
+    from tiered_kv.storage import LmdbStore   # and the store still reads (the Python path)
+print(json.dumps({"native": fastread.NATIVE, "bound": fastread.native_read_and_hash is not None,
+                  "batch": fastread.read_verify_many is not None,
+                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+"""
+
+
+@pytest.mark.parametrize("name", ["HEADER_BYTES", "DIGEST_AT", "ST_BAD"])
+def test_native_helper_of_another_format_is_not_used(name: str) -> None:
+    """A helper whose compiled-in layout or statuses differ from Python's is refused when
+    it loads: the Python read path is used, with a warning that names the difference."""
+    if fastread.native_read_and_hash is None:
+        pytest.skip("the native helper is not built here")
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TIERED_KV_NATIVE"}
+    proc = subprocess.run([sys.executable, "-c", _MISMATCH_SCRIPT, name], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (got["native"], got["bound"], got["batch"]) == (False, False, False)
+    assert len(got["warnings"]) == 1 and name in got["warnings"][0] and "Python read path" in got["warnings"][0]
+
+
+
 @pytest.mark.parametrize("pieces", [[144, 16], [144, 1, 70_000, 3, 16], [144] + [584] * 300 + [16]])
 def test_read_and_hash_fills_buffers_and_hashes_all_but_the_last(impl, tmp_path: Path, pieces: list[int]) -> None:
     data = np.random.default_rng(0).integers(0, 256, sum(pieces) + 100, dtype=np.uint8)
