@@ -1,5 +1,22 @@
 """URLs to stores: which backend a URL names, and the stores :func:`open_store` and
 :func:`open_chain` open for them (the ``urls`` layer, above the backends and wrappers).
+
+:func:`resolve` is the one answer to "which backend is this URL?", for :func:`open_store`,
+:func:`open_chain` and the CLI's ``--store`` alike:
+
+=====================================  =================================================
+``lmdb:///abs/path``                   :class:`LmdbStore` in that directory
+``zarr:///abs/path``                   :class:`ZarrStore` in that directory
+``zarr+s3://bucket/prefix?...``        :class:`ZarrStore` in the bucket
+a plain path                           a Zarr directory (``zarr.json`` at its root) opens
+                                       as :class:`ZarrStore`; anything else (an LMDB
+                                       store, an empty or missing directory) as
+                                       :class:`LmdbStore`
+=====================================  =================================================
+
+A relative path, plain or after ``lmdb://`` / ``zarr://``, is resolved against the working
+directory, and a leading ``~`` is the user's home. The Zarr-directory rule exists so that a
+path to a Zarr store never gets an LMDB store created inside it.
 """
 
 from __future__ import annotations
@@ -19,7 +36,8 @@ from .format.writer import StoreWriter
 if TYPE_CHECKING:
     from .chain.store import StoreChain
 
-__all__ = ["LOCAL_BACKENDS", "OBJECT_STORE_BACKENDS", "StoreSpec", "backend", "open_chain", "open_store"]
+__all__ = ["LOCAL_BACKENDS", "OBJECT_STORE_BACKENDS", "ZARR_MARKER", "StoreSpec", "StoreTarget", "backend",
+           "open_chain", "open_store", "resolve"]
 
 _PACKAGE = __name__.rpartition(".")[0]
 
@@ -30,10 +48,73 @@ LOCAL_BACKENDS = {"lmdb": ("lmdb", "LmdbStore"), "zarr": ("zarr", "ZarrStore")}
 OBJECT_STORE_BACKENDS = {"zarr+s3": ("zarr", "ZarrStore")}
 
 
+#: The object at the root of every Zarr store: a plain path holding it is a Zarr directory.
+ZARR_MARKER = "zarr.json"
+
+
 def backend(where: tuple[str, str]) -> type[BlockStore]:
     """The backend class of a table entry (its module imported now)."""
     module, name = where
     return getattr(importlib.import_module(f"{_PACKAGE}.{module}"), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreTarget:
+    """Which backend a URL names and where (:func:`resolve`)."""
+
+    #: the backend's URL scheme: a key of :data:`LOCAL_BACKENDS` or :data:`OBJECT_STORE_BACKENDS`
+    scheme: str
+    #: a local store's absolute directory; an object store's URL as given
+    location: str
+
+    @property
+    def remote(self) -> bool:
+        """An object store (no local directory)."""
+        return self.scheme in OBJECT_STORE_BACKENDS
+
+    @property
+    def url(self) -> str:
+        """The canonical URL (``lmdb:///abs/path``; an object store's as given)."""
+        return self.location if self.remote else f"{self.scheme}://{self.location}"
+
+    def backend(self) -> type[BlockStore]:
+        """The backend class (its module imported now)."""
+        return backend((OBJECT_STORE_BACKENDS if self.remote else LOCAL_BACKENDS)[self.scheme])
+
+
+def resolve(url: str | os.PathLike[str]) -> StoreTarget:
+    """The backend ``url`` names and where (the table in the module docstring).
+
+    ValueError for an empty URL or an unknown scheme; TypeError for what is not a str or
+    path. Nothing is opened (a plain path's directory is only looked into for
+    ``zarr.json``)."""
+    s = os.fspath(url)
+    if not isinstance(s, str):
+        raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
+    if not s:
+        raise ValueError(f"url: expected {_accepted()} or a plain path, got ''")
+    if "://" not in s:
+        path = _local_path(s)
+        return StoreTarget("zarr" if os.path.isfile(os.path.join(path, ZARR_MARKER)) else "lmdb", path)
+    scheme, _, rest = s.partition("://")
+    if scheme in OBJECT_STORE_BACKENDS:
+        return StoreTarget(scheme, s)
+    if scheme not in LOCAL_BACKENDS:
+        raise ValueError(f"url: expected {_accepted()} or a plain path, got scheme {scheme!r} in "
+                         f"{s.split('?', 1)[0]!r}")
+    if not rest:
+        raise ValueError(f"url: expected a path after {scheme}://, e.g. {scheme}:///var/cache/kv")
+    return StoreTarget(scheme, _local_path(rest))
+
+
+def _accepted() -> str:
+    return ", ".join([f"{name}:///abs/path" for name in LOCAL_BACKENDS]
+                     + [f"{name}://bucket/prefix?endpoint=URL" for name in OBJECT_STORE_BACKENDS])
+
+
+def _local_path(text: str) -> str:
+    """``text`` as an absolute path (``~`` expanded, relative to the working directory)."""
+    return os.path.abspath(os.path.expanduser(text))
 
 
 StoreSpec = str | os.PathLike[str] | BlockStore
@@ -44,7 +125,8 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
     """Open (creating if needed) the block store at ``url``.
 
     ``lmdb:///abs/path`` -> :class:`LmdbStore`, ``zarr:///abs/path`` -> :class:`ZarrStore`,
-    a plain path -> :class:`LmdbStore`, ``zarr+s3://bucket/prefix?endpoint=...`` ->
+    a plain path -> :class:`ZarrStore` where it holds a Zarr store (``zarr.json``), else
+    :class:`LmdbStore` (see :func:`resolve`), ``zarr+s3://bucket/prefix?endpoint=...`` ->
     :class:`ZarrStore` in the bucket (credentials from ``AWS_ACCESS_KEY_ID`` /
     ``AWS_SECRET_ACCESS_KEY`` or the ``access_key_id`` / ``secret_access_key`` options).
     ``options`` go to the backend (e.g. ``max_bytes``, ``timeout_s``), except
@@ -97,25 +179,11 @@ def open_store(url: StoreSpec | Sequence[StoreSpec], *, layout_fingerprint: str 
 
 
 def _open_backend(url: StoreSpec, layout_fingerprint: str | None, options: dict[str, Any]) -> BlockStore:
-    """The backend :func:`open_store` selects for ``url`` (a str or path)."""
-    s = os.fspath(url)
-    if not isinstance(s, str):
-        raise TypeError(f"url: expected a str or path, got {type(url).__name__}")
-    if "://" not in s:
-        return _open_local(backend(LOCAL_BACKENDS["lmdb"]), s, layout_fingerprint, options)
-    scheme, _, rest = s.partition("://")
-    if scheme in OBJECT_STORE_BACKENDS:
-        remote = backend(OBJECT_STORE_BACKENDS[scheme])
-        return remote(s, layout_fingerprint=layout_fingerprint, **options)
-    if scheme not in LOCAL_BACKENDS:
-        accepted = ", ".join([f"{name}:///abs/path" for name in LOCAL_BACKENDS]
-                             + [f"{name}://bucket/prefix" for name in OBJECT_STORE_BACKENDS])
-        raise ValueError(f"url: expected one of {accepted} or a plain path, got scheme {scheme!r} in "
-                         f"{s.split('?', 1)[0]!r}")
-    if not rest.startswith("/"):
-        raise ValueError(f"url: expected an absolute path after {scheme}:// (e.g. {scheme}:///abs/path), "
-                         f"got {s!r}")
-    return _open_local(backend(LOCAL_BACKENDS[scheme]), rest, layout_fingerprint, options)
+    """The backend :func:`resolve` names for ``url`` (a str or path), opened."""
+    target = resolve(url)  # type: ignore[arg-type]  (an open BlockStore was refused before)
+    if target.remote:
+        return target.backend()(target.location, layout_fingerprint=layout_fingerprint, **options)
+    return _open_local(target.backend(), target.location, layout_fingerprint, options)
 
 
 #: options that bound calls to an object store: accepted by a local store, without effect
@@ -188,7 +256,7 @@ def open_chain(levels: Sequence[StoreSpec], *, layout_fingerprint: str | None,
             kwargs = dict(opts or {})
             if encryption is not None and "encryption" not in kwargs:
                 kwargs["encryption"] = encryption
-            if url.partition("://")[0] in OBJECT_STORE_BACKENDS:
+            if resolve(url).remote:
                 kwargs.setdefault("timeout_s", timeout_s)
             opener = functools.partial(open_store, url, layout_fingerprint=layout_fingerprint, writer=writer,
                                        **kwargs)

@@ -318,37 +318,30 @@ def _has_segment_files(root: Path) -> bool:
 
 
 def parse_store(text: str) -> StoreLocation:
-    """``--store`` -> :class:`StoreLocation`; UsageError for an unknown scheme or a file."""
+    """``--store`` -> :class:`StoreLocation`, the backend chosen by
+    :func:`tiered_kv.storage.urls.resolve` (what ``open_store`` uses); UsageError for an
+    unknown scheme or a file."""
+    from ..storage.urls import resolve
+
     if not text:
         raise UsageError("--store: expected lmdb:///abs/path, zarr:///abs/path or a path, got ''")
-    backend: Backend | None = None
-    rest = text
-    if "://" in text:
-        scheme, _, rest = text.partition("://")
-        if scheme == Backend.ZARR_S3.value:
-            from ..storage import s3
+    try:
+        target = resolve(text)
+    except ValueError as exc:
+        raise UsageError(f"--store: {str(exc).removeprefix('url: ')}") from None
+    if target.remote:
+        from ..storage import s3
 
-            try:
-                where = s3.parse_s3_url(text)
-            except ValueError as exc:
-                raise UsageError(f"--store: {exc}") from None
-            shown = f"s3://{where.bucket}/{where.prefix}".rstrip("/")
-            return StoreLocation(backend=Backend.ZARR_S3, path=shown, given=text)
         try:
-            backend = Backend(scheme)
-        except ValueError:
-            accepted = ", ".join([f"{b.value}:///abs/path" for b in Backend if not b.remote]
-                                 + ["zarr+s3://bucket/prefix?endpoint=URL"])
-            raise UsageError(f"--store: expected {accepted} or a plain path, got scheme {scheme!r} "
-                             f"in {text!r}") from None
-        if not rest:
-            raise UsageError(f"--store: expected a path after {scheme}://, e.g. {scheme}:///var/cache/kv")
-    path = Path(os.path.abspath(os.path.expanduser(rest)))  # relative -> the working directory
+            where = s3.parse_s3_url(text)
+        except ValueError as exc:
+            raise UsageError(f"--store: {exc}") from None
+        shown = f"s3://{where.bucket}/{where.prefix}".rstrip("/")
+        return StoreLocation(backend=Backend(target.scheme), path=shown, given=text)
+    path = Path(target.location)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--store: expected a store directory, got the file {path}")
-    if backend is None:  # a plain path: whatever store is there, else a new LMDB one
-        backend = Backend.ZARR if (path / Backend.ZARR.marker).is_file() else Backend.LMDB
-    return StoreLocation(backend=backend, path=path, given=text)
+    return StoreLocation(backend=Backend(target.scheme), path=path, given=text)
 
 
 class _NoObjectStoreError(Exception):
