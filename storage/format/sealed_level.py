@@ -4,7 +4,8 @@ A level created with ``encryption`` (:class:`~.encrypted.EncryptedStore`) record
 where every opener of the backend reads it before anything else: Zarr in ``zarr.json``
 (``attributes["tiered_kv"]["encryption"]``, written with the group, create-only), LMDB
 in its ``meta`` sub-database (``b"encryption"``, in the transaction that creates the
-store). The value is :data:`SEALED_LEVEL`: which envelope format and naming the level
+store) and in ``sealed-level.json`` beside its segment files, so that an index rebuilt
+from the segments keeps it (``storage/lmdb/schema.py`` ``SEALED_FILE``). The value is :data:`SEALED_LEVEL`: which envelope format and naming the level
 holds, nothing about keys or tenants::
 
     {"envelope": "tiered_kv/envelope/v2", "cipher": "XAES-256-GCM", "names": "keyed/v2"}

@@ -55,6 +55,7 @@ from .schema import (
     Location,
     pack_entry,
     parse_segment_name,
+    read_sealed_file,
     segment_end_key,
     segment_name,
     write_new_meta,
@@ -131,7 +132,7 @@ def rebuild_claimed(root: Path, layout_fingerprint: str | None, *, io_threads: i
         tmp = root / REBUILD_DIR
         shutil.rmtree(tmp, ignore_errors=True)
         mkdir_private(tmp)
-        total = _write_index(tmp, fingerprint, records, sizes)
+        total = _write_index(tmp, fingerprint, records, sizes, sealed=read_sealed_file(root) is not None)
         os.chmod(tmp / "data.mdb", 0o600)
         moved = _move_aside(root)
         os.replace(tmp / "data.mdb", root / "data.mdb")
@@ -213,8 +214,10 @@ def _scan_all(seg_dir: Path, segs: list[int], fingerprint: str, io_threads: int
 
 
 def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Location, bytes]],
-                 sizes: dict[int, int]) -> int:
-    """Write a complete index into ``where/data.mdb``; returns the records' bytes."""
+                 sizes: dict[int, int], *, sealed: bool) -> int:
+    """Write a complete index into ``where/data.mdb``; returns the records' bytes.
+    ``sealed``: the store directory records a sealed level (schema.SEALED_FILE): so does
+    the new index's meta."""
     total = sum(loc.length for loc, _ in records.values())
     map_size = max(64 << 20, 1024 * len(records) + (16 << 20))
     env = lmdb.open(str(where), map_size=map_size, subdir=True, max_dbs=4, mode=0o600, lock=False,
@@ -223,7 +226,8 @@ def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Locat
         with env.begin(write=True) as txn:
             dbs = {name: env.open_db(name, txn=txn, create=True) for name in DB_NAMES}
             meta = dbs[b"meta"]
-            write_new_meta(txn, meta, fingerprint, total=total, next_segment=max(sizes, default=0) + 1)
+            write_new_meta(txn, meta, fingerprint, total=total, next_segment=max(sizes, default=0) + 1,
+                           sealed=sealed)
             for seg, size in sizes.items():
                 txn.put(segment_end_key(seg), U64.pack(size), db=meta)
         # Access times in segment order (oldest write first), all in the past, distinct.

@@ -7,6 +7,8 @@ Layout of one store directory (files 0o600, dirs 0o700)::
     segments/00000001.seg     records, appended in 4 KiB-aligned batches
     index.reserve             disk held for the index's deletes on a full disk (maintenance.py)
     damaged-index-<time>/     a damaged data.mdb, moved aside by a rebuild (rebuild.py)
+    sealed-level.json         a sealed level's record (format/sealed_level.py), beside the
+                              segments: it survives an index rebuilt from them (SEALED_FILE)
 
     sub-db    key                                 value
     -------   ---------------------------------   -----------------------------------------
@@ -32,6 +34,7 @@ error that says what to do (:func:`check_meta`).
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +47,12 @@ from ..errors import IndexDamagedError, LayoutMismatchError, StoreError
 from ..format.record import FORMAT_VERSION
 from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
 from ..format.writer import StoreWriter
+from ..os.files import fsync_dir
 
-__all__ = ["DB_NAMES", "SEGMENT_SUFFIX", "STORE_FORMAT_VERSION", "Dbs", "Location", "bump_segment_gen", "check_meta", "decode",
-           "meta_value_bytes", "pack_entry", "parse_segment_name", "segment_end_key", "segment_gen_key",
-           "segment_name", "unpack_entry", "write_new_meta"]
+__all__ = ["DB_NAMES", "SEALED_FILE", "SEGMENT_SUFFIX", "STORE_FORMAT_VERSION", "Dbs", "Location", "bump_segment_gen",
+           "check_meta", "decode", "meta_value_bytes", "pack_entry", "parse_segment_name", "read_sealed_file",
+           "segment_end_key", "segment_gen_key", "segment_name", "unpack_entry", "write_new_meta",
+           "write_sealed_file"]
 
 #: Version of the store's layout (sub-dbs, meta keys and segment files above). 1: records
 #: inside LMDB (refused, see :func:`check_meta`).
@@ -177,6 +182,41 @@ class Dbs:
     lru: Any
 
 
+#: A sealed level's record in the store directory (the same JSON as meta ``b"encryption"``):
+#: the index is rebuilt from the segment files when damaged, and the marker must not be
+#: lost with it (a plain writer would be let in until the next encrypted open). Written
+#: with the store's creation by an encrypted opener (or when one records the sealing on an
+#: existing level), read by every open and by a rebuild.
+SEALED_FILE = "sealed-level.json"
+
+
+def read_sealed_file(root: Path) -> dict[str, str] | None:
+    """What ``root``'s :data:`SEALED_FILE` records (None: no file)."""
+    try:
+        raw = (root / SEALED_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    return parse_sealing(raw, str(root / SEALED_FILE))
+
+
+def write_sealed_file(root: Path) -> None:
+    """Create ``root``'s :data:`SEALED_FILE` (owner-only, durable: written aside, renamed,
+    the directory synced) unless it is there."""
+    path = root / SEALED_FILE
+    if path.exists():
+        return
+    tmp = root / f"{SEALED_FILE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, sealing_json())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(root)
+
+
 def write_new_meta(txn: lmdb.Transaction, meta: Any, fingerprint: str, *, total: int = 0, next_segment: int = 1,
                    writer: StoreWriter | None = None, sealed: bool = False) -> None:
     """The metadata of a new store (or of an index rebuilt from the segment files): the
@@ -194,9 +234,11 @@ def write_new_meta(txn: lmdb.Transaction, meta: Any, fingerprint: str, *, total:
 
 
 def check_meta(txn: lmdb.Transaction, meta: Any, where: Path | str, *, fingerprint: str | None, create: bool,
-               writer: StoreWriter | None, sealed: bool) -> tuple[str, dict[str, str] | None]:
+               writer: StoreWriter | None, sealed: bool,
+               marked: dict[str, str] | None = None) -> tuple[str, dict[str, str] | None]:
     """Check (with ``create``: write when absent) the metadata at an open; returns the
-    store's layout fingerprint and what it records about sealing.
+    store's layout fingerprint and what it records about sealing: the meta's, or where it
+    has none ``marked`` (the directory's :data:`SEALED_FILE`).
 
     ``fingerprint`` None: a maintenance open, bound to whatever fingerprint the store
     holds. Raises StoreError (not a tiered_kv store, format version 1 or newer),
@@ -205,6 +247,7 @@ def check_meta(txn: lmdb.Transaction, meta: Any, where: Path | str, *, fingerpri
     if stored_version is None:
         if not create or fingerprint is None:
             raise StoreError(f"{where}: not a tiered_kv LMDB store (no metadata)")
+        check_opener(marked, sealed=sealed, maintenance=False, where=str(where))
         write_new_meta(txn, meta, fingerprint, writer=writer, sealed=sealed)
         return fingerprint, dict(SEALED_LEVEL) if sealed else None
     version = decode(U16, stored_version, "meta format_version", where)[0]
@@ -220,7 +263,7 @@ def check_meta(txn: lmdb.Transaction, meta: Any, where: Path | str, *, fingerpri
     if fingerprint is not None and stored_fp != fingerprint:
         raise LayoutMismatchError(str(where), stored_fp, fingerprint)
     raw = txn.get(M_ENCRYPTION, db=meta)
-    sealing = parse_sealing(None if raw is None else bytes(raw), str(where))
+    sealing = parse_sealing(None if raw is None else bytes(raw), str(where)) or marked
     check_opener(sealing, sealed=sealed, maintenance=fingerprint is None, where=str(where))
     if create and writer is not None and txn.get(M_WRITER, db=meta) is None:
         txn.put(M_WRITER, writer.to_json(), db=meta)

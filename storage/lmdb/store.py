@@ -59,7 +59,8 @@ from .group_commit import GroupCommit
 from .maintenance import Maintenance
 from .open_files import DEFAULT_MAX_OPEN_SEGMENTS
 from .recovery import Recovery
-from .schema import M_ENCRYPTION, M_WRITER, STORE_FORMAT_VERSION, check_meta, pack_entry, unpack_entry
+from .schema import (M_ENCRYPTION, M_WRITER, STORE_FORMAT_VERSION, check_meta, pack_entry, read_sealed_file,
+                     unpack_entry, write_sealed_file)
 from .segments import SegmentFiles
 from .store_reads import StoreReads
 from .writes import PutBatch, Writes, new_segment_id
@@ -139,6 +140,8 @@ class LmdbStore(BlockStore):
             if not readonly:
                 self._index.env.reader_check()  # slots of readers that died (kill -9)
             self._index.open_dbs(self._check_meta)
+            if self.sealing is not None and not (readonly or self.maintenance):
+                write_sealed_file(self.path)  # (a level sealed before the file existed gets it now)
         except BaseException:
             self._index.close()
             raise
@@ -170,7 +173,8 @@ class LmdbStore(BlockStore):
     def _check_meta(self, txn: lmdb.Transaction, meta: Any, create: bool) -> None:
         fingerprint = None if self.maintenance else self.layout_fingerprint
         self.layout_fingerprint, self.sealing = check_meta(txn, meta, self.path, fingerprint=fingerprint,
-                                                           create=create, writer=self._writer, sealed=self._sealed)
+                                                           create=create, writer=self._writer, sealed=self._sealed,
+                                                           marked=read_sealed_file(self.path))
 
     def _make_parts(self, *, access_flush_s: float, segment_bytes: int, direct_io: bool | None, io_threads: int,
                     max_open_segments: int, index_reserve_bytes: int | None) -> None:
@@ -231,6 +235,7 @@ class LmdbStore(BlockStore):
                 txn.put(M_WRITER, json.dumps({**info, "tenant_sha256": None}, sort_keys=True).encode(), db=meta)
 
         self._index.run(write, write=True)
+        write_sealed_file(self.path)
         self.sealing = dict(SEALED_LEVEL)
 
     def _check_writable(self) -> None:

@@ -50,6 +50,9 @@ from tiered_kv.storage import (  # noqa: E402
     open_store,
 )
 from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
+from tiered_kv.storage.format.sealed_level import SEALED_LEVEL  # noqa: E402
+from tiered_kv.storage.lmdb.rebuild import rebuild_index  # noqa: E402
+from tiered_kv.storage.lmdb.schema import SEALED_FILE  # noqa: E402
 
 N = 20_000
 SIZES = {RecordKind.BLOCK: N, RecordKind.SNAPSHOT: N}
@@ -134,8 +137,9 @@ def test_a_plain_level_is_not_sealed_behind_its_writers_back(tmp_path: Path) -> 
 
 
 def test_an_empty_or_unmarked_level_of_this_version_is_adopted(tmp_path: Path) -> None:
-    """A store someone opened plain but never wrote, and a sealed LMDB store whose index
-    lost the record (e.g. rebuilt from the segments), are marked by the next encrypted open."""
+    """A store someone opened plain but never wrote, and a sealed LMDB store that records
+    its sealing nowhere (sealed by a version before sealed-level.json, its index since
+    rebuilt), are marked by the next encrypted open."""
     files = key_files(tmp_path, "a")
     url = f"lmdb://{tmp_path / 's'}"
     open_store(url, layout_fingerprint=FP).close()
@@ -146,12 +150,49 @@ def test_an_empty_or_unmarked_level_of_this_version_is_adopted(tmp_path: Path) -
     with env.begin(write=True) as txn:
         txn.delete(b"encryption", db=env.open_db(b"meta", txn=txn))
     env.close()
+    with pytest.raises(EncryptedLevelError):  # the directory's marker still refuses a plain writer
+        open_store(url, layout_fingerprint=FP)
+    (tmp_path / "s" / SEALED_FILE).unlink()
     with open_store(url, layout_fingerprint=FP) as s:
         assert s.sealing is None
     with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
         assert s.sealing is not None and all(o is not None for o in read_all(s, [make_key(i) for i in range(3)]))
     with pytest.raises(EncryptedLevelError):
         open_store(url, layout_fingerprint=FP)
+
+
+@pytest.mark.parametrize("how", ["rebuild_index", "data.mdb removed, then verify --repair"])
+def test_the_sealed_marker_survives_an_index_rebuild(tmp_path: Path, how: str) -> None:
+    """Behaviour change: a sealed LMDB level's index rebuilt from its segment files keeps
+    the sealed-level record (it is read back from sealed-level.json beside the segments),
+    so a plain writer is refused right after the rebuild, not only after the next
+    encrypted open; a maintenance open still works, and the records read back sealed."""
+    files = key_files(tmp_path, "a")
+    root = tmp_path / "s"
+    url = f"lmdb://{root}"
+    keys = [make_key(i) for i in range(4)]
+    with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
+        s.put_many([item_for(k, N) for k in keys])
+    assert json.loads((root / SEALED_FILE).read_bytes()) == SEALED_LEVEL
+    assert (root / SEALED_FILE).stat().st_mode & 0o777 == 0o600
+    if how == "rebuild_index":
+        assert rebuild_index(root, FP)["records"] == len(keys)
+    else:
+        from tiered_kv.cli.main import main
+
+        (root / "data.mdb").unlink()
+        assert main(["verify", "--store", str(root), "--repair"]) == 0
+    env = lmdb.open(str(root), max_dbs=4, readonly=True)
+    with env.begin() as txn:
+        assert json.loads(bytes(txn.get(b"encryption", db=env.open_db(b"meta", txn=txn, create=False)))) \
+            == SEALED_LEVEL
+    env.close()
+    with pytest.raises(EncryptedLevelError, match="opened without its keys"):
+        open_store(url, layout_fingerprint=FP)
+    with open_store(url, layout_fingerprint=None) as m:  # maintenance: no key needed
+        assert m.sealing == SEALED_LEVEL and len(m) == len(keys)
+    with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
+        assert all(o is not None for o in read_all(s, keys))
 
 
 def test_pollution_at_our_names_is_removed_and_counted(tmp_path: Path) -> None:
