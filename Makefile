@@ -15,7 +15,7 @@ BUILD_DEPS := "setuptools>=68" wheel
 PYTEST_ARGS ?=
 BENCHES := $(filter-out bench/_%,$(wildcard bench/*.py))  # bench/_*.py: children run by a bench
 
-.PHONY: venv demo test test-cuda-emu bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations venv-lmcache
+.PHONY: venv demo test layers test-cuda-emu bench clean venv-vllm test-vllm venv-sglang test-sglang test-integrations venv-lmcache
 
 venv: $(STAMP)
 
@@ -23,8 +23,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-installs only when the build inputs change (or the stamp is removed). The install also
-# compiles the optional native read helper (storage/_fastread.c, see setup.py) in place.
-NATIVE_SRC := setup.py storage/_fastread.c
+# compiles the optional native read helper (storage/os/_fastread.c, see setup.py) in place.
+NATIVE_SRC := setup.py storage/os/_fastread.c
 
 $(STAMP): pyproject.toml $(NATIVE_SRC) | $(BIN)/python
 	$(BIN)/python -m pip install $(TORCH) $(BUILD_DEPS)
@@ -52,6 +52,11 @@ test: venv
 		rc=0; \
 	fi; \
 	exit $$rc
+
+# The import contracts of .importlinter (the layers of tiered_kv.storage, storage importing no
+# core, no import circles); part of `make test` too (tests/test_layers.py).
+layers: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # The CUDA kernels executed on the CPU: each unmodified kernels/*.cu compiled with g++ against
 # tests/cuda_emu (a fiber per CUDA thread, counting barriers, 32-lane warps; docs/cuda-emu.md)

@@ -1,12 +1,12 @@
 """Only the optional native helper lives here; everything else is in pyproject.toml.
 
-``tiered_kv.storage._fastread`` (storage/_fastread.c) reads a record's parts and hashes
+``tiered_kv.storage.os._fastread`` (storage/os/_fastread.c) reads a record's parts and hashes
 them with the GIL released. It is optional: where it cannot be compiled (no C compiler or
-Python headers) the package installs without it and storage/fastread.py uses its Python
+Python headers) the package installs without it and storage/os/fastread.py uses its Python
 implementation, with the same results.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("tiered_kv.storage._fastread", ["storage/_fastread.c"], optional=True,
+setup(ext_modules=[Extension("tiered_kv.storage.os._fastread", ["storage/os/_fastread.c"], optional=True,
                              extra_compile_args=["-O2"])])

@@ -54,7 +54,7 @@ for p in (ROOT, ROOT / "tests"):  # allow `python bench/encryption.py` from a ch
 
 from seaweedfs import running_seaweedfs  # noqa: E402
 from tiered_kv.storage import EncryptedStore, LmdbStore, PutItem, RecordKey, ZarrStore  # noqa: E402
-from tiered_kv.storage.crypto import write_key_file  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import write_key_file  # noqa: E402
 
 FLASH_BLOCK_BYTES = 492_832
 FINGERPRINT = "kvl1-bench-flash-fp8"
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                          "what hides the prefix hashes), to isolate the cost of keyed names")
     args = ap.parse_args(argv)
     if args.names_off:
-        from tiered_kv.storage.crypto import TenantKeys
+        from tiered_kv.storage.encrypted.crypto import TenantKeys
 
         TenantKeys.name = lambda self, key: key  # type: ignore[method-assign]
         TenantKeys.key_of = lambda self, name: name  # type: ignore[method-assign]

@@ -104,13 +104,13 @@ def warm(path: Path) -> None:
 def cached_fraction(path: Path) -> float:
     """Fraction of the pages of the files under ``path`` in the page cache (1.0 where
     cachestat is not available: unknown)."""
-    from tiered_kv.storage import segments
+    from tiered_kv.storage.os import libc
 
     cached = total = 0
     for f in files_under(path):
         fd = os.open(f, os.O_RDONLY)
         try:
-            got = segments._LIBC.cached_pages(fd, 0, max(os.fstat(fd).st_size, 1))
+            got = libc.cached_pages(fd, 0, max(os.fstat(fd).st_size, 1))
         finally:
             os.close(fd)
         if got is None:
@@ -127,8 +127,8 @@ class Readers:
         import lmdb
 
         from tiered_kv.storage import LmdbStore, RecordKey
-        from tiered_kv.storage.lmdb_store import unpack_entry
-        from tiered_kv.storage.record import HEADER_BYTES
+        from tiered_kv.storage.lmdb import unpack_entry
+        from tiered_kv.storage.format.record import HEADER_BYTES
 
         self.n, self.nbytes, self.batch, self.threads = n, nbytes, batch, threads
         self.keys = [RecordKey.block(block_hash(i)) for i in range(n)]
@@ -260,8 +260,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for name, (s, c) in got.items():
                 times[name].append(s)
                 cpu[name].append(c)
-        hot_threads = readers.store._segments.hot_threads
-        from tiered_kv.storage import fastread
+        hot_threads = readers.store._segments.reads.hot_threads
+        from tiered_kv.storage.os import fastread
 
         native = fastread.VerifyBatch is not None
     finally:

@@ -35,8 +35,8 @@ import lmdb
 import numpy as np
 
 from tiered_kv.storage import LmdbStore, PutItem, RecordKey
-from tiered_kv.storage.lmdb_file import walk_index
-from tiered_kv.storage.lmdb_rebuild import rebuild_index
+from tiered_kv.storage.lmdb.pages import walk_index
+from tiered_kv.storage.lmdb.rebuild import rebuild_index
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FP = "kvl1-bench-0123456789abcdef01"

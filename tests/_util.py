@@ -39,8 +39,8 @@ def lmdb_raw_read(path: Path, kb: bytes) -> bytes:
     straight from its segment file."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import unpack_entry
-    from tiered_kv.storage.segments import segment_name
+    from tiered_kv.storage.lmdb import unpack_entry
+    from tiered_kv.storage.lmdb.segments import segment_name
 
     env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False)
     try:
@@ -59,8 +59,8 @@ def lmdb_raw_write(path: Path, kb: bytes, data: bytes) -> None:
     segment file of its own and indexed there (the index keeps the old checksum)."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
-    from tiered_kv.storage.segments import Location, segment_name
+    from tiered_kv.storage.lmdb import pack_entry, unpack_entry
+    from tiered_kv.storage.lmdb.segments import Location, segment_name
 
     env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
     try:

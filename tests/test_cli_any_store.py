@@ -30,7 +30,7 @@ from tiered_kv.storage import (
     open_store,
     tenant_hash,
 )
-from tiered_kv.storage.journal import UploadJournal
+from tiered_kv.storage.chain.journal import UploadJournal
 
 
 @dataclass(frozen=True)

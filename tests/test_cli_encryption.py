@@ -144,7 +144,7 @@ def test_bad_key_options_are_usage_errors(sealed, capsys, tmp_path: Path) -> Non
     rekey = ["rekey", "--store", str(store), "--key-file", k2, "--old-key-file", k1, "--tenant", "acme"]
     assert main([*rekey, "--journal", str(tmp_path / "j")]) == 2
     assert "--journal: journal: expected None for a local store" in capsys.readouterr().err
-    from tiered_kv.storage.rekey_journal import RekeyJournal
+    from tiered_kv.storage.encrypted.rekey_journal import RekeyJournal
 
     with RekeyJournal(store / "rekey-journal").holding(required=True):  # another rekey is running
         assert main(rekey) == 5

@@ -171,7 +171,7 @@ def test_gc_of_an_encrypted_level_with_owed_uploads_needs_the_key(tmp_path: Path
     from storage_helpers import FP, item_for, make_key
 
     from tiered_kv.storage import StoreChain, ZarrStore, open_store
-    from tiered_kv.storage.crypto import write_key_file
+    from tiered_kv.storage.encrypted.crypto import write_key_file
 
     key = tmp_path / "k"
     write_key_file(key)

@@ -52,7 +52,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def test_import_tiered_kv_storage_imports_no_torch_and_no_backend() -> None:
-    """Nor a backend or wrapper until one is used: the core imports tiered_kv.storage.record
+    """Nor a backend or wrapper until one is used: the core imports tiered_kv.storage.format.record
     and .thread_pool, which must not load every backend; every public name still resolves."""
     code = """if True:
         import json, sys

@@ -16,7 +16,7 @@ pytest.importorskip("cryptography", reason="encryption needs the cryptography pa
 from _util import random_tokens  # noqa: E402
 from tiered_kv import TieredKVCache  # noqa: E402
 from tiered_kv.storage import RecordKey, RecordKind, open_store  # noqa: E402
-from tiered_kv.storage.crypto import write_key_file  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import write_key_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "storage"))
 from encryption_helpers import flip_ciphertext, read_lmdb_record, rewrite_lmdb_record  # noqa: E402

@@ -33,10 +33,10 @@ import obstore  # noqa: E402
 from seaweedfs import SeaweedFS  # noqa: E402
 from tiered_kv.cli import main as cli_main  # noqa: E402
 from tiered_kv.storage import EncryptionConfig, RecordKind, encode_record, open_store  # noqa: E402
-from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, Keyring, write_key_file  # noqa: E402
-from tiered_kv.storage.record import HEADER_BYTES, parse_header  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, HEAD_BYTES, Keyring, write_key_file  # noqa: E402
+from tiered_kv.storage.format.record import HEADER_BYTES, parse_header  # noqa: E402
 from tiered_kv.storage.s3 import get_bytes, list_keys, open_object_store, parse_s3_url  # noqa: E402
-from tiered_kv.storage.zarr_objects import object_name  # noqa: E402
+from tiered_kv.storage.zarr.objects import object_name  # noqa: E402
 
 BUCKET = "tkv-crypto"
 FP = "kvl1-test-0123456789abcdef0123"
@@ -278,7 +278,7 @@ def test_rekey_of_a_bucket_killed_mid_batch_then_run_again_loses_nothing(
 # to fail) and cut the responses into odd pieces, so heads, ciphertext and tags straddle
 # chunk boundaries and scatter-list pieces.
 def _streamed_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiered_kv.storage.zarr_s3 import S3Objects
+    from tiered_kv.storage.zarr.bucket import S3Objects
 
     def staged(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a sealed read took the staging path (S3Objects.read_into), not read_each")
@@ -291,7 +291,7 @@ def _rechunk(monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...], *, cut_aft
     """S3 responses handed over in pieces of ``sizes`` (cycled); with ``cut_after``, the
     responses of ``names`` fail (store unavailable) after that many bytes."""
     from tiered_kv.storage.s3 import ObjectStoreUnavailable
-    from tiered_kv.storage.zarr_s3 import S3Objects
+    from tiered_kv.storage.zarr.bucket import S3Objects
 
     real = S3Objects.read_stream
 
@@ -410,7 +410,7 @@ def test_read_each_checks_headers_and_streams_payloads_in_order(server: SeaweedF
     record, one of another size (kept) and one whose header fails its checks (removed,
     counted corrupt) are Unread and open no sink."""
     from tiered_kv.storage import ZarrStore
-    from tiered_kv.storage.base import Unread
+    from tiered_kv.storage.api import Unread
 
     items = [_item(_key(300 + i)) for i in range(5)]
     items[3] = _item(_key(303), n=N - 8)

@@ -1,5 +1,5 @@
 """A process that exits without ``shutdown()`` / ``close()`` loses nothing and prints no
-traceback (storage/at_exit.py), and a cache refuses use after ``shutdown()``.
+traceback (storage/os/at_exit.py), and a cache refuses use after ``shutdown()``.
 
 The exits run in subprocesses (tests/_exit_worker.py): the interpreter's own exit order
 (threading atexit callbacks, then pools refusing work) is what is under test.
@@ -17,7 +17,7 @@ import torch
 from tiered_kv import CacheShutdownError, TieredKVCache, presets
 from tiered_kv.disk import DiskTierClosedError
 from tiered_kv.storage import RecordKey, open_store
-from tiered_kv.storage.journal import UploadJournal
+from tiered_kv.storage.chain.journal import UploadJournal
 
 HERE = Path(__file__).parent
 FP = presets.tiny().fingerprint

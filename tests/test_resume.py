@@ -111,7 +111,7 @@ def test_parallel_open_stops_before_a_corrupt_record_mid_set(tmp_path: Path, tin
     """Default settings, CPU pools: the whole range is one row read, spread over the
     store's threads. A corrupt record mid-set is a counted miss: the blocks before it are
     kept (with the logits of a full recompute), those after it were read but never cached."""
-    from tiered_kv.storage import fastread
+    from tiered_kv.storage.os import fastread
 
     if native and fastread.native_read_verify_rows is None:
         pytest.skip("native helper not built")

@@ -139,7 +139,7 @@ def test_error_mapping_of_obstore_messages(text: str, expected: type[Exception])
     # the live tests below cover connect, timeout, 403 and 404 from a real server.
     from obstore.exceptions import GenericError
 
-    from tiered_kv.storage.s3 import _translate
+    from tiered_kv.storage.s3.client import _translate
 
     store = open_object_store(parse_s3_url("zarr+s3://kv-cache?endpoint=http://127.0.0.1:9", env=ENV))
     err = _translate(GenericError(text), store, op="put", key="k")

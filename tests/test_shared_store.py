@@ -50,6 +50,7 @@ from tiered_kv.storage import (  # noqa: E402
     open_store,
     record_size,
 )
+from tiered_kv.storage.chain.store import ChainPoint  # noqa: E402
 
 from _util import random_tokens  # noqa: E402
 
@@ -320,13 +321,13 @@ def test_journal_resumes_owed_uploads_in_the_next_chain(near: LmdbStore, far: Fa
     assert (s["uploads"], s["uploads_resumed"], s["uploads_skipped"], s["journaled_uploads"]) == (11, 12, 1, 0)
 
 
-def test_a_failed_journal_commit_keeps_the_local_write_and_the_upload(
-        near: LmdbStore, far: Faulty, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_journal_commit_keeps_the_local_write_and_the_upload(near: LmdbStore, far: Faulty) -> None:
     with _chain(near, far) as chain:
-        def full(*args: Any) -> None:
-            raise StoreFullError("journal: disk full (injected)")
+        def full(point: ChainPoint, info: Any) -> None:
+            if point is ChainPoint.JOURNAL_ADD:
+                raise StoreFullError("journal: disk full (injected)")
 
-        monkeypatch.setattr(chain._journal, "add", full)
+        chain.faults.hook = full
         key = make_key(1, salt=b"nojournal")
         assert chain.put_many([item_for(key, N)]) == [True] and near.contains(key)
         assert chain.flush(uploads=True, timeout_s=10) and far.inner.contains(key)
@@ -338,7 +339,7 @@ def test_two_chains_resuming_one_journal_upload_each_record_once(near: LmdbStore
     keys = [make_key(i, salt=b"twice") for i in range(40)]
     with _chain(near, far, journal=False):
         pass
-    from tiered_kv.storage.journal import UploadJournal, level_name
+    from tiered_kv.storage.chain.journal import UploadJournal, level_name
 
     with UploadJournal(near.path) as journal:              # as a killed process left it
         near.put_many([item_for(k, N) for k in keys])

@@ -122,7 +122,7 @@ class TieredKVCache(TierMoves):
         self._mirrors_pending: collections.deque[CopyHandle] = collections.deque()
         if store_options is not None and not isinstance(store_options, dict):
             raise TypeError(f"store_options: expected a dict, got {type(store_options).__name__}")
-        from .storage.crypto import default_tenant  # an encrypted level's tenant defaults to the salt
+        from .storage.encrypted.crypto import default_tenant  # an encrypted level's tenant defaults to the salt
 
         store_options = default_tenant(store_options, salt)
         self.disk = DiskTier(store, layout, store_options=store_options,

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from .layout import KVLayout
-from .storage.thread_pool import started_pool
+from .storage.os.threads import started_pool
 
 __all__ = ["DiskTier", "DiskTierClosedError"]
 
@@ -67,7 +67,7 @@ class DiskTier:
                  store_options: dict[str, Any] | None = None, read_threads: int = 2,
                  writer: Any | None = None) -> None:
         from .storage import BlockStore, open_store
-        from .storage.at_exit import close_at_exit
+        from .storage.os.at_exit import close_at_exit
 
         self._owns_store = not isinstance(store, BlockStore)
         if self._owns_store:

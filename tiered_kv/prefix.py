@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .layout import KVLayout
-from .storage.record import HASH_BYTES
+from .storage.format.record import HASH_BYTES
 
 __all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_array", "token_digest", "tokens_to_bytes"]
 

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from .hisparse import HiSparseBuffers
     from .host import HostTier
     from .layout import KVLayout
-    from .storage.rows import RowScatter as RowScatterT
+    from .storage.format.rows import RowScatter as RowScatterT
     from .transfer import CopyHandle
 
 #: Blocks per batch by default (8 Flash blocks are 3.9 MB), where a destination has no better size.

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from tiered_kv.storage import EncryptionConfig, RecordKey, encode_record
-from tiered_kv.storage.crypto import Keyring, write_key_file
-from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES, parse_header
+from tiered_kv.storage.encrypted.crypto import Keyring, write_key_file
+from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES, parse_header
 
 
 def key_files(tmp_path: Path, *names: str) -> list[str]:
@@ -76,8 +76,8 @@ def rewrite_lmdb_record(path: Path, name: RecordKey, new_record: bytes) -> None:
     checksum with the new one, so that every check but the tag passes."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
-    from tiered_kv.storage.segments import segment_name
+    from tiered_kv.storage.lmdb import pack_entry, unpack_entry
+    from tiered_kv.storage.lmdb.segments import segment_name
 
     env = lmdb.open(str(path), max_dbs=4, subdir=True)
     try:
@@ -100,8 +100,8 @@ def read_lmdb_record(path: Path, name: RecordKey) -> bytes:
     """The bytes of the record stored under ``name`` in an LMDB store's segment file."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import unpack_entry
-    from tiered_kv.storage.segments import segment_name
+    from tiered_kv.storage.lmdb import unpack_entry
+    from tiered_kv.storage.lmdb.segments import segment_name
 
     env = lmdb.open(str(path), max_dbs=4, subdir=True, readonly=True, lock=False)
     try:
@@ -127,7 +127,7 @@ def seal_legacy(master: bytes, tenant: bytes, *, key: RecordKey, parent_hash: by
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    from tiered_kv.storage.record import fingerprint_field
+    from tiered_kv.storage.format.record import fingerprint_field
 
     okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=None,
                info=b"tiered_kv/tenant-key/v1\0" + tenant).derive(master)

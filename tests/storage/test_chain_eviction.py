@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tiered_kv.storage import BlockStore, LmdbStore, PutItem, RecordKey, StoreChain, StoreFullError, ZarrStore
-from tiered_kv.storage.record import record_size
+from tiered_kv.storage.format.record import record_size
 
 from storage_helpers import FP, item_for, make_key
 
@@ -82,7 +82,7 @@ def small_level0(kind: str, path: Path) -> BlockStore:
     pytest.importorskip("cryptography", reason="encryption needs the cryptography package")
     from encryption_helpers import key_files
     from tiered_kv.storage import EncryptedStore
-    from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD
+    from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD
 
     inner = LmdbStore(path, layout_fingerprint=FP, max_bytes=3 * (RECORD + ENVELOPE_OVERHEAD),
                       initial_map_size=8 << 20)

@@ -1,4 +1,4 @@
-"""storage/counters.py: the one counters type (stores, the vLLM tier, the SGLang backend)."""
+"""storage/api/counters.py: the one counters type (stores, encrypted levels, the vLLM tier, the SGLang backend)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from tiered_kv.storage.base import StoreStats
-from tiered_kv.storage.counters import Counters
+from tiered_kv.storage.api import StoreStats
+from tiered_kv.storage.api.counters import Counters
 
 
 def test_a_fixed_set_lists_every_name_in_order_and_refuses_others() -> None:

@@ -17,7 +17,7 @@ pytest.importorskip("cryptography", reason="encryption needs the cryptography pa
 
 from tiered_kv.storage import EncryptionConfig, KeyFileError, RecordKey, RecordKind  # noqa: E402
 from tiered_kv.storage import crypto  # noqa: E402
-from tiered_kv.storage.crypto import (  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import (  # noqa: E402
     Keyring,
     load_key_file,
     read_key_file,
@@ -25,8 +25,8 @@ from tiered_kv.storage.crypto import (  # noqa: E402
     write_key_file,
     write_tenant_key_file,
 )
-from tiered_kv.storage.names import KeyedNames  # noqa: E402
-from tiered_kv.storage.xaes import Xaes256Gcm  # noqa: E402
+from tiered_kv.storage.encrypted.names import KeyedNames  # noqa: E402
+from tiered_kv.storage.encrypted.xaes import Xaes256Gcm  # noqa: E402
 
 NONCE = b"ABCDEFGHIJKLMNOPQRSTUVWX"
 
@@ -216,7 +216,7 @@ def test_the_associated_data_has_fixed_width_fields(tmp_path: Path) -> None:
 def test_a_default_tenant_yields_to_a_tenant_key_file(tmp_path: Path) -> None:
     """A cache defaults the tenant to its salt; a tenant key file names its own, which wins
     (the node serves that tenant), and an explicit tenant must match it."""
-    from tiered_kv.storage.crypto import default_tenant
+    from tiered_kv.storage.encrypted.crypto import default_tenant
 
     master, acme = tmp_path / "m", tmp_path / "acme.key"
     write_key_file(master)

@@ -29,7 +29,7 @@ from tiered_kv.storage import (  # noqa: E402
     encode_record,
     open_store,
 )
-from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, Keyring, read_key_file, write_key_file  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, Keyring, read_key_file, write_key_file  # noqa: E402
 
 N = 20_000
 SIZES = {RecordKind.BLOCK: N, RecordKind.SNAPSHOT: N}

@@ -49,7 +49,10 @@ from tiered_kv.storage import (  # noqa: E402
     ZarrStore,
     open_store,
 )
-from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
+from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
+from tiered_kv.storage.format.sealed_level import SEALED_LEVEL  # noqa: E402
+from tiered_kv.storage.lmdb.rebuild import rebuild_index  # noqa: E402
+from tiered_kv.storage.lmdb.schema import SEALED_FILE  # noqa: E402
 
 N = 20_000
 SIZES = {RecordKind.BLOCK: N, RecordKind.SNAPSHOT: N}
@@ -134,8 +137,9 @@ def test_a_plain_level_is_not_sealed_behind_its_writers_back(tmp_path: Path) -> 
 
 
 def test_an_empty_or_unmarked_level_of_this_version_is_adopted(tmp_path: Path) -> None:
-    """A store someone opened plain but never wrote, and a sealed LMDB store whose index
-    lost the record (e.g. rebuilt from the segments), are marked by the next encrypted open."""
+    """A store someone opened plain but never wrote, and a sealed LMDB store that records
+    its sealing nowhere (sealed by a version before sealed-level.json, its index since
+    rebuilt), are marked by the next encrypted open."""
     files = key_files(tmp_path, "a")
     url = f"lmdb://{tmp_path / 's'}"
     open_store(url, layout_fingerprint=FP).close()
@@ -146,12 +150,49 @@ def test_an_empty_or_unmarked_level_of_this_version_is_adopted(tmp_path: Path) -
     with env.begin(write=True) as txn:
         txn.delete(b"encryption", db=env.open_db(b"meta", txn=txn))
     env.close()
+    with pytest.raises(EncryptedLevelError):  # the directory's marker still refuses a plain writer
+        open_store(url, layout_fingerprint=FP)
+    (tmp_path / "s" / SEALED_FILE).unlink()
     with open_store(url, layout_fingerprint=FP) as s:
         assert s.sealing is None
     with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
         assert s.sealing is not None and all(o is not None for o in read_all(s, [make_key(i) for i in range(3)]))
     with pytest.raises(EncryptedLevelError):
         open_store(url, layout_fingerprint=FP)
+
+
+@pytest.mark.parametrize("how", ["rebuild_index", "data.mdb removed, then verify --repair"])
+def test_the_sealed_marker_survives_an_index_rebuild(tmp_path: Path, how: str) -> None:
+    """Behaviour change: a sealed LMDB level's index rebuilt from its segment files keeps
+    the sealed-level record (it is read back from sealed-level.json beside the segments),
+    so a plain writer is refused right after the rebuild, not only after the next
+    encrypted open; a maintenance open still works, and the records read back sealed."""
+    files = key_files(tmp_path, "a")
+    root = tmp_path / "s"
+    url = f"lmdb://{root}"
+    keys = [make_key(i) for i in range(4)]
+    with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
+        s.put_many([item_for(k, N) for k in keys])
+    assert json.loads((root / SEALED_FILE).read_bytes()) == SEALED_LEVEL
+    assert (root / SEALED_FILE).stat().st_mode & 0o777 == 0o600
+    if how == "rebuild_index":
+        assert rebuild_index(root, FP)["records"] == len(keys)
+    else:
+        from tiered_kv.cli.main import main
+
+        (root / "data.mdb").unlink()
+        assert main(["verify", "--store", str(root), "--repair"]) == 0
+    env = lmdb.open(str(root), max_dbs=4, readonly=True)
+    with env.begin() as txn:
+        assert json.loads(bytes(txn.get(b"encryption", db=env.open_db(b"meta", txn=txn, create=False)))) \
+            == SEALED_LEVEL
+    env.close()
+    with pytest.raises(EncryptedLevelError, match="opened without its keys"):
+        open_store(url, layout_fingerprint=FP)
+    with open_store(url, layout_fingerprint=None) as m:  # maintenance: no key needed
+        assert m.sealing == SEALED_LEVEL and len(m) == len(keys)
+    with open_store(url, layout_fingerprint=FP, encryption=enc(files)) as s:
+        assert all(o is not None for o in read_all(s, keys))
 
 
 def test_pollution_at_our_names_is_removed_and_counted(tmp_path: Path) -> None:
@@ -323,7 +364,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     """The sink of a streamed read: a transfer that ends before the tag is a miss (an
     explicit check, no assertion), a discard (the read given up) zeroes the out and no
     later write lands, and an envelope fed in odd pieces opens exactly."""
-    from tiered_kv.storage.envelope_reads import EnvelopeSink, Outcome, Target
+    from tiered_kv.storage.encrypted.envelopes import EnvelopeSink, Outcome, Target
 
     files = key_files(tmp_path, "a")
     raw = _RawStore()
@@ -334,7 +375,7 @@ def test_a_streamed_envelope_cut_short_or_cancelled_leaves_only_zeros(tmp_path: 
     parent, digest, env = raw.data[name]
     meta = RecordMeta(key=name, parent_hash=parent, token_digest=digest, layout_fingerprint=FP,
                       payload_bytes=env.nbytes)
-    from tiered_kv.storage.record import as_out_segments
+    from tiered_kv.storage.format.record import as_out_segments
 
     def sink(out: np.ndarray) -> EnvelopeSink:
         return EnvelopeSink(s._opener, Target(name, key, 0, as_out_segments(out), None, None), meta, env.nbytes)
@@ -429,7 +470,7 @@ def test_rekey_drop_old_deletes_what_only_the_old_key_authenticates(tmp_path: Pa
 def test_a_journaled_envelope_that_does_not_authenticate_is_not_put_back(tmp_path: Path) -> None:
     """The rekey journal sits in the store's directory: a record planted there under a
     valid checksum (another record's envelope relabelled) is counted lost, never stored."""
-    from tiered_kv.storage.rekey_journal import JOURNAL_NAME, RekeyJournal
+    from tiered_kv.storage.encrypted.rekey_journal import JOURNAL_NAME, RekeyJournal
 
     old, new = key_files(tmp_path, "old", "new")
     where = tmp_path / "s"

@@ -15,9 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for
-from tiered_kv.storage import LmdbStore, fastread, segments
-from tiered_kv.storage.record import CHECKSUM_BYTES, HEADER_BYTES
-from tiered_kv.storage.segments import Location, ReadTask, SegmentFiles
+from tiered_kv.storage import LmdbStore
+from tiered_kv.storage.os import fastread, libc
+from tiered_kv.storage.os import threads as os_threads
+from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES
+from tiered_kv.storage.lmdb.read_tasks import MIN_SHARD, ReadTask, cut_shards
+from tiered_kv.storage.lmdb.schema import Location, segment_name
+from tiered_kv.storage.lmdb.segments import SegmentFiles
 
 IMPLS = {"python": fastread.python_read_and_hash}
 if fastread.native_read_and_hash is not None:
@@ -37,14 +41,14 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_native_helper_is_built_where_a_compiler_is() -> None:
-    """`pip install` (make venv) builds storage/_fastread.c; it binds python-xxhash's xxh3
+    """`pip install` (make venv) builds storage/os/_fastread.c; it binds python-xxhash's xxh3
     and passes the self-check. Skipped where no C compiler or Python headers exist (the
     package then installs without it and the Python implementation is used)."""
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if not (shutil.which("cc") or shutil.which("gcc")) or not headers.exists():
         pytest.skip("no C compiler or Python headers: the optional native helper is not built")
     assert fastread.native_read_and_hash is not None, \
-        "storage/_fastread.c was not built or failed its check: reinstall with `make venv`"
+        "storage/os/_fastread.c was not built or failed its check: reinstall with `make venv`"
     assert fastread.NATIVE == (os.environ.get("TIERED_KV_NATIVE", "1") != "0")
 
 
@@ -52,6 +56,50 @@ def _file(tmp_path: Path, data: np.ndarray) -> int:
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())
     return os.open(path, os.O_RDONLY)
+
+
+def test_native_helper_exports_the_python_record_format() -> None:
+    """The C helper's compiled-in header layout and read statuses are the Python ones."""
+    if fastread.native_read_and_hash is None:
+        pytest.skip("the native helper is not built here")
+    from tiered_kv.storage.os import _fastread
+
+    assert fastread.layout_mismatches(_fastread) == []
+    assert (_fastread.HEADER_BYTES, _fastread.ST_UNCACHED) == (HEADER_BYTES, fastread.UNCACHED)
+
+
+_MISMATCH_SCRIPT = """
+import json, sys, warnings
+import tiered_kv.storage.os._fastread as ext
+setattr(ext, sys.argv[1], getattr(ext, sys.argv[1]) + 1)   # as if built from another format
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from tiered_kv.storage.os import fastread
+    from tiered_kv.storage import LmdbStore   # and the store still reads (the Python path)
+print(json.dumps({"native": fastread.NATIVE, "bound": fastread.native_read_and_hash is not None,
+                  "batch": fastread.read_verify_many is not None,
+                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+"""
+
+
+@pytest.mark.parametrize("name", ["HEADER_BYTES", "DIGEST_AT", "ST_BAD"])
+def test_native_helper_of_another_format_is_not_used(name: str) -> None:
+    """A helper whose compiled-in layout or statuses differ from Python's is refused when
+    it loads: the Python read path is used, with a warning that names the difference."""
+    if fastread.native_read_and_hash is None:
+        pytest.skip("the native helper is not built here")
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TIERED_KV_NATIVE"}
+    proc = subprocess.run([sys.executable, "-c", _MISMATCH_SCRIPT, name], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (got["native"], got["bound"], got["batch"]) == (False, False, False)
+    assert len(got["warnings"]) == 1 and name in got["warnings"][0] and "Python read path" in got["warnings"][0]
+
 
 
 @pytest.mark.parametrize("pieces", [[144, 16], [144, 1, 70_000, 3, 16], [144] + [584] * 300 + [16]])
@@ -120,18 +168,18 @@ def _tasks(lengths: list[int]) -> list[ReadTask]:
 ])
 def test_shards_cover_every_record_once_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 threads: int, lengths: list[int], shards: int) -> None:
-    monkeypatch.setattr(segments, "_cpus", lambda: threads)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: threads)
     files = SegmentFiles(tmp_path, new_segment_id=lambda: 1, segment_bytes=1 << 30, direct_io=False,
                          io_threads=8, readonly=True)
     hot = _tasks(lengths)
-    got = files._shards(hot)
-    assert len(got) == shards and files.hot_threads == min(8, threads)
+    got = cut_shards(hot, files.reads.hot_threads)
+    assert len(got) == shards and files.reads.hot_threads == min(8, threads)
     assert len(got) <= (2 * threads if threads > 1 else 1)
     assert [t for shard in got for t in shard] == hot
     if len(got) > 1:
-        # about equal bytes, on average at least _MIN_SHARD (cut at record boundaries)
+        # about equal bytes, on average at least MIN_SHARD (cut at record boundaries)
         sizes = [sum(t.loc.length for t in s) for s in got]
-        assert sum(sizes) / len(sizes) >= segments._MIN_SHARD
+        assert sum(sizes) / len(sizes) >= MIN_SHARD
         assert max(sizes) - min(sizes) <= 2 * max(lengths)
 
 
@@ -142,7 +190,7 @@ def test_hot_get_many_spreads_over_threads(impl, monkeypatch: pytest.MonkeyPatch
     threads of its own (records handed to it as they are prepared); in Python cut into
     shards that the calling thread and ``hot_threads - 1`` I/O threads drain (which thread
     reads which record depends on timing)."""
-    monkeypatch.setattr(segments, "_cpus", lambda: 4)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 4)
     made: list[tuple[int, int, bool]] = []
     if fastread.VerifyBatch is not None:  # (native)
         real = fastread.VerifyBatch
@@ -214,7 +262,7 @@ needs_native = pytest.mark.skipif("native" not in IMPLS, reason="native helper n
 
 def _one_record(tmp_path: Path, flip: int | None, n: int = 5000) -> tuple[int, bytes]:
     """A file holding one encoded record (one bit flipped at byte ``flip``); (fd, record)."""
-    from tiered_kv.storage.record import encode_record
+    from tiered_kv.storage.format.record import encode_record
 
     key = make_key(7)
     rec = bytearray(encode_record(key=key, parent_hash=bytes(range(32)), token_digest=digest_for(key),
@@ -230,7 +278,7 @@ def _one_record(tmp_path: Path, flip: int | None, n: int = 5000) -> tuple[int, b
 def _both_verdicts(fd: int, record: bytes, *, checksum: bytes, token_digest: bytes | None,
                    length: int | None = None) -> tuple[bool, bool]:
     """(native batch verdict, Python read_and_hash + PartsVerifier verdict) of the record at 100."""
-    from tiered_kv.storage.record import PartsVerifier
+    from tiered_kv.storage.format.record import PartsVerifier
 
     key, n = make_key(7), len(record) if length is None else length
     v = PartsVerifier(FP)
@@ -276,7 +324,7 @@ def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> N
 def _records_file(tmp_path: Path, sizes: list[int]) -> tuple[int, list[tuple[int, int, bytes]]]:
     """A file of encoded records (key i, sizes[i] of payload) after 100 bytes of junk:
     ``(fd, [(offset, record bytes, checksum)])``."""
-    from tiered_kv.storage.record import encode_record
+    from tiered_kv.storage.format.record import encode_record
 
     blob, places = bytearray(b"\x07" * 100), []
     for i, n in enumerate(sizes):
@@ -292,7 +340,7 @@ def _records_file(tmp_path: Path, sizes: list[int]) -> tuple[int, list[tuple[int
 
 def _items(fd: int, places: list[tuple[int, int, bytes]], *, pieces: int = 1):
     """read_verify_many items for the records of _records_file (payloads cut in ``pieces``)."""
-    from tiered_kv.storage.record import PartsVerifier
+    from tiered_kv.storage.format.record import PartsVerifier
 
     v, items = PartsVerifier(FP), []
     for i, (off, n, checksum) in enumerate(places):
@@ -372,11 +420,11 @@ def test_verify_batch_cached_only_leaves_what_the_page_cache_lacks(tmp_path: Pat
     buffers untouched), so that the store reads it on its cold path."""
     fd, places = _records_file(tmp_path, [200_000, 200_000])
     try:
-        if segments._LIBC.cached_pages(fd, 0, 4096) is None:
+        if libc.cached_pages(fd, 0, 4096) is None:
             pytest.skip("no cachestat here: every record counts as cached")
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if segments._LIBC.cached_pages(fd, places[1][0], places[1][1])[0] != 0:
+        if libc.cached_pages(fd, places[1][0], places[1][1])[0] != 0:
             pytest.skip("this filesystem keeps the pages cached")
         os.pread(fd, places[0][1], places[0][0])  # record 0 back in the page cache...
         os.posix_fadvise(fd, places[1][0], places[1][1], os.POSIX_FADV_DONTNEED)  # ...not (all of) record 1
@@ -396,7 +444,7 @@ def _break_records(path: Path, keys: list, n: int) -> None:
     segment inside keys[-1] (a torn tail)."""
     import lmdb
 
-    from tiered_kv.storage.lmdb_store import pack_entry, unpack_entry
+    from tiered_kv.storage.lmdb import pack_entry, unpack_entry
 
     env = lmdb.open(str(path), max_dbs=4, subdir=True)
     db = env.open_db(b"records")
@@ -405,7 +453,7 @@ def _break_records(path: Path, keys: list, n: int) -> None:
         loc, checksum = locs[keys[3]]
         txn.put(keys[3].to_bytes(), pack_entry(Location(loc.segment, loc.offset, loc.length + 4096), checksum), db=db)
     env.close()
-    seg_file = path / "segments" / segments.segment_name(locs[keys[1]][0].segment)
+    seg_file = path / "segments" / segment_name(locs[keys[1]][0].segment)
     raw = bytearray(seg_file.read_bytes())
     raw[locs[keys[1]][0].offset + HEADER_BYTES + n // 2] ^= 0x40
     raw[locs[keys[2]][0].offset + 136] ^= 0x01
@@ -420,7 +468,7 @@ def test_get_many_batch_path_counts_broken_records_as_misses(impl, monkeypatch: 
     payload byte, a wrong length in a header, an index entry with a wrong length and a torn
     tail are each a counted corrupt miss, and removed; every other record, read into one
     buffer or a scatter list, is whole. The same answers either implementation."""
-    monkeypatch.setattr(segments, "_cpus", lambda: 2)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 2)
     keys = [make_key(i) for i in range(8)]
     path = tmp_path / "s"
     with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
@@ -467,7 +515,7 @@ def test_concurrent_get_many_share_the_helpers(impl, monkeypatch: pytest.MonkeyP
     alone) all get every record whole."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(segments, "_cpus", lambda: 2)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 2)
     keys = [make_key(i) for i in range(16)]
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP, direct_io=False) as store:
         store.put_many([item_for(k, 400_000) for k in keys])

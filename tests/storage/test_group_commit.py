@@ -3,9 +3,9 @@ segment sync and one index commit, errors reach only the writers they belong to,
 writer process killed (-9) at any step of a group loses nothing it acknowledged and
 serves nothing torn.
 
-Every step is reached through the store's fault hook (``store._commits.fault``,
+Every step is reached through the store's fault points (``store.faults.hook``,
 group_commit.FaultPoint), never by sleeping: groups are formed by holding the leader at
-LEAD until the expected writers are queued.
+LEAD until the expected writers are queued; failures are raised at a point.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 
 from storage_helpers import FP, digest_for, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import LmdbStore, StoreError, StoreFullError
-from tiered_kv.storage.group_commit import FaultPoint
+from tiered_kv.storage.lmdb.group_commit import FaultPoint
 
 FORK = mp.get_context("fork")
 N = 50_000  # payload bytes of the in-process tests' records
@@ -104,14 +104,15 @@ def test_concurrent_puts_share_one_sync_and_one_index_commit(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
         store.put_many([item_for(make_key(9999), N)])  # the segment exists: its creation syncs too
-        store._commits.fault = Hook().group_of(4)
+        hook = Hook().group_of(4)
+        store.faults.hook = hook
         syncs = _count_calls(monkeypatch, os, "fdatasync")
-        txns = _count_calls(monkeypatch, store, "_index_txn")
         batches = {f"w{w}": _keys(w) for w in range(4)}
         out = _run_writers(store, batches)
         assert out == {name: [True] * 3 for name in batches}
-        assert len(syncs) == 1 and len(txns) == 1  # one segment sync, one index commit for 4 writers
-        assert (store._commits.groups, store._commits.batches) == (2, 5)
+        # one segment sync, one index transaction, one group for 4 writers
+        assert len(syncs) == 1 and hook.seen[FaultPoint.INDEX_TXN] == 1
+        assert (hook.seen[FaultPoint.INDEXED], hook.seen[FaultPoint.ENQUEUED]) == (1, 4)
         sizes = {k: N for keys in batches.values() for k in keys} | {make_key(9999): N}
         assert verify_all(store, sizes=sizes) == 13
 
@@ -131,35 +132,32 @@ def test_each_put_returns_only_once_its_records_are_synced_and_indexed(tmp_path:
 
         hook.actions[FaultPoint.SYNCED] = check("synced")
         hook.actions[FaultPoint.INDEXED] = check("indexed")
-        store._commits.fault = hook
+        store.faults.hook = hook
         _run_writers(store, batches, out=out)
         assert checks == [("synced", [False] * 9, 0), ("indexed", [True] * 9, 0)]
         assert all(r == [True] * 3 for r in out.values())
 
 
-def test_the_next_group_syncs_while_one_commits_its_index_and_commits_stay_in_order(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_next_group_syncs_while_one_commits_its_index_and_commits_stay_in_order(tmp_path: Path) -> None:
     """Group 1 ({w0}) holds the index stage until group 2 ({w1}) is synced: the two
     stages overlap, and group 2's index commit still comes after group 1's."""
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
         hook = Hook()
-        store._commits.fault = hook
+        store.faults.hook = hook
         order: list[str] = []
         overlap: list[list[bool]] = []
-        real = store._index_txns
         out: dict[str, Any] = {}
         second = threading.Thread(target=lambda: _run_writers(store, {"w1": _keys(1)}, out=out))
 
-        def index_txns(group: list) -> list:
+        def indexing(group: list) -> None:
             name = "w0" if group[0].kbs[0] == _keys(0)[0].to_bytes() else "w1"
             if name == "w0":
                 second.start()
                 hook.wait(FaultPoint.SYNCED, 2)  # group 2 synced while group 1 holds the index stage
             order.append(name)
-            return real(group)
 
         hook.actions[FaultPoint.SYNCED] = lambda _: overlap.append(store.contains_many(_keys(0)))
-        monkeypatch.setattr(store, "_index_txns", index_txns)
+        hook.actions[FaultPoint.INDEXING] = indexing
         _run_writers(store, {"w0": _keys(0)}, out=out)
         second.join(WAIT_S)
         assert overlap == [[False] * 3, [False] * 3]  # at group 2's sync, group 1 is not indexed yet
@@ -171,15 +169,13 @@ def test_the_next_group_syncs_while_one_commits_its_index_and_commits_stay_in_or
 def test_a_full_disk_fails_only_the_writer_that_does_not_fit(tmp_path: Path) -> None:
     where = tmp_path / "s"
     with LmdbStore(where, layout_fingerprint=FP) as store:
-        real = store._segments._reserve
-
-        def reserve(fd: int, offset: int, length: int) -> None:
+        def reserve(length: int) -> None:
             if length > 1 << 20:  # the big batch: no room for it
                 raise OSError(errno.ENOSPC, "injected: no space left")
-            real(fd, offset, length)
 
-        store._segments._reserve = reserve
-        store._commits.fault = Hook().group_of(2)
+        hook = Hook().group_of(2)
+        hook.actions[FaultPoint.RESERVE] = reserve
+        store.faults.hook = hook
         out = _run_writers(store, {"small0": _keys(0), "big": _keys(1, 30), "small2": _keys(2)})
         assert out["small0"] == out["small2"] == [True] * 3
         assert isinstance(out["big"], StoreFullError) and "disk full" in str(out["big"])
@@ -189,28 +185,24 @@ def test_a_full_disk_fails_only_the_writer_that_does_not_fit(tmp_path: Path) -> 
         assert verify_all(store, sizes={k: N for k in _keys(0) + _keys(2)}) == 6
 
 
-def test_an_index_commit_failing_for_one_writer_fails_only_that_writer(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_index_commit_failing_for_one_writer_fails_only_that_writer(tmp_path: Path) -> None:
     """The group's index transaction fails because of one batch (here: injected at its
     entries): each batch is then indexed alone, and only that one fails; its bytes are
     punched, so a reopen does not bring them back."""
     where = tmp_path / "s"
     poison = _keys(1)[0].to_bytes()
     with LmdbStore(where, layout_fingerprint=FP) as store:
-        real = store._index_puts
-
-        def index_puts(txn: Any, items: Any, kbs: list[bytes], *args: Any) -> Any:
+        def index_batch(kbs: list[bytes]) -> None:
             if poison in kbs:
                 raise StoreFullError("injected: no room for these index entries")
-            return real(txn, items, kbs, *args)
 
-        monkeypatch.setattr(store, "_index_puts", index_puts)
-        txns = _count_calls(monkeypatch, store, "_index_txn")
-        store._commits.fault = Hook().group_of(3)
+        hook = Hook().group_of(3)
+        hook.actions[FaultPoint.INDEX_BATCH] = index_batch
+        store.faults.hook = hook
         out = _run_writers(store, {f"w{w}": _keys(w) for w in range(3)})
         assert out["w0"] == out["w2"] == [True] * 3
         assert isinstance(out["w1"], StoreFullError) and "injected" in str(out["w1"])
-        assert len(txns) == 1 + 3  # the group's, then one per batch
+        assert hook.seen[FaultPoint.INDEX_TXN] == 1 + 3  # the group's, then one per batch
         assert set(store) == set(_keys(0) + _keys(2))
     with LmdbStore(where, layout_fingerprint=FP) as store:
         assert store.stats()["recovered_records"] == 0 and len(store) == 6
@@ -225,7 +217,7 @@ def test_a_failed_sync_fails_its_group_and_rewrites_a_writer_appended_behind_it(
     where = tmp_path / "s"
     with LmdbStore(where, layout_fingerprint=FP) as store:
         hook = Hook().group_of(2)
-        store._commits.fault = hook
+        store.faults.hook = hook
         late: dict[str, Any] = {}
         real = os.fdatasync
         failed = []
@@ -263,7 +255,7 @@ def test_close_fails_queued_writers_and_finishes_the_group_in_commit(tmp_path: P
             hook.wait(FaultPoint.CLOSING, 1)
 
     hook.actions[FaultPoint.SYNCED] = hold
-    store._commits.fault = hook
+    store.faults.hook = hook
     out: dict[str, Any] = {}
     first = threading.Thread(target=lambda: out.update(_run_writers(store, {"w0": _keys(0)})))
     first.start()
@@ -306,7 +298,7 @@ def test_segment_end_never_passes_a_range_still_being_written(tmp_path: Path) ->
 
         hook.actions[FaultPoint.STAGED] = staged
         hook.actions[FaultPoint.INDEXED] = indexed
-        store._commits.fault = hook
+        store.faults.hook = hook
         assert _run_writers(store, {"w0": _keys(0)}) == {"w0": [True] * 3}
         assert w1_indexed.is_set()
     (where / "data.mdb").write_bytes(snapshot[0])  # w0's index commit lost (an OS crash)
@@ -335,7 +327,7 @@ def _group_writer(where: Path, point: str, ack_fd: int) -> None:
         os.write(ack_fd, f"{base} {w}\n".encode())
 
     def round_(base: int, size: int, n: int, hook: Hook, writers: range = range(4)) -> list[threading.Thread]:
-        store._commits.fault = hook
+        store.faults.hook = hook
         threads = [threading.Thread(target=write, args=(base, w, size, n), name=f"w{w}") for w in writers]
         for t in threads:
             t.start()

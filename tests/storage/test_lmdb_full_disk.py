@@ -23,6 +23,7 @@ import torch
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv import presets
 from tiered_kv.storage import LmdbStore, StoreFullError
+from tiered_kv.storage.lmdb.maintenance import Maintenance
 
 FORK = mp.get_context("fork")
 TINY_FP = presets.tiny().fingerprint
@@ -80,7 +81,7 @@ def test_gc_on_a_full_disk_needs_the_reserve_when_the_index_has_no_free_page(
     """A compact index (just rebuilt: no free page inside data.mdb), then something else
     fills the disk: even a one-record delete needs a new page. Without the reserve gc
     fails; with it, gc frees the disk."""
-    from tiered_kv.storage.lmdb_rebuild import rebuild_index
+    from tiered_kv.storage.lmdb.rebuild import rebuild_index
 
     where = tmpfs_8m / "store"
     with LmdbStore(where, layout_fingerprint=TINY_FP, segment_bytes=1 << 20) as store:
@@ -99,7 +100,7 @@ def test_gc_on_a_full_disk_needs_the_reserve_when_the_index_has_no_free_page(
     assert _free(tmpfs_8m) == 0
     with LmdbStore(where, layout_fingerprint=TINY_FP) as store:
         with monkeypatch.context() as m:  # the control: the reserve kept back
-            m.setattr(LmdbStore, "_release_reserve", lambda self: False)
+            m.setattr(Maintenance, "release_reserve", lambda self: False)
             with pytest.raises(StoreFullError):
                 store.gc(1 << 20)
         got = store.gc(1 << 20)

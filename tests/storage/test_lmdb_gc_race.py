@@ -28,8 +28,9 @@ import pytest
 
 from storage_helpers import FP, item_for, make_key, verify_all
 from tiered_kv.storage import LmdbStore, StoreFullError, record_size
-from tiered_kv.storage.group_commit import FaultPoint
-from tiered_kv.storage.segments import ALIGN, segment_name
+from tiered_kv.storage.lmdb.group_commit import FaultPoint
+from tiered_kv.storage.lmdb.recovery import Recovery
+from tiered_kv.storage.lmdb.segments import ALIGN, segment_name
 
 FORK = mp.get_context("fork")
 REC = 10_000  # payload bytes
@@ -115,11 +116,12 @@ def test_gc_never_gives_back_a_batch_indexed_after_its_snapshot(tmp_path: Path, 
 def _write_then_die(where: Path, ready: Any) -> None:
     store = LmdbStore(where, layout_fingerprint=FP)
 
-    def die(*args: Any, **kwargs: Any) -> None:
-        ready.set()
-        os.kill(os.getpid(), signal.SIGKILL)
+    def die(point: FaultPoint, info: Any) -> None:
+        if point is FaultPoint.INDEX_BATCH:  # the step after the synced append
+            ready.set()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    store._index_puts = die  # type: ignore[method-assign]  (the step after the synced append)
+    store.faults.hook = die
     store.put_many([item_for(make_key(100 + i), REC) for i in range(8)])
 
 
@@ -187,7 +189,7 @@ def test_gc_keeps_a_tail_no_recovery_could_index(tmp_path: Path, monkeypatch: py
         raise StoreFullError("injected: no room for the index transaction")
 
     with monkeypatch.context() as m:
-        m.setattr(LmdbStore, "_index_recovered", full)
+        m.setattr(Recovery, "index_records", full)
         with LmdbStore(where, layout_fingerprint=FP) as store:  # (its open's recovery fails too)
             got = store.gc(1 << 40)
             assert got["segments_removed"] == 0 and got["punched_bytes"] < PADDED and seg.exists()
@@ -214,7 +216,7 @@ def test_a_writer_keeps_its_segment_locked_until_its_last_batch_is_indexed(tmp_p
             appended.set()
 
     with LmdbStore(where, layout_fingerprint=FP, segment_bytes=PADDED) as store:
-        store._commits.fault = hook
+        store.faults.hook = hook
         with ThreadPoolExecutor(2) as pool:
             a = pool.submit(store.put_many, [item_for(k, REC) for k in a_keys])
             assert synced.wait(WAIT_S)
@@ -294,9 +296,9 @@ def test_gc_drops_the_index_entries_of_the_segments_it_unlinks(tmp_path: Path) -
 
         def segments_in_meta() -> set[int]:
             def read(txn: Any) -> set[int]:
-                keys = [bytes(k) for k in txn.cursor(db=store._meta).iternext(keys=True, values=False)]
+                keys = [bytes(k) for k in txn.cursor(db=store._index.dbs.meta).iternext(keys=True, values=False)]
                 return {int.from_bytes(k[-4:], "big") for k in keys if k.startswith((b"segment_end:", b"segment_gen:"))}
-            return store._run(read, write=False)
+            return store._index.run(read, write=False)
 
         assert segments_in_meta() == {1, 2, 3}
         assert store.gc(1 << 40)["segments_removed"] == 2

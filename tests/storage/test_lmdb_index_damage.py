@@ -20,10 +20,10 @@ import pytest
 
 from storage_helpers import FP, OTHER_FP, item_for, make_key, payload_size, verify_all
 from tiered_kv.storage import IndexDamagedError, LayoutMismatchError, LmdbStore, StoreLockedError, record_size
-from tiered_kv.storage.lmdb_file import DbRecord, IndexDamage, walk_index
-from tiered_kv.storage.lmdb_store import unpack_entry
-from tiered_kv.storage.record import HEADER_BYTES
-from tiered_kv.storage.segments import segment_name
+from tiered_kv.storage.lmdb.pages import DbRecord, IndexDamage, walk_index
+from tiered_kv.storage.lmdb import unpack_entry
+from tiered_kv.storage.format.record import HEADER_BYTES
+from tiered_kv.storage.lmdb.segments import segment_name
 
 FORK = mp.get_context("fork")
 DAMAGES = ["truncated", "zeroed_page", "empty", "deleted"]
@@ -442,7 +442,7 @@ def test_a_rebuilt_store_keeps_owner_only_files(store_and_keys: tuple[Path, set]
 def test_rebuild_index_refuses_a_store_open_in_this_process(store_and_keys: tuple[Path, set]) -> None:
     """LMDB's lock cannot tell this process's own handle apart: the in-process registry
     does, so the index is never swapped under an open environment."""
-    from tiered_kv.storage.lmdb_rebuild import rebuild_index
+    from tiered_kv.storage.lmdb.rebuild import rebuild_index
 
     where, keep = store_and_keys
     with LmdbStore(where, layout_fingerprint=FP) as store:

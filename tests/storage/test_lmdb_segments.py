@@ -21,9 +21,10 @@ import pytest
 
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import LmdbStore, StoreError, StoreFullError, record_size
-from tiered_kv.storage.lmdb_store import unpack_entry
-from tiered_kv.storage.record import HEADER_BYTES
-from tiered_kv.storage.segments import ALIGN, punch_hole, segment_name
+from tiered_kv.storage.lmdb import unpack_entry
+from tiered_kv.storage.lmdb.group_commit import FaultPoint
+from tiered_kv.storage.format.record import HEADER_BYTES
+from tiered_kv.storage.lmdb.segments import ALIGN, punch_hole, segment_name
 
 N = 100_000
 ONE = record_size(N)
@@ -113,11 +114,12 @@ def _write_then_die(where: Path, ready) -> None:
     """Append a batch to the segment, then die before the index transaction commits."""
     store = LmdbStore(where, layout_fingerprint=FP)
 
-    def die(*args, **kwargs):
-        ready.set()
-        os.kill(os.getpid(), signal.SIGKILL)
+    def die(point: FaultPoint, info: object) -> None:
+        if point is FaultPoint.INDEX_BATCH:  # the step after the durable segment append
+            ready.set()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    store._index_puts = die  # the step after the durable segment append
+    store.faults.hook = die
     store.put_many([item_for(make_key(100 + i), N) for i in range(8)])
 
 
@@ -233,7 +235,7 @@ def test_index_commits_flush_pages_but_not_the_meta_page(tmp_path: Path) -> None
     """MDB_NOMETASYNC (integrity kept after an OS crash, the last transaction recoverable
     from the segments), never MDB_NOSYNC (an OS crash could corrupt the index)."""
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as store:
-        flags = store._env.flags()
+        flags = store._index.env.flags()
         assert flags["sync"] is True and flags["metasync"] is False and flags["writemap"] is False
 
 
@@ -352,7 +354,7 @@ def _rewrite_entry(path: Path, key, **change: int) -> None:
     """Replace fields of ``key``'s index entry (segment, offset, length) in place."""
     from dataclasses import replace
 
-    from tiered_kv.storage.lmdb_store import pack_entry
+    from tiered_kv.storage.lmdb import pack_entry
 
     env = lmdb.open(str(path), max_dbs=4, lock=False)
     try:
@@ -397,9 +399,9 @@ def test_verify_counts_an_absurd_index_entry(tmp_path: Path) -> None:
 def test_scatter_reads_of_cold_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
     """The cold paths (O_DIRECT into the bounce buffer, then piece by piece; buffered
     preadv after WILLNEED) fill scatter lists exactly and catch a bad payload."""
-    from tiered_kv.storage.segments import SegmentFiles
+    from tiered_kv.storage.lmdb.reads import ReadEngine
 
-    monkeypatch.setattr(SegmentFiles, "_cached", lambda self, fd, offset, length: False)
+    monkeypatch.setattr(ReadEngine, "cached", lambda self, fd, offset, length: False)
     where = tmp_path / "s"
     keys = [make_key(i) for i in range(4)]
     with LmdbStore(where, layout_fingerprint=FP) as store:

@@ -31,7 +31,7 @@ from tiered_kv.storage import (  # noqa: E402
     ZarrStore,
     open_store,
 )
-from tiered_kv.storage.rekey_journal import (  # noqa: E402
+from tiered_kv.storage.encrypted.rekey_journal import (  # noqa: E402
     FAILPOINT_ENV,
     JOURNAL_NAME,
     RekeyJournal,

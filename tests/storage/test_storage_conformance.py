@@ -1,9 +1,11 @@
-"""The block-store contract, written once; every backend runs it (zarr's ``StoreTests`` manner).
+"""The block-store contract, written once; every backend and every wrapper runs it (zarr's
+``StoreTests`` manner): LMDB, a Zarr directory, the generic zarr Store API, an encrypted level
+(a :class:`~tiered_kv.storage.api.StoreWrapper`), a one-level and a two-level chain.
 
-A backend subclass provides ``open(where, **options)`` and raw access to one stored record
-(``raw_read`` / ``raw_write``, used with the store closed) for the corruption tests.
-Tests needing a local directory or several processes are gated by ``local`` and the
-store's ``supports_multiprocess`` flag.
+A subclass provides ``open(where, **options)`` and raw access to one stored record
+(``raw_read`` / ``raw_write``, used with the store closed: every copy of it, on a chain)
+for the corruption tests. Tests needing a local directory or several processes are gated
+by ``local`` and the store's ``supports_multiprocess`` flag.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from tiered_kv.storage import (
     PutItem,
     RecordKey,
     RecordKind,
+    StoreChain,
     StoreFullError,
     ZarrStore,
     encode_record,
     record_size,
 )
-from tiered_kv.storage.record import HEADER_BYTES
+from tiered_kv.storage.format.record import HEADER_BYTES
 
 FORK = mp.get_context("fork")
 
@@ -90,8 +93,8 @@ NEW_PROCESS_SCRIPT = """
 import json, sys
 import numpy as np
 from tiered_kv.storage import open_store, RecordKey
-url, fp, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-with open_store(url, layout_fingerprint=fp) as store:
+url, fp, spec, options = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+with open_store(url, layout_fingerprint=fp, **options) as store:
     keys = [RecordKey.block(bytes.fromhex(h)) for h, _ in spec]
     outs = [np.empty(n, np.uint8) for _, n in spec]
     metas = store.get_many(keys, outs)
@@ -109,8 +112,28 @@ class StoreConformance:
     #: whether access times (the LRU order) survive closing and reopening the store;
     #: the generic zarr Store API and object stores keep them in memory only
     persists_access_order: ClassVar[bool] = True
+    #: copies of a record the store keeps (a two-level chain: one per level), each of them
+    #: damaged by ``raw_write`` and counted ``corrupt`` when read
+    copies: ClassVar[int] = 1
+    #: a record evicted past ``max_bytes`` is gone from the store (not so on a chain whose
+    #: farther level keeps it)
+    evicts: ClassVar[bool] = True
+    #: an out of another size than the stored payload raises ValueError; an encrypted level
+    #: learns the size only by opening the envelope, and answers a miss (the record kept)
+    other_size_raises: ClassVar[bool] = True
 
     # ----------------------------------------------------------- backend hooks
+    def stored_size(self, payload_bytes: int) -> int:
+        """The bytes one record of ``payload_bytes`` takes in the store's accounting."""
+        return record_size(payload_bytes)
+
+    def settle(self, store: BlockStore) -> None:
+        """Wait until every copy of what was put is written (a chain's uploads)."""
+
+    def url(self, where: Any) -> tuple[Any, dict[str, Any]]:
+        """``(url, options)``: how :func:`open_store` in another process opens the store."""
+        return f"{self.scheme}://{where}", {}
+
     def open(self, where: Any, **options: Any) -> BlockStore:
         raise NotImplementedError
 
@@ -207,13 +230,21 @@ class StoreConformance:
         np.testing.assert_array_equal(pool[:, 1].reshape(-1), payload_for(keys[2], n))
         assert not pool[:, [0, 2]].any()  # the other blocks untouched
 
+    def _check_other_size(self, store: BlockStore, key: RecordKey, out: Any) -> None:
+        """``out`` is not the size of ``key``'s 1000-byte payload: ValueError, or (where
+        not ``other_size_raises``) a miss that keeps the record and counts nothing corrupt."""
+        if self.other_size_raises:
+            with pytest.raises(ValueError, match="out: expected 1000 bytes"):
+                store.get(key, out)
+            return
+        assert store.get(key, out) is None
+        assert store.contains(key) and store.stats()["corrupt"] == 0
+
     def test_scatter_out_wrong_total_raises(self, store: BlockStore) -> None:
         key = make_key(2)
         store.put_many([item_for(key, 1000)])
-        with pytest.raises(ValueError, match="out: expected 1000 bytes"):
-            store.get(key, [np.empty(500, np.uint8), np.empty(499, np.uint8)])
-        with pytest.raises(ValueError, match="out: expected 1000 bytes"):
-            store.get(key, [bytearray(1000), bytearray(1)])
+        self._check_other_size(store, key, [np.empty(500, np.uint8), np.empty(499, np.uint8)])
+        self._check_other_size(store, key, [bytearray(1000), bytearray(1)])
         with pytest.raises(ValueError, match="writable"):
             store.get(key, [bytearray(500), bytes(500)])
         with pytest.raises(ValueError, match="contiguous"):
@@ -235,7 +266,7 @@ class StoreConformance:
             metas = s.get_many([key, make_key(8)], outs)
             assert metas[0] is None and metas[1] is not None
             st_ = s.stats()
-            assert (st_["hits"], st_["misses"], st_["corrupt"]) == (1, 1, 1)
+            assert (st_["hits"], st_["misses"], st_["corrupt"]) == (1, 1, self.copies)
             assert not s.contains(key)
             np.testing.assert_array_equal(outs[1][0], payload_for(make_key(8), n))
 
@@ -273,10 +304,8 @@ class StoreConformance:
     def test_bad_out_buffers_raise(self, store: BlockStore) -> None:
         key = make_key(2)
         store.put_many([item_for(key, 1000)])
-        with pytest.raises(ValueError, match="out: expected 1000 bytes"):
-            store.get(key, np.empty(999, np.uint8))
-        with pytest.raises(ValueError, match="out: expected 1000 bytes"):
-            store.get(key, bytearray(1001))
+        self._check_other_size(store, key, np.empty(999, np.uint8))
+        self._check_other_size(store, key, bytearray(1001))
         with pytest.raises(ValueError, match="writable"):
             store.get(key, bytes(1000))
         with pytest.raises(ValueError, match="contiguous"):
@@ -328,6 +357,7 @@ class StoreConformance:
         assert len(store) == 6 and set(store) == set(keys)
         assert all(store.contains(k) for k in keys) and keys[0] in store
         assert not store.contains(make_key(99))
+        self.settle(store)  # (a chain: a delete does not stop an upload already in flight)
         assert store.delete(keys[2]) is True
         assert store.delete(keys[2]) is False
         assert not store.contains(keys[2]) and len(store) == 5
@@ -345,9 +375,9 @@ class StoreConformance:
         for name in ("records", "bytes", "hits", "misses", "corrupt", "evictions", "puts", "put_bytes",
                      "max_bytes", "oldest_access_ns", "newest_access_ns"):
             assert name in s
-        assert s["records"] == 3 and s["bytes"] == 3 * record_size(1000)
+        assert s["records"] == 3 and s["bytes"] == 3 * self.stored_size(1000)
         assert (s["hits"], s["misses"], s["corrupt"], s["evictions"]) == (2, 1, 0, 0)
-        assert s["puts"] == 3 and s["put_bytes"] == 3 * record_size(1000)
+        assert s["puts"] == 3 and s["put_bytes"] == 3 * self.stored_size(1000)
         assert 0 < s["oldest_access_ns"] < s["newest_access_ns"]
 
     def test_closed_store_raises(self, store: BlockStore) -> None:
@@ -383,8 +413,10 @@ class StoreConformance:
         store.put_many([item_for(k) for k in keys])
         store.close()
         spec = [(k.block_hash.hex(), payload_size(k)) for k in keys]
-        proc = subprocess.run([sys.executable, "-c", NEW_PROCESS_SCRIPT, f"{self.scheme}://{where}", FP,
-                               json.dumps(spec)], capture_output=True, text=True, timeout=120)
+        url, options = self.url(where)
+        proc = subprocess.run([sys.executable, "-c", NEW_PROCESS_SCRIPT, json.dumps(str(url) if isinstance(url, Path)
+                               else url), FP, json.dumps(spec), json.dumps(options)],
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         got = json.loads(proc.stdout.strip().splitlines()[-1])
         assert got["hits"] == [True] * 8 and got["len"] == 8
@@ -422,8 +454,10 @@ class StoreConformance:
 
     # ----------------------------------------------------------- capacity
     def test_lru_eviction_order(self, where: Any) -> None:
+        if not self.evicts:
+            pytest.skip("a farther level keeps what level 0 evicts")
         n = 1000
-        one = record_size(n)
+        one = self.stored_size(n)
         store = self.open(where, max_bytes=4 * one)
         a, b, c, d, e, f, g = (make_key(i) for i in range(7))
         try:
@@ -445,7 +479,7 @@ class StoreConformance:
             store.close()
 
     def test_record_larger_than_max_bytes(self, where: Any) -> None:
-        with self.open(where, max_bytes=record_size(100)) as store:
+        with self.open(where, max_bytes=self.stored_size(100)) as store:
             store.put_many([item_for(make_key(0), 100)])
             with pytest.raises(StoreFullError, match="max_bytes"):
                 store.put_many([item_for(make_key(1), 101)])
@@ -462,7 +496,7 @@ class StoreConformance:
         with self.open(where) as s:
             assert s.get(key, np.empty(n, np.uint8)) is None
             st_ = s.stats()
-            assert (st_["hits"], st_["misses"], st_["corrupt"]) == (0, 1, 1)
+            assert (st_["hits"], st_["misses"], st_["corrupt"]) == (0, 1, self.copies)
             assert not s.contains(key)                                 # the bad record is gone
             assert s.put_many([item_for(key, n)]) == [True]            # and can be rewritten
             out = np.empty(n, np.uint8)
@@ -478,14 +512,16 @@ class StoreConformance:
         self.raw_write(where, key, good[: len(good) // 2])
         with self.open(where) as s:
             assert s.put_many([item_for(key, n)]) == [True]  # a torn record does not block a rewrite
-            assert s.stats()["corrupt"] == 1
+            self.settle(s)
+            assert s.stats()["corrupt"] == self.copies
             assert s.get(key, np.empty(n, np.uint8)) is not None
 
     def test_token_digest_mismatch_is_a_miss(self, store: BlockStore) -> None:
         key = make_key(11)
         store.put_many([item_for(key, 100)])
+        self.settle(store)
         assert store.get(key, np.empty(100, np.uint8), token_digest=token_digest([1, 2, 3])) is None
-        assert store.stats()["corrupt"] == 1 and not store.contains(key)
+        assert store.stats()["corrupt"] == self.copies and not store.contains(key)
 
     # ----------------------------------------------------------- tenants
     def test_two_tenants_never_share(self, store: BlockStore) -> None:
@@ -532,8 +568,8 @@ class StoreConformance:
                 assert st_.get("auth_failures", 0) == 0
                 assert st_["bytes"] <= max_bytes
                 if isinstance(s, LmdbStore) or isinstance(getattr(s, "inner", None), LmdbStore):
-                    overhead = _envelope_overhead() if sealed else 0  # accounting is transactional too
-                    assert st_["bytes"] == sum(record_size(payload_size(k) + overhead) for k in s)
+                    size = (lambda n: record_size(n + _envelope_overhead())) if sealed else self.stored_size
+                    assert st_["bytes"] == sum(size(payload_size(k)) for k in s)  # transactional too
             seen += n
         assert seen > 0, "no writer got a record committed before it was killed"
 
@@ -628,7 +664,7 @@ class StoreConformance:
 
 # ------------------------------------------------------------------ process bodies (fork)
 def _envelope_overhead() -> int:
-    from tiered_kv.storage.crypto import ENVELOPE_OVERHEAD
+    from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD
 
     return ENVELOPE_OVERHEAD
 
@@ -636,7 +672,7 @@ def _envelope_overhead() -> int:
 def _encryption(tmp_path: Path) -> dict[str, Any] | None:
     """An encryption config with a fresh key file (skips without the cryptography package)."""
     pytest.importorskip("cryptography", reason="encryption needs the cryptography package")
-    from tiered_kv.storage.crypto import write_key_file
+    from tiered_kv.storage.encrypted.crypto import write_key_file
 
     key = tmp_path / "master.key"
     if not key.exists():
@@ -739,3 +775,99 @@ class TestZarrMemoryStore(StoreConformance):
         from zarr.core.sync import sync
 
         sync(where.set(self._name(key), default_buffer_prototype().buffer.from_bytes(data)))
+
+
+# ------------------------------------------------------------------ wrappers
+class TestEncryptedLmdbStore(TestLmdbStore):
+    """An encrypted level over LMDB (:class:`EncryptedStore`, a ``StoreWrapper``): records
+    sealed and stored under keyed names, the contract unchanged."""
+
+    other_size_raises = False
+    encryption: dict[str, Any]
+
+    @pytest.fixture(autouse=True)
+    def _key_file(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.encryption = _encryption(tmp_path_factory.mktemp("key"))  # (outside the store's directory)
+
+    def open(self, where: Any, **options: Any) -> BlockStore:
+        options.pop("sealed", None)
+        return EncryptedStore(super().open(where, sealed=True, **options), self.encryption)
+
+    def open_sealed(self, where: Any, encryption: dict[str, Any] | None, **options: Any) -> BlockStore:
+        return self.open(where, **options)  # (sealed either way, under this class's key)
+
+    def stored_size(self, payload_bytes: int) -> int:
+        return record_size(payload_bytes + _envelope_overhead())
+
+    def url(self, where: Any) -> tuple[Any, dict[str, Any]]:
+        return f"lmdb://{where}", {"encryption": self.encryption}
+
+    def _name(self, where: Any, key: RecordKey) -> RecordKey:
+        with self.open(where) as s:
+            return s.name_of(key)
+
+    def raw_read(self, where: Any, key: RecordKey) -> bytes:
+        return super().raw_read(where, self._name(where, key))
+
+    def raw_write(self, where: Any, key: RecordKey, data: bytes) -> None:
+        super().raw_write(where, self._name(where, key), data)
+
+
+class TestOneLevelChain(TestLmdbStore):
+    """A :class:`StoreChain` of one LMDB level: the chain's read, write and stats paths."""
+
+    def open(self, where: Any, **options: Any) -> BlockStore:
+        return StoreChain([super().open(where, **options)], journal=False)
+
+    def open_sealed(self, where: Any, encryption: dict[str, Any] | None, **options: Any) -> BlockStore:
+        if encryption is None:
+            return self.open(where, **options)
+        return StoreChain([EncryptedStore(TestLmdbStore.open(self, where, sealed=True, **options), encryption)],
+                          journal=False)
+
+
+class TestTwoLevelChain(StoreConformance):
+    """A :class:`StoreChain` of an LMDB level 0 and a Zarr directory behind it: every record
+    uploaded (closing the chain finishes its uploads), so damaged at both levels it is a
+    miss counted twice."""
+
+    scheme = "lmdb"
+    copies = 2
+    evicts = False
+
+    @staticmethod
+    def _levels(where: Path) -> tuple[Path, Path]:
+        return where / "near", where / "far"
+
+    def open(self, where: Any, **options: Any) -> BlockStore:
+        return self.open_sealed(where, None, **options)
+
+    def open_sealed(self, where: Any, encryption: dict[str, Any] | None, **options: Any) -> BlockStore:
+        near, far = self._levels(where)
+        options.setdefault("layout_fingerprint", FP)
+        options.setdefault("max_bytes", 1 << 30)
+        near_store = LmdbStore(near, initial_map_size=8 << 20, sealed=encryption is not None, **options)
+        options.pop("max_bytes")  # (the far level keeps everything: what it evicted could not be read back)
+        try:
+            far_store = ZarrStore(far, sealed=encryption is not None, **options)
+        except BaseException:
+            near_store.close()
+            raise
+        levels = [near_store, far_store] if encryption is None else [
+            EncryptedStore(near_store, encryption), EncryptedStore(far_store, encryption)]
+        return StoreChain(levels, timeout_s=60.0)  # (the contract, not the far level's deadline)
+
+    def settle(self, store: BlockStore) -> None:
+        assert isinstance(store, StoreChain) and store.wait_uploads(60.0)
+
+    def url(self, where: Any) -> tuple[Any, dict[str, Any]]:
+        near, far = self._levels(where)
+        return [f"lmdb://{near}", f"zarr://{far}"], {}
+
+    def raw_read(self, where: Any, key: RecordKey) -> bytes:
+        return lmdb_raw_read(self._levels(where)[0], key.to_bytes())
+
+    def raw_write(self, where: Any, key: RecordKey, data: bytes) -> None:
+        near, far = self._levels(where)
+        lmdb_raw_write(near, key.to_bytes(), data)
+        TestZarrLocalStore.raw_write(TestZarrLocalStore(), far, key, data)

@@ -17,7 +17,7 @@ import pytest
 import test_storage_conformance as conformance  # raw record access of the local backends
 from storage_helpers import FP, item_for, make_key, payload_for, verify_all
 from tiered_kv.storage import BlockStore, LmdbStore, RecordKey, RecordKind, ZarrStore, record_size
-from tiered_kv.storage.record import HEADER_BYTES
+from tiered_kv.storage.format.record import HEADER_BYTES
 
 BUCKET = "tkv-maintenance"
 N = 2000  # payload bytes of every record here

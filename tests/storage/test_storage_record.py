@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from storage_helpers import FP, OTHER_FP, digest_for, make_key, payload_for
 from tiered_kv.storage import CorruptRecordError, RecordCheck, RecordKey, RecordKind, decode_record, encode_record
-from tiered_kv.storage.fastread import digest_parts
-from tiered_kv.storage.record import (
+from tiered_kv.storage.os.fastread import digest_parts
+from tiered_kv.storage.format.record import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     KEY_BYTES,

@@ -14,7 +14,7 @@ import pytest
 from storage_helpers import FP, item_for, make_key
 
 from tiered_kv.storage import LmdbStore, StoreChain, ZarrStore, journal
-from tiered_kv.storage.journal import JOURNAL_FILE, UploadJournal, level_name
+from tiered_kv.storage.chain.journal import JOURNAL_FILE, UploadJournal, level_name
 
 N = 4096
 
@@ -38,6 +38,21 @@ def test_add_scan_remove_count(tmp_path: Path) -> None:
     with UploadJournal(tmp_path) as j:                                     # reopened: all still there
         assert j.levels() == {"a": 7, "b": 10}
     assert level_name("zarr+s3://bkt/p?endpoint=http://h:1") == "zarr+s3://bkt/p"
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o277])
+def test_journal_files_are_owner_only_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    """The journal and LMDB's lock file beside it are 0o600 like every file of a store
+    (LMDB creates its lock file subject to the umask: 0o400 under 0o277, unless created first)."""
+    old = os.umask(umask)
+    try:
+        j = UploadJournal(tmp_path)
+        j.add(["far"], [(make_key(0), 100)])
+        j.close()
+    finally:
+        os.umask(old)
+    for name in (JOURNAL_FILE, f"{JOURNAL_FILE}-lock"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
 
 
 def test_handles_share_one_environment_and_the_map_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

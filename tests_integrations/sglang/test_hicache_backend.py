@@ -755,7 +755,7 @@ def test_an_encrypted_backend_seals_pages_and_a_wrong_key_only_fails_pages(tmp_p
     """``encryption`` in extra_config: pages sealed for the backend's tenant; the store's
     files hold no page bytes; a restart with the key reads them exactly; another key gets
     failed pages (SGLang recomputes: its names are elsewhere), never bytes or an exception."""
-    from tiered_kv.storage.crypto import write_key_file
+    from tiered_kv.storage.encrypted.crypto import write_key_file
 
     key, other = tmp_path / "fleet.key", tmp_path / "other.key"
     write_key_file(key)

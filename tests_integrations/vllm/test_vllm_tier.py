@@ -408,7 +408,7 @@ def test_an_encrypted_tier_seals_chunks_and_a_wrong_key_only_misses(tmp_path: Pa
     """``encryption`` in the tier config (through vLLM's own config path): chunks sealed for
     the tier's tenant; the files hold no chunk bytes; a restart with the key reads them
     exactly; another key finds none of them (vLLM recomputes), never bytes or an exception."""
-    from tiered_kv.storage.crypto import write_key_file
+    from tiered_kv.storage.encrypted.crypto import write_key_file
 
     key, other = tmp_path / "fleet.key", tmp_path / "other.key"
     write_key_file(key)

@@ -50,7 +50,7 @@ def encryption_from_args(args: argparse.Namespace, *, default_tenant: str = "",
     and checked now), or None when no key file is given. ``require_tenant``: the tenant
     has no default (the message says why): ``--tenant`` or a tenant key file must name it."""
     from ..storage import EncryptionConfig, KeyFileError
-    from ..storage.crypto import Keyring, load_key_file
+    from ..storage.encrypted.crypto import Keyring, load_key_file
 
     files: list[str] = []
     if args.key_file:
@@ -96,7 +96,7 @@ def describe_encryption(store: BlockStore, *, sample: int = 16) -> dict[str, Any
     import numpy as np
 
     from ..storage import EncryptedStore
-    from ..storage.crypto import ENVELOPE_MAGIC
+    from ..storage.encrypted.crypto import ENVELOPE_MAGIC
 
     if isinstance(store, EncryptedStore):
         s = store.stats()
@@ -114,7 +114,7 @@ def describe_encryption(store: BlockStore, *, sample: int = 16) -> dict[str, Any
             sealed += 1
         else:
             plain += 1
-    marked = getattr(store, "sealing", None)
+    marked = store.sealing
     encrypted = True if marked is not None else None if not keys or not (sealed or plain) else sealed > 0
     return {"encrypted": encrypted, "sealing": marked, "sampled": len(keys), "sampled_sealed": sealed,
             "sampled_plain": plain}

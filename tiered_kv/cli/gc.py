@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ..storage import StoreChain
-    from ..storage.journal import keep_owed_uploads
+    from ..storage.chain.journal import keep_owed_uploads
 
     layout = _common.layout_option(args)
     locs = [_common.parse_store(text) for text in args.store]

@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..storage.crypto import KeyFileError, write_key_file, write_tenant_key_file
+    from ..storage.encrypted.crypto import KeyFileError, write_key_file, write_tenant_key_file
 
     if (args.tenant is None) != (args.master is None):
         raise UsageError("--tenant and --from: expected both (a tenant key file is derived from a master key) "

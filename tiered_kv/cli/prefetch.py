@@ -191,7 +191,7 @@ def prefetch(layout: KVLayout | None, source: _common.StoreLocation, dest: _comm
                                                                      model_id=_common.cache_model_id(writer_info))
                     else:
                         assert recent is not None
-                        keys = src.recent(recent)  # type: ignore[attr-defined]  (Zarr: checked by _run)
+                        keys = src.recent(recent)  # (a Zarr source: checked by _run)
                 counts.wanted = len(keys)
                 if not keys and encryption is not None:
                     _check_keys_open_some(src, source)

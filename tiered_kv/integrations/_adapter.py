@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..storage import EncryptionConfig, RecordKey
-from ..storage.crypto import default_tenant
+from ..storage.encrypted.crypto import default_tenant
 
 __all__ = ["block_key", "display_url", "namespace_root", "open_options"]
 

@@ -92,8 +92,8 @@ from ..storage import (
     WriterKind,
     open_store,
 )
-from ..storage.counters import Counters
-from ..storage.record import OutSegments
+from ..storage.api.counters import Counters
+from ..storage.format.record import OutSegments
 from ._adapter import block_key, display_url, namespace_root, open_options
 
 __all__ = ["SGLANG_LAYOUT_FINGERPRINT", "ClearRefusedError", "TieredKVHiCacheStorage"]
@@ -231,7 +231,7 @@ def _page_pieces(ptrs: np.ndarray, sizes: tuple[int, ...]) -> list[OutSegments]:
     a run of buffers at one stride (:func:`_buffer_runs`: a layer_first page's layers)
     is one strided 2-D view whose rows are the buffers, so a page of 61 layers costs one
     array and one ``list()``, not 61 slices. Each page is an
-    :class:`~tiered_kv.storage.record.OutSegments`: the scatter list the store reads
+    :class:`~tiered_kv.storage.format.record.OutSegments`: the scatter list the store reads
     into (every piece is by construction a 1-D, C-contiguous, writable uint8 view).
     """
     n_pages, per_page = ptrs.shape

@@ -116,7 +116,7 @@ from ..storage import (
     WriterKind,
     open_store,
 )
-from ..storage.counters import Counters
+from ..storage.api.counters import Counters
 from ._adapter import block_key, display_url, namespace_root, open_options
 from .read_ahead import ReadAhead, Staged
 

@@ -1,0 +1,102 @@
+"""What the ``os`` module lacks: ``fallocate`` (punch holes, allocate blocks), ``cachestat``
+(which pages of a file the page cache holds), and page-aligned buffers for ``O_DIRECT``.
+
+``fallocate`` and ``cachestat(2)`` (Linux >= 6.5) are called through ctypes; where a call
+is not available the functions say so (False, an errno, None) instead of raising.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+
+import numpy as np
+
+__all__ = ["ALIGN", "align_down", "align_up", "aligned_buffer", "allocate_blocks", "cached_pages", "punch_hole"]
+
+#: Alignment of ``O_DIRECT`` transfers (and of the batches of a segment file).
+ALIGN = 4096
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_SYS_CACHESTAT = 451  # x86_64 and aarch64 (generic table)
+
+
+def align_down(x: int) -> int:
+    return x & ~(ALIGN - 1)
+
+
+def align_up(x: int) -> int:
+    return (x + ALIGN - 1) & ~(ALIGN - 1)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+class _Libc:
+    """fallocate(PUNCH_HOLE) and cachestat(2) through ctypes (not in the os module)."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        self.lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        self.lib.syscall.restype = ctypes.c_long
+        self.cachestat_ok = os.uname().machine in ("x86_64", "aarch64")
+
+    def punch(self, fd: int, offset: int, length: int) -> bool:
+        if length <= 0:
+            return True
+        rc = self.lib.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+        return rc == 0
+
+    def cached_pages(self, fd: int, offset: int, length: int) -> tuple[int, int] | None:
+        """(pages in the page cache, pages in the range) of ``[offset, offset+length)``, or
+        None where cachestat is not available."""
+        if not self.cachestat_ok:
+            return None
+        first = align_down(offset)
+        rng, st = _CachestatRange(first, align_up(offset + length) - first), _Cachestat()
+        rc = self.lib.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st),
+                              ctypes.c_uint(0))
+        if rc != 0:
+            if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+                self.cachestat_ok = False
+            return None
+        return st.cache, rng.len // mmap.PAGESIZE
+
+
+_LIBC = _Libc()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free the disk blocks of ``[offset, offset+length)`` (the bytes read back as zeros);
+    False where the filesystem cannot."""
+    return _LIBC.punch(fd, offset, length)
+
+
+def allocate_blocks(fd: int, offset: int, length: int) -> int:
+    """Allocate the disk blocks of ``[offset, offset+length)`` without changing the file's
+    size (``fallocate(FALLOC_FL_KEEP_SIZE)``): a later write there, or a file grown over
+    them, needs no new block. Returns 0, or the errno (ENOSPC: no room; EOPNOTSUPP: the
+    filesystem cannot)."""
+    if _LIBC.lib.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def cached_pages(fd: int, offset: int, length: int) -> tuple[int, int] | None:
+    """``(pages the page cache holds, pages)`` of bytes ``[offset, offset+length)`` of the
+    file open as ``fd``; None where ``cachestat`` is not available (an older kernel)."""
+    return _LIBC.cached_pages(fd, offset, length)
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned ``[nbytes] uint8`` array (anonymous mmap), for O_DIRECT transfers."""
+    mm = mmap.mmap(-1, max(ALIGN, align_up(nbytes)))
+    return np.frombuffer(mm, np.uint8)
