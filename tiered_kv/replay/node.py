@@ -1,0 +1,363 @@
+"""One node of a replay: a real :class:`~tiered_kv.cache.TieredKVCache` served trace requests.
+
+Per request (``bt`` = block_tokens)::
+
+    tokens  = TokenMaker.prompt(i, request)            deterministic from the hash ids
+    hashes  = cache.hasher.block_hashes(full blocks)   the cache's own prefix hashes
+    look    = lookup(hashes)                           per-tier answer, nothing loaded
+    req     = cache.open(tokens)                       the real prefix match and loads
+    verify  (a sample)                                 resumed blocks + State read back
+    cache.reserve(req, rest); write_csa / write_hca    synthetic entries of new blocks
+    per block: write the State expected at its end, cache.advance(block's tokens)
+                                                       seals, writes through to disk, and
+                                                       snapshots by the cache's own policy
+    cache.close(req)
+
+and the request's tokens are attributed to tiers and miss reasons (:mod:`.tally`). The
+cache runs the stand-in layout (:mod:`.standin`); byte figures are reported in the
+model's bytes (stand-in bytes x scale).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..lookup import ResumeIndex, ResumeLookup, Tier
+from .config import ReplayConfig, TierPlan, plan_tiers
+from .synth import SyntheticKV
+from .tally import Tally
+from .tokens import TokenMaker
+from .trace import Trace, TraceRequest
+
+__all__ = ["Node", "NodeResult", "Served", "shared_url_for"]
+
+#: failure counters of cache.stats() that explain a resume shorter than the lookup's
+_CORRUPT_COUNTERS = ("disk_read_failures", "store_corrupt", "store_auth_failures")
+_UNAVAILABLE_COUNTERS = ("store_timeouts", "store_level_unavailable", "store_level_errors")
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One request's outcome on a node (tokens)."""
+
+    index: int
+    prompt_tokens: int
+    hit_tokens: int
+    resumable_tokens: int
+
+
+@dataclass
+class NodeResult:
+    """What one node's replay measured."""
+
+    name: str
+    tally: Tally
+    plan: TierPlan
+    #: model bytes resident at the end: tier -> {"blocks": n, "snapshots": n} (bytes)
+    resident: dict[str, dict[str, int]]
+    #: model bytes moved between tiers: "gpu->host" ... -> {"blocks": bytes, "snapshots": bytes}
+    moved: dict[str, dict[str, int]]
+    #: the cache's counters at the end (stand-in units)
+    stats: dict[str, Any]
+    wall_s: float
+
+
+def shared_url_for(url: str, run: str) -> str:
+    """``url`` with ``run`` appended to its bucket prefix (before any ``?query``)."""
+    base, sep, query = url.partition("?")
+    return f"{base.rstrip('/')}/{run}{sep}{query}"
+
+
+class Node:
+    """A cache with the tiers of ``config``, serving requests of a ``block_tokens`` trace."""
+
+    def __init__(self, config: ReplayConfig, block_tokens: int, *, name: str = "node", run_id: str | None = None,
+                 shared_url: str | None = None) -> None:
+        from .. import TieredKVCache
+
+        self.config = config
+        self.name = name
+        self.plan = plan_tiers(config, block_tokens)
+        self.bt = block_tokens
+        L = self.plan.standin.layout
+        self._tmp: Path | None = None
+        store, options = self._store_spec(config, shared_url, run_id or uuid.uuid4().hex[:12])
+        policy = {**config.snapshot().cache_options, **config.eviction().cache_options}
+        self.cache = TieredKVCache(L, num_blocks=self.plan.gpu_blocks, num_state_slots=1,
+                                   num_snapshots=self.plan.gpu_snapshots, host_bytes=self.plan.host_bytes,
+                                   host_snapshot_fraction=config.snapshot_fraction, store=store,
+                                   store_options=options, salt=config.salt, **policy)
+        self.index = ResumeIndex.of_cache(self.cache)
+        self.synth = SyntheticKV(L)
+        self.tokens = TokenMaker(block_tokens)
+        self.tally = Tally()
+        self._seen: set[bytes] = set()
+        self._deepest = max(self.index.tiers)
+        self._reached_host: set[bytes] | None = None
+        self._snapshot_offloads = 0
+        self._hook_evictions()
+        self._failures = self._failure_counts()
+        self._verified_tiers: set[str] = set()
+        self._pending: tuple[int, list[int], list[bytes], ResumeLookup] | None = None
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ set-up
+    def _store_spec(self, config: ReplayConfig, shared_url: str | None, run_id: str) -> tuple[Any, dict | None]:
+        if config.disk is None:
+            return None, None
+        url = config.disk_url
+        if url is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix=f"tkv-replay-{self.name}-", dir=config.workdir))
+            url = f"lmdb://{self._tmp / 'disk'}"
+        disk_options = {"max_bytes": self.plan.disk_max_bytes}
+        shared = shared_url if shared_url is not None else config.shared_url
+        if shared is None:
+            return url, disk_options
+        far = shared_url_for(shared, f"replay-{run_id}") if shared_url is None else shared
+        return [url, far], {"level_options": [disk_options, {}], **config.chain_options}
+
+    def _hook_evictions(self) -> None:
+        """Count what moves down the tiers on eviction (the pools' ``on_evict`` is public)."""
+        cache = self.cache
+        host = cache.host
+        if host is None:
+            return
+        if cache.disk is None:  # then "evicted from host" needs to know what reached it
+            self._reached_host = reached = set()
+            on_block = cache.blocks.on_evict
+            held = host.blocks.cached
+
+            def block_evicted(b: int, h: bytes) -> None:
+                on_block(b, h)  # type: ignore[misc]
+                if h in held:
+                    reached.add(h)
+
+            cache.blocks.on_evict = block_evicted
+        on_snap = cache.snapshots.ids.on_evict
+        snaps = host.snapshots.cached if host.snapshots is not None else {}
+
+        def snapshot_evicted(sid: int, h: bytes) -> None:
+            before = h in snaps
+            on_snap(sid, h)  # type: ignore[misc]
+            if not before and h in snaps:
+                self._snapshot_offloads += 1
+
+        cache.snapshots.ids.on_evict = snapshot_evicted
+
+    def check_trace(self, trace: Trace) -> None:
+        """ValueError when the GPU pool cannot hold the trace's longest prompt."""
+        longest = max(r.input_length for r in trace)
+        need = -(-longest // self.bt)
+        if need > self.plan.gpu_blocks:
+            raise ValueError(f"hbm: {self.config.hbm.describe()} holds {self.plan.gpu_blocks} blocks; the trace's "
+                             f"longest prompt ({longest:,} tokens) needs {need} at once: give a larger --hbm")
+
+    # ------------------------------------------------------------------ serving
+    def prepare(self, index: int, request: TraceRequest) -> ResumeLookup:
+        """Make request ``index``'s tokens and hashes and look it up (what a router asks)."""
+        arr = self.tokens.prompt_array(index, request)
+        full = arr.size // self.bt
+        hashes = self.cache.hasher.block_hashes(arr[:full * self.bt])
+        look = self.index.lookup(hashes, num_tokens=int(arr.size))
+        self._pending = (index, arr.tolist(), hashes, look)
+        return look
+
+    def serve(self, index: int, request: TraceRequest) -> Served:
+        """Serve request ``index`` through the cache and account for its tokens."""
+        if self._pending is None or self._pending[0] != index:
+            self.prepare(index, request)
+        assert self._pending is not None
+        _, tokens, hashes, look = self._pending
+        self._pending = None
+        cache, bt = self.cache, self.bt
+        n = len(tokens)
+        limit = look.limit_blocks
+        predicted = look.blocks()
+        held = min(look.resident_blocks[look.tiers[-1]], limit)
+        seen = 0
+        while seen < limit and hashes[seen] in self._seen:
+            seen += 1
+        seen = max(seen, held)
+        req = cache.open(tokens)
+        P = req.num_cached_tokens // bt
+        t = self.tally
+        short = predicted - P
+        if short < 0:
+            raise AssertionError(f"{self.name} request {index}: open resumed {P} blocks, the lookup said {predicted}")
+        if short:
+            t.miss_tokens[self._explain_short(index, P, predicted)] += short * bt
+        if P and self._should_verify(look, P):
+            self._verify(req, hashes[:P], look)
+        cache.reserve(req, n - P * bt)
+        full = len(hashes)
+        self.synth.write_blocks(cache, req, P, hashes[P:full])
+        write_state, advance = self.synth.write_state, cache.advance
+        for k in range(P, -(-n // bt)):
+            if k < full:
+                write_state(cache, req, hashes[k])
+            advance(req, tokens[k * bt:(k + 1) * bt])
+        cache.close(req)
+        self._seen.update(hashes)
+        self._account(look, n, P, predicted, held, seen, hashes)
+        return Served(index=index, prompt_tokens=n, hit_tokens=P * bt, resumable_tokens=predicted * bt)
+
+    def run(self, requests: Iterable[tuple[int, TraceRequest]],
+            progress: Callable[[int], None] | None = None) -> None:
+        for i, (index, request) in enumerate(requests, 1):
+            self.serve(index, request)
+            if progress is not None:
+                progress(i)
+
+    # ------------------------------------------------------------------ accounting
+    def _account(self, look: ResumeLookup, n: int, P: int, predicted: int, held: int, seen: int,
+                 hashes: list[bytes]) -> None:
+        t, bt, cost = self.tally, self.bt, self.config.cost
+        model = self.plan.standin.model
+        t.requests += 1
+        t.prompt_tokens += n
+        t.resident_tokens += held * bt
+        t.max_tokens += seen * bt
+        t.miss_tokens["no_snapshot"] += (held - predicted) * bt
+        if seen > held:
+            t.miss_tokens[f"evicted_{self._evicted_from(hashes[held]).label}"] += (seen - held) * bt
+        t.miss_tokens["never_seen"] += n - seen * bt
+        t.prefill_s_without_cache += cost.prefill_s(n)
+        t.prefill_s += cost.prefill_s(n - P * bt)
+        if not P:
+            return
+        t.hit_requests += 1
+        load = 0.0
+        for tier, k in _counts(look.block_tiers[:P]).items():
+            t.hit_tokens[tier.label] += k * bt
+            t.loaded_bytes[tier.label] += k * model.block_bytes
+            load += cost.load_s(tier, k * model.block_bytes)
+        snap = look.snapshot_tiers[look.tiers[-1]] if P == predicted else Tier.DISK
+        assert snap is not None
+        t.snapshot_hits[snap.label] += 1
+        t.loaded_bytes[snap.label] += model.snapshot_bytes
+        t.load_s += load + cost.load_s(snap, model.snapshot_bytes)
+
+    def _evicted_from(self, h: bytes) -> Tier:
+        """The farthest tier block ``h`` had reached (all of them pass the GPU; with a disk
+        every sealed block is written through, and uploaded to a shared level behind it)."""
+        if self._deepest >= Tier.DISK:
+            return self._deepest
+        if self._reached_host is not None and h in self._reached_host:
+            return Tier.HOST
+        return Tier.GPU
+
+    def _failure_counts(self) -> dict[str, int]:
+        stats = self.cache.stats()
+        return {k: int(stats.get(k) or 0) for k in (*_CORRUPT_COUNTERS, *_UNAVAILABLE_COUNTERS)}
+
+    def _explain_short(self, index: int, got: int, predicted: int) -> str:
+        """Why the open resumed fewer blocks than the lookup said: the failure counters
+        that moved since the last time (a broken invariant if none did)."""
+        now = self._failure_counts()
+        moved = {k for k in now if now[k] > self._failures[k]}
+        self._failures = now
+        if moved & set(_CORRUPT_COUNTERS):
+            return "corrupt"
+        if moved:
+            return "unavailable"
+        raise AssertionError(f"{self.name} request {index}: open resumed {got} blocks, the lookup said {predicted}, "
+                             f"and no read failed")
+
+    # ------------------------------------------------------------------ verification
+    def _should_verify(self, look: ResumeLookup, P: int) -> bool:
+        every = self.config.verify_every
+        if not every:
+            return False
+        tiers = {t.label for t in look.block_tiers[:P]}
+        return (self.tally.hit_requests % every == 0) or not tiers <= self._verified_tiers
+
+    def _verify(self, req: Any, hashes: list[bytes], look: ResumeLookup) -> None:
+        got = self.synth.verify(self.cache, req, hashes)
+        if got.bad_blocks or got.bad_snapshots:
+            raise AssertionError(f"{self.name}: wrong bytes served: {got.bad_blocks} of {got.blocks} blocks and "
+                                 f"{got.bad_snapshots} snapshot(s) differ from what was written")
+        t = self.tally
+        t.verified_requests += 1
+        t.verified_blocks += got.blocks
+        t.verified_snapshots += got.snapshots
+        for tier, k in _counts(look.block_tiers[:len(hashes)]).items():
+            t.verified_by_tier[tier.label] += k
+            self._verified_tiers.add(tier.label)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, *, uploads_timeout_s: float = 600.0) -> NodeResult:
+        """Flush (uploads to a shared level too), count what each tier holds, tell what moved."""
+        self.cache.flush(uploads=self.config.shared_url is not None, timeout_s=uploads_timeout_s)
+        self.tally.check()
+        stats = self.cache.stats()
+        return NodeResult(name=self.name, tally=self.tally, plan=self.plan, resident=self._resident(),
+                          moved=self._moved(stats), stats={k: v for k, v in stats.items()
+                                                           if isinstance(v, (int, float))},
+                          wall_s=time.perf_counter() - self._t0)
+
+    def _resident(self) -> dict[str, dict[str, int]]:
+        c, model = self.cache, self.plan.standin.model
+        B, S = model.block_bytes, model.snapshot_bytes
+        out = {"gpu": {"blocks": c.blocks.num_cached * B, "snapshots": c.snapshots.ids.num_cached * S}}
+        if c.host is not None:
+            snaps = c.host.snapshots.num_cached if c.host.snapshots is not None else 0
+            out["host"] = {"blocks": c.host.blocks.num_cached * B, "snapshots": snaps * S}
+        if c.disk is not None:
+            from ..storage import RecordKind, StoreChain
+
+            store = c.disk.store
+            levels = store.levels() if isinstance(store, StoreChain) else [store]
+            for name, level in zip(("disk", "shared"), levels):
+                if level is None:
+                    continue
+                kinds = [key.kind for key in level]
+                out[name] = {"blocks": kinds.count(RecordKind.BLOCK) * B,
+                             "snapshots": kinds.count(RecordKind.SNAPSHOT) * S}
+        return out
+
+    def _moved(self, s: dict[str, Any]) -> dict[str, dict[str, int]]:
+        model, L = self.plan.standin.model, self.plan.standin.layout
+        B, S = model.block_bytes, model.snapshot_bytes
+        out: dict[str, dict[str, int]] = {}
+        if self.cache.host is not None:
+            out["gpu->host"] = {"blocks": s["blocks_offloaded"] * B, "snapshots": self._snapshot_offloads * S}
+            out["host->gpu"] = {"blocks": s["blocks_from_host"] * B, "snapshots": s["snapshots_from_host"] * S}
+        if self.cache.disk is not None:
+            # writes are counted together: solve for the two kinds from count and bytes
+            n, nbytes = s["disk_writes"], s["disk_write_bytes"]
+            snaps = (nbytes - n * L.block_bytes) // (L.snapshot_bytes - L.block_bytes)
+            out["gpu->disk"] = {"blocks": (n - snaps) * B, "snapshots": snaps * S}
+            out["disk->memory"] = {"blocks": s["blocks_from_disk"] * B, "snapshots": s["snapshots_from_disk"] * S}
+            if "store_uploads" in s:
+                out["disk->shared"] = {"records": int(s["store_uploads"])}
+                out["shared->disk"] = {"records": int(s.get("store_far_hits", 0))}
+        return out
+
+    def close(self) -> None:
+        """Shut the cache down and remove a disk store this node made."""
+        try:
+            self.cache.shutdown()
+        finally:
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _counts(tiers: tuple[Tier, ...]) -> dict[Tier, int]:
+    out: dict[Tier, int] = {}
+    for t in tiers:
+        out[t] = out.get(t, 0) + 1
+    return out
