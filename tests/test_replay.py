@@ -245,9 +245,48 @@ def test_cli_replay_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> No
     assert code == ExitCode.USAGE and "longest prompt" in err
     code, _, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--snapshot-policy", "every")
     assert code == ExitCode.USAGE and "expected one of interval" in err
-    code, _, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--shared", "zarr:///tmp/x")
-    assert code == ExitCode.USAGE and "give disk too" in err
+    code, _, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--disk-store", "lmdb:///tmp/x")
+    assert code == ExitCode.USAGE and "give the disk tier's capacity" in err
 
 
 def test_lookup_tiers_are_nearest_first() -> None:
     assert sorted(Tier) == [Tier.GPU, Tier.HOST, Tier.DISK, Tier.SHARED]
+
+
+# ------------------------------------------------------------------------------ a fleet
+def multi_turn_trace(conversations: int = 8, turns: int = 4) -> Trace:
+    """Conversations whose turn t repeats turn t-1's prompt and adds 3 blocks, turns
+    interleaved: each later turn resumes what an earlier one computed, on whichever node."""
+    requests, next_id = [], 1
+    history: list[list[int]] = [[] for _ in range(conversations)]
+    for t in range(turns):
+        for c in range(conversations):
+            history[c] = history[c] + list(range(next_id, next_id + 3))
+            next_id += 3
+            ids = history[c]
+            requests.append(TraceRequest(timestamp_ms=len(requests), input_length=len(ids) * BT - 100,
+                                         output_length=1, hash_ids=tuple(ids)))
+            history[c] = ids[:-1] + [next_id]  # the next turn replaces the partial last block
+            next_id += 1
+    return Trace(name="multi-turn", requests=tuple(requests))
+
+
+@pytest.mark.s3
+def test_fleet_shares_one_level_on_seaweedfs(seaweedfs, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered_kv.cli.replay import fleet_table
+    from tiered_kv.replay.fleet import fleet_replay
+
+    seaweedfs.make_bucket("tkv-replay")
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)  # the node processes inherit the credentials
+    trace = multi_turn_trace()
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(1_000_000), shared_url=seaweedfs.url("tkv-replay", "fleet"),
+                       snapshot_policy="interval:1", verify_every=1)
+    # random routing: a conversation's turns land on either node
+    report = fleet_replay(trace, cfg, nodes=2, route="random", seed=1)
+    t = report.total
+    t.check()
+    assert sum(n.tally.requests for n in report.nodes) == 32 and min(n.tally.requests for n in report.nodes) > 8
+    assert t.hit_tokens["shared"] > 0 and t.verified_by_tier["shared"] > 0  # one node's blocks served the other
+    assert t.hits <= report.fleet_max_tokens and report.resident()["shared"]["blocks"] > 0
+    assert "random   yes" in fleet_table([report])

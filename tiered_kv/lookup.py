@@ -158,20 +158,22 @@ class ResumeIndex:
         self.tiers: tuple[Tier, ...] = tuple(t.tier for t in self._tiers)
 
     @classmethod
-    def of_cache(cls, cache: Any) -> ResumeIndex:
+    def of_cache(cls, cache: Any, *, store_tier: Tier = Tier.DISK) -> ResumeIndex:
         """The GPU pools, the host tier and the disk store (chain levels apart) of a
-        :class:`~tiered_kv.cache.TieredKVCache`."""
+        :class:`~tiered_kv.cache.TieredKVCache`. ``store_tier``: what a store that is not a
+        chain counts as (``Tier.SHARED`` for a node that writes straight to a bucket)."""
         tiers: list[_MemoryTier | _StoreTier] = [_MemoryTier(Tier.GPU, cache.blocks, cache.snapshots.ids)]
         if cache.host is not None:
             tiers.append(_MemoryTier(Tier.HOST, cache.host.blocks, cache.host.snapshots))
         if cache.disk is not None:
-            tiers.extend(_store_tiers(cache.disk.store))
+            tiers.extend(_store_tiers(cache.disk.store, store_tier))
         return cls(cache.layout.block_tokens, tiers)
 
     @classmethod
-    def of_store(cls, store: BlockStore, block_tokens: int) -> ResumeIndex:
-        """A store alone (disk), or a chain (level 0 disk, the farther levels shared)."""
-        return cls(block_tokens, _store_tiers(store))
+    def of_store(cls, store: BlockStore, block_tokens: int, *, store_tier: Tier = Tier.DISK) -> ResumeIndex:
+        """A store alone (``store_tier``, default disk), or a chain (level 0 disk, the
+        farther levels shared)."""
+        return cls(block_tokens, _store_tiers(store, store_tier))
 
     def lookup(self, block_hashes: Sequence[bytes], *, num_tokens: int | None = None) -> ResumeLookup:
         """Per tier, how much of the prefix with these block hashes is held and resumable.
@@ -197,12 +199,14 @@ class ResumeIndex:
         return _Lookup(self, hashes, limit).run()
 
 
-def _store_tiers(store: BlockStore) -> list[_MemoryTier | _StoreTier]:
+def _store_tiers(store: BlockStore, plain: Tier) -> list[_MemoryTier | _StoreTier]:
     from .storage import StoreChain
 
+    if plain not in (Tier.DISK, Tier.SHARED):
+        raise ValueError(f"store_tier: expected Tier.DISK or Tier.SHARED, got {plain!r}")
     if isinstance(store, StoreChain):
         return [_StoreTier(Tier.DISK if i == 0 else Tier.SHARED, store, i) for i in range(len(store.levels()))]
-    return [_StoreTier(Tier.DISK, store, None)]
+    return [_StoreTier(plain, store, None)]
 
 
 class _Lookup:

@@ -96,9 +96,10 @@ class ReplayConfig:
     ``hbm`` is required (a cache always has its GPU tier); ``host``, ``disk`` and
     ``shared`` are optional. ``disk_url``: where the disk tier's store lives (None: a fresh
     LMDB directory under ``workdir``, removed afterwards); any store URL works
-    (``lmdb:///path``, ``zarr:///path``). ``shared_url``: the level every node shares,
-    behind the disk (``zarr+s3://bucket/prefix?endpoint=...``; credentials in the standard
-    AWS variables), which needs ``disk``; the replay writes under a fresh sub-prefix of it.
+    (``lmdb:///path``, ``zarr:///path``). ``shared_url``: the level every node shares
+    (``zarr+s3://bucket/prefix?endpoint=...``; credentials in the standard AWS
+    variables), behind the disk when there is one (a store chain), else the node's only
+    store; the replay writes under a fresh sub-prefix of it.
     """
 
     model: str = "deepseek-v4-flash"
@@ -135,8 +136,6 @@ class ReplayConfig:
                 raise TypeError(f"{name}: expected a Capacity or None, got {type(v).__name__}")
         if not 0.0 < self.snapshot_fraction < 1.0:
             raise ValueError(f"snapshot_fraction: expected a float in (0, 1), got {self.snapshot_fraction!r}")
-        if self.shared_url is not None and self.disk is None:
-            raise ValueError("shared_url: the shared level sits behind a node's disk tier; give disk too")
         if self.disk_url is not None and self.disk is None:
             raise ValueError("disk_url: give the disk tier's capacity (disk) too")
         for name in ("gpu_blocks", "gpu_snapshots"):

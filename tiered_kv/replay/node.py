@@ -94,7 +94,7 @@ class Node:
                                    num_snapshots=self.plan.gpu_snapshots, host_bytes=self.plan.host_bytes,
                                    host_snapshot_fraction=config.snapshot_fraction, store=store,
                                    store_options=options, salt=config.salt, **policy)
-        self.index = ResumeIndex.of_cache(self.cache)
+        self.index = ResumeIndex.of_cache(self.cache, store_tier=Tier.DISK if config.disk is not None else Tier.SHARED)
         self.synth = SyntheticKV(L)
         self.tokens = TokenMaker(block_tokens)
         self.tally = Tally()
@@ -110,17 +110,18 @@ class Node:
 
     # ------------------------------------------------------------------ set-up
     def _store_spec(self, config: ReplayConfig, shared_url: str | None, run_id: str) -> tuple[Any, dict | None]:
+        shared = shared_url if shared_url is not None else config.shared_url
+        far = None if shared is None else (shared if shared_url is not None
+                                           else shared_url_for(shared, f"replay-{run_id}"))
         if config.disk is None:
-            return None, None
+            return far, None  # (None: no store) a node writing straight to the shared level
         url = config.disk_url
         if url is None:
             self._tmp = Path(tempfile.mkdtemp(prefix=f"tkv-replay-{self.name}-", dir=config.workdir))
             url = f"lmdb://{self._tmp / 'disk'}"
         disk_options = {"max_bytes": self.plan.disk_max_bytes}
-        shared = shared_url if shared_url is not None else config.shared_url
-        if shared is None:
+        if far is None:
             return url, disk_options
-        far = shared_url_for(shared, f"replay-{run_id}") if shared_url is None else shared
         return [url, far], {"level_options": [disk_options, {}], **config.chain_options}
 
     def _hook_evictions(self) -> None:
@@ -314,7 +315,8 @@ class Node:
 
             store = c.disk.store
             levels = store.levels() if isinstance(store, StoreChain) else [store]
-            for name, level in zip(("disk", "shared"), levels):
+            names = ("disk", "shared") if self.config.disk is not None else ("shared",)
+            for name, level in zip(names, levels):
                 if level is None:
                     continue
                 kinds = [key.kind for key in level]
@@ -333,8 +335,9 @@ class Node:
             # writes are counted together: solve for the two kinds from count and bytes
             n, nbytes = s["disk_writes"], s["disk_write_bytes"]
             snaps = (nbytes - n * L.block_bytes) // (L.snapshot_bytes - L.block_bytes)
-            out["gpu->disk"] = {"blocks": (n - snaps) * B, "snapshots": snaps * S}
-            out["disk->memory"] = {"blocks": s["blocks_from_disk"] * B, "snapshots": s["snapshots_from_disk"] * S}
+            store = "disk" if self.config.disk is not None else "shared"
+            out[f"gpu->{store}"] = {"blocks": (n - snaps) * B, "snapshots": snaps * S}
+            out[f"{store}->memory"] = {"blocks": s["blocks_from_disk"] * B, "snapshots": s["snapshots_from_disk"] * S}
             if "store_uploads" in s:
                 out["disk->shared"] = {"records": int(s["store_uploads"])}
                 out["shared->disk"] = {"records": int(s.get("store_far_hits", 0))}
