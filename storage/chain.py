@@ -542,19 +542,20 @@ class StoreChain(BlockStore):
                 found[i] = bool(f)
         return found
 
-    def contains_at(self, level: int, keys: Sequence[RecordKey]) -> list[bool] | None:
-        """:meth:`contains_many` of level ``level`` alone (0 = nearest), for callers that
-        need to know which level holds a record (a router's lookup). A far level is asked
-        as the request path asks it: bounded by ``timeout_s``; None when it is down, not
-        open yet or did not answer in time (and then marked down)."""
+    def contains_at(self, level: int, kind: RecordKind, hashes: Sequence[bytes]) -> list[bool] | None:
+        """Which records of ``kind`` under ``hashes`` level ``level`` alone holds (0 =
+        nearest; :meth:`BlockStore.contains_hashes`), for callers that need to know where
+        a record is (a router's lookup). A far level is asked as the request path asks it:
+        bounded by ``timeout_s``; None when it is down, not open yet or did not answer in
+        time (and then marked down)."""
         check_open(self._closed, self.where)
         if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < len(self._levels):
             raise ValueError(f"level: expected an int in [0, {len(self._levels)}), got {level!r}")
         if level == 0:
-            return [bool(f) for f in self._near.contains_many(keys)]
-        if not keys:
+            return [bool(f) for f in self._near.contains_hashes(kind, hashes)]
+        if not hashes:
             return []
-        answer = self._call_far(self._levels[level], "contains", lambda s: s.contains_many(list(keys)))
+        answer = self._call_far(self._levels[level], "contains", lambda s: s.contains_hashes(kind, list(hashes)))
         return None if answer is _SKIPPED else [bool(f) for f in answer]
 
     # ------------------------------------------------------------------ admin

@@ -168,6 +168,7 @@ from .record import (
     MAGIC,
     PartsVerifier,
     RecordKey,
+    RecordKind,
     RecordMeta,
     as_out_segments,
     decode_record,
@@ -1318,6 +1319,14 @@ class LmdbStore(BlockStore):
     def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
         kbs = [key.to_bytes() for key in keys]
         return self._run(lambda txn: [txn.get(kb, db=self._records) is not None for kb in kbs], write=False)
+
+    def contains_hashes(self, kind: RecordKind, hashes: Sequence[bytes]) -> list[bool]:
+        """See :meth:`BlockStore.contains_hashes`: the key bytes made straight from the hashes."""
+        prefix = bytes((RecordKind(kind),))
+        if not set(map(type, hashes)) <= {bytes} or not set(map(len, hashes)) <= {KEY_BYTES - 1}:
+            raise ValueError(f"hashes: expected {KEY_BYTES - 1}-byte bytes objects")
+        db = self._records
+        return self._run(lambda txn: [txn.get(prefix + h, db=db) is not None for h in hashes], write=False)
 
     def __iter__(self) -> Iterator[RecordKey]:
         def keys(txn: lmdb.Transaction) -> list[bytes]:

@@ -9,6 +9,7 @@ open's num_cached_tokens exactly, and (c) answer the same from the prompt or its
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def test_lookup_predicts_open_and_changes_nothing(tiered: TieredKVCache) -> None
         tokens = _prompt(rng, bases)
         if i % 10 == 0:
             tiered.flush(uploads=True, timeout_s=30)  # so the far level holds what level 0 evicts
+        tiered.disk.store.flush()  # far hits of the last open are promoted into level 0 behind it
         before = _state(tiered)
         look = tiered.lookup(tokens)
         assert _state(tiered) == before, "lookup changed a pool"
@@ -108,3 +110,29 @@ def test_a_store_alone_is_the_disk_and_a_chain_adds_shared(tiered: TieredKVCache
     far = chain.levels()[1]
     look = ResumeIndex.of_store(far, BT).lookup(hashes, num_tokens=len(tokens))
     assert look.tiers == (Tier.DISK,) and look.tokens() == 3 * BT
+
+
+def test_cli_lookup_of_prompts_and_of_hashes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered_kv.cli.main import ExitCode, main
+
+    store = tmp_path / "store"
+    layout = presets.tiny()
+    with TieredKVCache(layout, num_blocks=16, num_state_slots=1, store=f"lmdb://{store}") as cache:
+        prompt = list(range(5 * BT + 3))
+        _write(cache, prompt)
+        hashes = cache.hasher.block_hashes(prompt[:5 * BT])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "tokens": prompt}) + "\n"
+                       + json.dumps({"id": "b", "tokens": prompt[:2 * BT] + [9] * 300}) + "\n")
+    assert main(["lookup", "--store", str(store), "--prompts", str(prompts), "--json"]) == ExitCode.OK
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)["prompts"]}
+    assert rows["a"]["resumable_tokens"] == {"disk": 5 * BT} and rows["a"]["resident_tokens"] == {"disk": 5 * BT}
+    # b shares 2 blocks with a, but a left snapshots only at its last two boundaries (4, 5)
+    assert rows["b"]["resident_tokens"] == {"disk": 2 * BT} and rows["b"]["resumable_tokens"]["disk"] < 2 * BT
+    hfile = tmp_path / "h.jsonl"
+    hfile.write_text(json.dumps({"id": "a", "hashes": [h.hex() for h in hashes[:4]]}) + "\n")
+    assert main(["lookup", "--store", str(store), "--hashes", str(hfile)]) == ExitCode.OK
+    out = capsys.readouterr().out
+    assert "resume disk" in out and f"{4 * BT}" in out.splitlines()[-1]
+    hfile.write_text('{"id": "x", "hashes": ["zz"]}\n')
+    assert main(["lookup", "--store", str(store), "--hashes", str(hfile)]) == ExitCode.USAGE

@@ -43,7 +43,7 @@ from .errors import CacheFullError, CacheShutdownError
 from .hisparse import HiSparseBuffers, HiSparseConfig
 from .host import HostTier
 from .layout import KVLayout, LayerKind
-from .lookup import ResumeLookup
+from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
 from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
@@ -84,13 +84,17 @@ class TieredKVCache(TierMoves):
             {"key_files": ["/etc/tiered-kv/key"]}}``.
         host_snapshot_fraction: the share of ``host_bytes`` the host tier gives to
             snapshots (the rest holds block records).
+        disk_max_pending: disk writes queued behind requests before a new one waits for
+            the oldest (:class:`~tiered_kv.disk.DiskTier`'s ``max_pending``; also the most
+            records written in one batch).
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
                  num_state_slots: int = 8, num_snapshots: int | None = None, snapshot_interval: int = 8,
                  model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
-                 store_options: dict | None = None, host_snapshot_fraction: float = 0.25) -> None:
+                 store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
+                 disk_max_pending: int = 64) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -129,7 +133,7 @@ class TieredKVCache(TierMoves):
         from .storage.crypto import default_tenant  # an encrypted level's tenant defaults to the salt
 
         store_options = default_tenant(store_options, salt)
-        self.disk = DiskTier(store, layout, store_options=store_options,
+        self.disk = DiskTier(store, layout, store_options=store_options, max_pending=disk_max_pending,
                              writer=self._store_writer(salt)) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -256,7 +260,8 @@ class TieredKVCache(TierMoves):
         return req
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None, *,
-               block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None) -> ResumeLookup:
+               block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
+               upto: Tier | None = None) -> ResumeLookup:
         """How many tokens of a prompt each tier could resume, without loading anything,
         taking a reference or changing LRU order: for routers (:mod:`tiered_kv.lookup`).
 
@@ -264,7 +269,8 @@ class TieredKVCache(TierMoves):
         as a router keeps them (``num_tokens``: the prompt's length, for the rule that one
         token is always recomputed; None: the prompt goes on past the last hash). The
         answer is per tier, cumulative: ``look.tokens(Tier.HOST)`` is what :meth:`open`
-        resumes with the GPU and host tiers, ``look.tokens()`` with every tier.
+        resumes with the GPU and host tiers, ``look.tokens()`` with every tier. ``upto``:
+        ask only the tiers up to this one (``Tier.DISK``: not the shared level of a chain).
         """
         from .lookup import ResumeIndex
 
@@ -281,7 +287,7 @@ class TieredKVCache(TierMoves):
         index = self.__dict__.get("_resume_index")
         if index is None:
             index = self._resume_index = ResumeIndex.of_cache(self)
-        return index.lookup(block_hashes, num_tokens=num_tokens)
+        return index.lookup(block_hashes, num_tokens=num_tokens, upto=upto)
 
     def close(self, request: Request) -> None:
         """End a request: free its State slot; its full blocks stay as cached prefix."""

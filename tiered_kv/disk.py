@@ -82,6 +82,8 @@ class DiskTier:
                                       f"the store holds {store.layout_fingerprint}")
         self.store = store
         self.layout = layout
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending <= 0:
+            raise ValueError(f"max_pending: expected a positive int, got {max_pending!r}")
         self.max_pending = max_pending
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
             raise ValueError(f"read_threads: expected a positive int, got {read_threads!r}")

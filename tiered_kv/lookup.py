@@ -122,7 +122,7 @@ class _MemoryTier:
 
 
 class _StoreTier:
-    """A store (or one level of a chain): asked in batches with ``contains_many``."""
+    """A store (or one level of a chain): asked in batches of raw hashes."""
 
     def __init__(self, tier: Tier, store: BlockStore, level: int | None) -> None:
         self.tier = tier
@@ -134,13 +134,10 @@ class _StoreTier:
         when a chain's far level is down)."""
         if not hashes:
             return []
-        from .storage import RecordKey
-
-        keys = [RecordKey(kind, h) for h in hashes]
         if self._level is None:
-            return [bool(f) for f in self._store.contains_many(keys)]
-        got = self._store.contains_at(self._level, keys)  # type: ignore[attr-defined]
-        return [False] * len(keys) if got is None else got
+            return [bool(f) for f in self._store.contains_hashes(kind, hashes)]
+        got = self._store.contains_at(self._level, kind, hashes)  # type: ignore[attr-defined]
+        return [False] * len(hashes) if got is None else got
 
 
 class ResumeIndex:
@@ -175,18 +172,21 @@ class ResumeIndex:
         farther levels shared)."""
         return cls(block_tokens, _store_tiers(store, store_tier))
 
-    def lookup(self, block_hashes: Sequence[bytes], *, num_tokens: int | None = None) -> ResumeLookup:
+    def lookup(self, block_hashes: Sequence[bytes], *, num_tokens: int | None = None,
+               upto: Tier | None = None) -> ResumeLookup:
         """Per tier, how much of the prefix with these block hashes is held and resumable.
 
         ``block_hashes``: the chained hashes of the prompt's full blocks, in order (as
         :meth:`~tiered_kv.prefix.PrefixHasher.block_hashes` gives them). ``num_tokens``:
         the prompt's length, for the rule that one token is always recomputed (None: the
         prompt is taken to go on past the last hash, so every block may be resumed).
+        ``upto``: ask only the tiers up to this one (e.g. ``Tier.DISK``: a router choosing
+        among nodes that share one bucket need not ask the bucket once per node).
         """
         hashes = list(block_hashes)
-        for i, h in enumerate(hashes):
-            if not isinstance(h, bytes):
-                raise TypeError(f"block_hashes[{i}]: expected bytes, got {type(h).__name__}")
+        if not set(map(type, hashes)) <= {bytes}:
+            i, h = next((i, h) for i, h in enumerate(hashes) if not isinstance(h, bytes))
+            raise TypeError(f"block_hashes[{i}]: expected bytes, got {type(h).__name__}")
         bt = self.block_tokens
         limit = len(hashes)
         if num_tokens is not None:
@@ -196,7 +196,9 @@ class ResumeIndex:
                 raise ValueError(f"num_tokens: {len(hashes)} block hashes cover {len(hashes) * bt} tokens, "
                                  f"expected num_tokens >= that, got {num_tokens}")
             limit = min(limit, max(0, num_tokens - 1) // bt)
-        return _Lookup(self, hashes, limit).run()
+        if upto is not None and not isinstance(upto, Tier):
+            raise TypeError(f"upto: expected a Tier or None, got {type(upto).__name__}")
+        return _Lookup(self, hashes, limit, upto).run()
 
 
 def _store_tiers(store: BlockStore, plain: Tier) -> list[_MemoryTier | _StoreTier]:
@@ -213,15 +215,19 @@ class _Lookup:
     """One lookup. Memory tiers are asked block by block (dict lookups); each store level
     in batches, only for the blocks (boundaries) no nearer tier holds, its answers kept."""
 
-    def __init__(self, index: ResumeIndex, hashes: list[bytes], limit: int) -> None:
+    def __init__(self, index: ResumeIndex, hashes: list[bytes], limit: int, upto: Tier | None) -> None:
         self.hashes = hashes
         self.limit = limit
         self.block_tokens = index.block_tokens
-        self.tiers = index.tiers
-        self.memory = [t for t in index._tiers if isinstance(t, _MemoryTier)]
-        self.stores = [t for t in index._tiers if isinstance(t, _StoreTier)]
-        if index._tiers != [*self.memory, *self.stores]:
+        tiers = [t for t in index._tiers if upto is None or t.tier <= upto]
+        self.tiers = tuple(t.tier for t in tiers)
+        self.memory = [t for t in tiers if isinstance(t, _MemoryTier)]
+        self.stores = [t for t in tiers if isinstance(t, _StoreTier)]
+        if tiers != [*self.memory, *self.stores]:
             raise AssertionError("tiers: memory tiers must come before store tiers")
+        #: from the first block no memory tier holds: the nearest memory tier of each block
+        self._mem: list[Tier | None] = []
+        self._mem_from = 0
         # per store level: {block index: held?} / {boundary: held?}
         self._blocks: list[dict[int, bool]] = [{} for _ in self.stores]
         self._snaps: list[dict[int, bool]] = [{} for _ in self.stores]
@@ -233,21 +239,48 @@ class _Lookup:
         resident: dict[Tier, int] = {}
         where: list[Tier] = []
         pos = 0
-        for j, mem in enumerate(self.memory):  # extend the prefix with tiers <= j
-            maps = [(m.blocks, m.tier) for m in self.memory[:j + 1]]
-            while pos < n:
-                h = hashes[pos]
-                t = next((tier for blocks, tier in maps if h in blocks), None)
-                if t is None:
-                    break
-                where.append(t)
-                pos += 1
+        for j, mem in enumerate(self.memory):  # extend the prefix with the memory tiers <= j
+            if j == 0:
+                first = mem.blocks
+                while pos < n and hashes[pos] in first:
+                    pos += 1
+                where = [mem.tier] * pos
+            else:
+                maps = [(m.blocks, m.tier) for m in self.memory[:j + 1]]
+                while pos < n:
+                    h = hashes[pos]
+                    for blocks, tier in maps:
+                        if h in blocks:
+                            where.append(tier)
+                            break
+                    else:
+                        break
+                    pos += 1
             resident[mem.tier] = pos
+        if self.stores:
+            self._mem_from = pos
+            if len(self.memory) == 1:
+                first, tier0 = self.memory[0].blocks, self.memory[0].tier
+                self._mem = [tier0 if h in first else None for h in hashes[pos:]]
+            else:
+                self._mem = [self._in_memory(h) for h in hashes[pos:]]
+        mem, base = self._mem, self._mem_from
         for j, store in enumerate(self.stores):
+            known = self._blocks[j]
             while pos < n:
-                t = self._nearest_block(pos, j)
+                t = mem[pos - base]
                 if t is None:
-                    break
+                    for k in range(j):  # a nearer store level first
+                        if self._store_block(k, pos):
+                            t = self.stores[k].tier
+                            break
+                    else:
+                        got = known.get(pos)
+                        if got is None:
+                            got = self._store_block(j, pos)
+                        if not got:
+                            break
+                        t = store.tier
                 where.append(t)
                 pos += 1
             resident[store.tier] = pos
@@ -262,18 +295,10 @@ class _Lookup:
                             block_tiers=tuple(where), snapshot_tiers=snap_tier)
 
     # ---------------------------------------------------------------- blocks
-    def _in_memory(self, i: int) -> Tier | None:
-        h = self.hashes[i]
-        return next((m.tier for m in self.memory if h in m.blocks), None)
-
-    def _nearest_block(self, i: int, upto: int) -> Tier | None:
-        """The nearest tier holding block ``i``: a memory tier, or store level <= ``upto``."""
-        t = self._in_memory(i)
-        if t is not None:
-            return t
-        for j in range(upto + 1):
-            if self._store_block(j, i):
-                return self.stores[j].tier
+    def _in_memory(self, h: bytes) -> Tier | None:
+        for m in self.memory:
+            if h in m.blocks:
+                return m.tier
         return None
 
     def _store_block(self, j: int, i: int) -> bool:
@@ -286,9 +311,14 @@ class _Lookup:
         # ask a batch of the blocks after i too (the prefix likely goes on), only those no
         # nearer tier holds; the batch grows 4x per batch asked
         size = min(_MAX_BATCH, _FIRST_BATCH * 4 ** min(len(known) // _FIRST_BATCH, 4))
-        want = [b for b in range(i, min(len(self.hashes), i + size))
-                if b == i or (b not in known and self._in_memory(b) is None
-                              and not any(self._blocks[k].get(b) for k in range(j)))]
+        mem, base = self._mem, self._mem_from
+        nearer = self._blocks[:j]
+        stop = min(len(self.hashes), i + size)
+        if nearer:
+            want = [b for b in range(i, stop)
+                    if b == i or (b not in known and mem[b - base] is None and not any(k.get(b) for k in nearer))]
+        else:
+            want = [b for b in range(i, stop) if b == i or (b not in known and mem[b - base] is None)]
         for b, f in zip(want, self.stores[j].held(RecordKind.BLOCK, [self.hashes[b] for b in want])):
             known[b] = f
         return known[i]

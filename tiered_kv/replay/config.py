@@ -126,6 +126,10 @@ class ReplayConfig:
     #: (e.g. a snapshot pool that never evicts, to compare with a plain LRU simulation)
     gpu_blocks: int | None = None
     gpu_snapshots: int | None = None
+    #: disk writes queued behind the requests (the cache's ``disk_max_pending``; a serving
+    #: cache's default is 64): a replay seals blocks far faster than an engine computes
+    #: them, so a deeper queue lets the writer sync them in bigger batches
+    disk_queue: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm, Capacity):

@@ -5,7 +5,8 @@ The router (this process) walks the trace in arrival order, one request at a tim
 
 * ``random``: a node drawn uniformly (seeded);
 * ``prefix``: every node is asked its :meth:`~tiered_kv.cache.TieredKVCache.lookup` for
-  the prompt (nothing loaded), and the request goes to the node that would resume the
+  the prompt over its own tiers (nothing loaded; the shared level answers the same for
+  every node, so it is not asked), and the request goes to the node that would resume the
   most tokens, among the nodes not above ``(1 + balance)`` times their fair share of the
   requests so far (ties: the node with fewer requests, then the lower index). Without that
   bound (``balance = inf``) every request sharing the trace's common first block lands on
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import random
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +34,7 @@ from typing import Any
 
 from ..prefix import PrefixHasher
 from .config import ReplayConfig, plan_tiers
-from .node import Node, NodeResult, shared_url_for
+from .node import SWITCH_INTERVAL_S, Node, NodeResult, shared_url_for
 from .report import ReplayReport
 from .tokens import TokenMaker
 from .trace import Trace
@@ -53,13 +55,14 @@ class _NodeSpec:
 def _node_main(spec: _NodeSpec, conn: Any) -> None:
     """A node process: serve the router's commands over ``conn`` until "close"."""
     node = None
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # (this process only replays)
     try:
         node = Node(spec.config, spec.block_tokens, name=spec.name, shared_url=spec.shared_url)
         conn.send(("ready", None))
         while True:
             cmd, index, request = conn.recv()
-            if cmd == "lookup":
-                conn.send(("ok", node.prepare(index, request).tokens()))
+            if cmd == "lookup":  # the node's own tiers: the shared level is the same for every node
+                conn.send(("ok", node.prepare(index, request, upto=node.local_tier).tokens()))
             elif cmd == "serve":
                 conn.send(("ok", node.serve(index, request)))
             elif cmd == "finish":
