@@ -135,7 +135,7 @@ class _StoreTier:
         if not hashes:
             return []
         if self._level is None:
-            return [bool(f) for f in self._store.contains_hashes(kind, hashes)]
+            return self._store.contains_hashes(kind, hashes)
         got = self._store.contains_at(self._level, kind, hashes)  # type: ignore[attr-defined]
         return [False] * len(hashes) if got is None else got
 
@@ -267,6 +267,20 @@ class _Lookup:
         mem, base = self._mem, self._mem_from
         for j, store in enumerate(self.stores):
             known = self._blocks[j]
+            if j == 0:  # the nearest store level: a batch asked, then its slice scanned
+                tier, done = store.tier, False
+                while pos < n and not done:
+                    stop = self._store_batch(0, pos)
+                    for t in mem[pos - base:stop - base]:
+                        if t is None:
+                            if not known[pos]:
+                                done = True
+                                break
+                            t = tier
+                        where.append(t)
+                        pos += 1
+                resident[tier] = pos
+                continue
             while pos < n:
                 t = mem[pos - base]
                 if t is None:
@@ -306,8 +320,15 @@ class _Lookup:
         got = known.get(i)
         if got is not None:
             return got
+        self._store_batch(j, i)
+        return known[i]
+
+    def _store_batch(self, j: int, i: int) -> int:
+        """Ask store level ``j`` about block ``i`` and the blocks after it up to the batch's
+        end (returned), those no nearer tier holds; each answer is kept."""
         from .storage import RecordKind
 
+        known = self._blocks[j]
         # ask a batch of the blocks after i too (the prefix likely goes on), only those no
         # nearer tier holds; the batch grows 4x per batch asked
         size = min(_MAX_BATCH, _FIRST_BATCH * 4 ** min(len(known) // _FIRST_BATCH, 4))
@@ -315,13 +336,14 @@ class _Lookup:
         nearer = self._blocks[:j]
         stop = min(len(self.hashes), i + size)
         if nearer:
-            want = [b for b in range(i, stop)
-                    if b == i or (b not in known and mem[b - base] is None and not any(k.get(b) for k in nearer))]
+            want = [b for b in range(i, stop) if b not in known and (b == i or (
+                mem[b - base] is None and not any(k.get(b) for k in nearer)))]
         else:
-            want = [b for b in range(i, stop) if b == i or (b not in known and mem[b - base] is None)]
-        for b, f in zip(want, self.stores[j].held(RecordKind.BLOCK, [self.hashes[b] for b in want])):
-            known[b] = f
-        return known[i]
+            want = [b for b in range(i, stop) if b not in known and (b == i or mem[b - base] is None)]
+        if want:
+            hashes = self.hashes
+            known.update(zip(want, self.stores[j].held(RecordKind.BLOCK, [hashes[b] for b in want])))
+        return stop
 
     # ------------------------------------------------------------- snapshots
     def _longest_snapshot(self, top: int, upto: Tier, kind: Any) -> tuple[int, Tier | None]:
