@@ -65,8 +65,13 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.nodes, args.limit, args.setting, args.trace = 2, 200, "paper", "conversation"
-    from seaweedfs import running_seaweedfs
+    from seaweedfs import WeedUnavailable, find_weed, running_seaweedfs
 
+    try:
+        find_weed()
+    except WeedUnavailable as e:
+        print(f"replay_fleet: skipped, no SeaweedFS here: {e}")
+        return
     names = ["conversation", "synthetic"] if args.trace == "both" else [args.trace]
     chosen = ["paper", "flash"] if args.setting == "both" else [args.setting]
     with running_seaweedfs() as sw:

@@ -154,7 +154,7 @@ def run_trace(name: str, points: list[int], tier_points: list[int], host: int, d
     suffix = "_quick" if limit else ""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"replay_fig9_{name}{suffix}.json").write_text(json.dumps(d, indent=1) + "\n")
-    plot_sweep(result, RESULTS / f"replay_fig9_{name}{suffix}.png",
+    plot_sweep(d, RESULTS / f"replay_fig9_{name}{suffix}.png",
                paper={name: PAPER_FRACTION_AT_3M[name]} if name in PAPER_FRACTION_AT_3M else None)
     return d
 

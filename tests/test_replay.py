@@ -290,3 +290,18 @@ def test_fleet_shares_one_level_on_seaweedfs(seaweedfs, monkeypatch: pytest.Monk
     assert t.hit_tokens["shared"] > 0 and t.verified_by_tier["shared"] > 0  # one node's blocks served the other
     assert t.hits <= report.fleet_max_tokens and report.resident()["shared"]["blocks"] > 0
     assert "random   yes" in fleet_table([report])
+
+
+def test_stranded_blocks_and_snapshots() -> None:
+    from tiered_kv.replay.stranded import stranded
+
+    # a -> b -> c and a -> d -> e; x is from before the replay (no parent known)
+    parent = {b"a": None, b"b": b"a", b"c": b"b", b"d": b"a", b"e": b"d"}
+    blocks = {"gpu": {b"a", b"b"}, "disk": {b"c", b"e", b"x"}}  # d is gone: e cannot be reached
+    snaps = {"gpu": {b"c"}, "disk": {b"e"}}
+    out = stranded(parent, blocks, snaps)
+    assert out["gpu"] == {"unreachable": 0, "no_snapshot": 0, "unknown": 0, "snapshots_unreachable": 0}
+    assert out["disk"] == {"unreachable": 1, "no_snapshot": 0, "unknown": 1, "snapshots_unreachable": 1}
+    # without c's snapshot, a, b and c serve no resume
+    out = stranded(parent, blocks, {"gpu": set(), "disk": {b"e"}})
+    assert out["gpu"]["no_snapshot"] == 2 and out["disk"]["no_snapshot"] == 1

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..lookup import ResumeIndex, ResumeLookup, Tier
 from .config import ReplayConfig, TierPlan, plan_tiers
+from .stranded import stranded
 from .synth import SyntheticKV
 from .tally import Tally
 from .tokens import TokenMaker
@@ -66,6 +67,9 @@ class NodeResult:
     resident: dict[str, dict[str, int]]
     #: model bytes moved between tiers: "gpu->host" ... -> {"blocks": bytes, "snapshots": bytes}
     moved: dict[str, dict[str, int]]
+    #: model bytes resident but of no use to any resume, per tier (:mod:`.stranded`):
+    #: {"unreachable": .., "no_snapshot": .., "unknown": .., "snapshots_unreachable": ..}
+    stranded: dict[str, dict[str, int]]
     #: the cache's counters at the end (stand-in units)
     stats: dict[str, Any]
     wall_s: float
@@ -122,7 +126,8 @@ class Node:
         self.synth = SyntheticKV(L)
         self.tokens = TokenMaker(block_tokens)
         self.tally = Tally()
-        self._seen: set[bytes] = set()
+        #: every block this node sealed or resumed -> its parent's hash (None at the root)
+        self._parent: dict[bytes, bytes | None] = {}
         self._deepest = max(self.index.tiers)
         self._reached_host: set[bytes] | None = None
         self._snapshot_offloads = 0
@@ -216,8 +221,8 @@ class Node:
         limit = look.limit_blocks
         predicted = look.blocks()
         held = min(look.resident_blocks[look.tiers[-1]], limit)
-        seen = 0
-        while seen < limit and hashes[seen] in self._seen:
+        seen, parent = 0, self._parent
+        while seen < limit and hashes[seen] in parent:
             seen += 1
         seen = max(seen, held)
         req = cache.open(tokens)
@@ -239,7 +244,8 @@ class Node:
                 write_state(cache, req, hashes[k])
             advance(req, tokens[k * bt:(k + 1) * bt])
         cache.close(req)
-        self._seen.update(hashes)
+        for i in range(seen, len(hashes)):  # (those before seen are known)
+            parent.setdefault(hashes[i], hashes[i - 1] if i else None)
         self._account(look, n, P, predicted, held, seen, hashes)
         return Served(index=index, prompt_tokens=n, hit_tokens=P * bt, resumable_tokens=predicted * bt)
 
@@ -332,18 +338,25 @@ class Node:
         self.cache.flush(uploads=self.config.shared_url is not None, timeout_s=uploads_timeout_s)
         self.tally.check()
         stats = self.cache.stats()
-        return NodeResult(name=self.name, tally=self.tally, plan=self.plan, resident=self._resident(),
-                          moved=self._moved(stats), stats={k: v for k, v in stats.items()
-                                                           if isinstance(v, (int, float))},
+        blocks, snaps = self._held()
+        model = self.plan.standin.model
+        B, S = model.block_bytes, model.snapshot_bytes
+        resident = {t: {"blocks": len(blocks[t]) * B, "snapshots": len(snaps[t]) * S} for t in blocks}
+        lost = {t: {k: v * (S if k.startswith("snapshots") else B) for k, v in counts.items()}
+                for t, counts in stranded(self._parent, blocks, snaps).items()}
+        return NodeResult(name=self.name, tally=self.tally, plan=self.plan, resident=resident,
+                          moved=self._moved(stats), stranded=lost,
+                          stats={k: v for k, v in stats.items() if isinstance(v, (int, float))},
                           wall_s=time.perf_counter() - self._t0)
 
-    def _resident(self) -> dict[str, dict[str, int]]:
-        c, model = self.cache, self.plan.standin.model
-        B, S = model.block_bytes, model.snapshot_bytes
-        out = {"gpu": {"blocks": c.blocks.num_cached * B, "snapshots": c.snapshots.ids.num_cached * S}}
+    def _held(self) -> tuple[dict[str, set[bytes]], dict[str, set[bytes]]]:
+        """The block and snapshot hashes each tier holds now: tier -> set."""
+        c = self.cache
+        blocks = {"gpu": set(c.blocks.cached)}
+        snaps = {"gpu": set(c.snapshots.ids.cached)}
         if c.host is not None:
-            snaps = c.host.snapshots.num_cached if c.host.snapshots is not None else 0
-            out["host"] = {"blocks": c.host.blocks.num_cached * B, "snapshots": snaps * S}
+            blocks["host"] = set(c.host.blocks.cached)
+            snaps["host"] = set(c.host.snapshots.cached) if c.host.snapshots is not None else set()
         if c.disk is not None:
             from ..storage import RecordKind, StoreChain
 
@@ -353,10 +366,10 @@ class Node:
             for name, level in zip(names, levels):
                 if level is None:
                     continue
-                kinds = [key.kind for key in level]
-                out[name] = {"blocks": kinds.count(RecordKind.BLOCK) * B,
-                             "snapshots": kinds.count(RecordKind.SNAPSHOT) * S}
-        return out
+                keys = list(level)
+                blocks[name] = {k.block_hash for k in keys if k.kind is RecordKind.BLOCK}
+                snaps[name] = {k.block_hash for k in keys if k.kind is RecordKind.SNAPSHOT}
+        return blocks, snaps
 
     def _moved(self, s: dict[str, Any]) -> dict[str, dict[str, int]]:
         model, L = self.plan.standin.model, self.plan.standin.layout

@@ -1,5 +1,8 @@
 """PNG pictures of replays (matplotlib, the ``bench`` extra): one report, a capacity sweep
-(Mooncake's Fig. 9 with GB axes for V4-Flash, V4-Pro and a dense model), a fleet."""
+(Mooncake's Fig. 9 with GB axes for V4-Flash, V4-Pro and a dense model), a fleet.
+
+Each takes the result object or its ``to_dict()`` (so a saved JSON can be drawn again).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,14 @@ from typing import Any
 from .sweep import DENSE_BYTES_PER_TOKEN, SweepResult
 from .tally import REASONS
 
-__all__ = ["plot_fleet", "plot_report", "plot_sweep"]
+__all__ = ["PAPER_FRACTION_AT_3M", "plot_fleet", "plot_report", "plot_sweep"]
 
 _TIER_COLORS = {"gpu": "#2b8cbe", "host": "#7bccc4", "disk": "#fdae61", "shared": "#d7191c"}
 _VARIANT_COLORS = {"hbm": "#2b8cbe", "hbm+host": "#41ab5d", "hbm+host+disk": "#fd8d3c",
                    "hbm+host+disk+shared": "#d7191c"}
 #: Mooncake FAST'25 Fig. 9: a 3M-token cache's hit rate as a fraction of the maximum
 PAPER_FRACTION_AT_3M = {"conversation": 0.41, "tool&agent": 0.75, "synthetic": 0.46}
+_GIB = 2**30
 
 
 def _pyplot() -> Any:
@@ -30,84 +34,112 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: str | os.PathLike[str]) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return obj if isinstance(obj, dict) else obj.to_dict()
 
 
 def plot_report(report: Any, path: str | os.PathLike[str]) -> None:
     """Hit rate by tier beside every-boundary and the maximum; misses by reason; bytes
-    resident per tier (blocks and snapshots)."""
+    resident per tier, blocks and snapshots apart."""
     plt = _pyplot()
-    t = report.total
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    d = _as_dict(report)
+    t = d["total"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     ax = axes[0]
     bottom = 0.0
     for tier in ("gpu", "host", "disk", "shared"):
-        v = 100 * t.rate(t.hit_tokens[tier])
+        v = 100 * t["hit_rate_by_tier"][tier]
         if v:
-            ax.bar(0, v, bottom=bottom, color=_TIER_COLORS[tier], label=tier)
+            ax.bar(0, v, bottom=bottom, color=_TIER_COLORS[tier], label=f"{tier} {v:.1f} %")
             bottom += v
-    ax.bar(1, 100 * t.rate(t.resident_tokens), color="#999999")
-    mx = t.max_tokens if report.fleet_max_tokens is None else report.fleet_max_tokens
-    ax.bar(2, 100 * t.rate(mx), color="#444444")
+    every = 100 * t["every_boundary_hit_rate"]
+    mx = 100 * (d["fleet_max_hit_rate"] if d.get("fleet_max_hit_rate") is not None else t["max_hit_rate"])
+    ax.bar(1, every, color="#999999")
+    ax.bar(2, mx, color="#444444")
+    for x, v in ((0, bottom), (1, every), (2, mx)):
+        ax.text(x, v, f"{v:.2f} %", ha="center", va="bottom", fontsize=8)
     ax.set_xticks([0, 1, 2], ["achieved\n(by tier)", "every boundary\nresumable", "trace max\n(unbounded)"])
     ax.set_ylabel("token hit rate (%)")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"{report.trace}: {report.config.tiers_label}")
+    ax.legend(loc="lower left", fontsize=8)
+    ax.set_title(f"{d['trace']}: {d['model']}, {d['tiers']}", fontsize=10)
     ax = axes[1]
-    reasons = [r for r in REASONS if t.miss_tokens[r]]
-    ax.barh(range(len(reasons)), [100 * t.rate(t.miss_tokens[r]) for r in reasons], color="#636363")
+    reasons = [r for r in REASONS if t["miss_tokens"][r]]
+    vals = [100 * t["miss_rate_by_reason"][r] for r in reasons]
+    ax.barh(range(len(reasons)), vals, color="#636363")
+    for y, v in enumerate(vals):
+        ax.text(v, y, f" {v:.2f} %", va="center", fontsize=8)
     ax.set_yticks(range(len(reasons)), [r.replace("_", " ") for r in reasons])
     ax.invert_yaxis()
+    ax.set_xlim(0, max(vals + [1]) * 1.25)
     ax.set_xlabel("share of prompt tokens computed (%)")
-    ax.set_title("why each miss missed")
+    ax.set_title("why each miss missed", fontsize=10)
     ax = axes[2]
-    res = report.resident()
+    res = d["resident_bytes"]
     names = list(res)
-    gib = 2**30
-    ax.bar(range(len(names)), [res[n].get("blocks", 0) / gib for n in names], color="#2b8cbe", label="blocks")
-    ax.bar(range(len(names)), [res[n].get("snapshots", 0) / gib for n in names],
-           bottom=[res[n].get("blocks", 0) / gib for n in names], color="#fdae61", label="snapshots")
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel(f"resident at the end (GiB of {report.config.model})")
-    ax.set_yscale("symlog")
+    xs = range(len(names))
+    blocks = [res[n].get("blocks", 0) / _GIB for n in names]
+    snaps = [res[n].get("snapshots", 0) / _GIB for n in names]
+    ax.bar([x - 0.2 for x in xs], blocks, width=0.4, color="#2b8cbe", label="blocks")
+    ax.bar([x + 0.2 for x in xs], snaps, width=0.4, color="#fdae61", label="snapshots")
+    for x, b, s in zip(xs, blocks, snaps):
+        ax.text(x - 0.2, b, f"{b:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.text(x + 0.2, s, f"{s:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel(f"GiB of {d['model']} resident at the end")
     ax.legend(fontsize=8)
-    ax.set_title("bytes resident")
+    ax.set_title("bytes resident", fontsize=10)
     _save(fig, path)
 
 
-def plot_sweep(result: SweepResult, path: str | os.PathLike[str], *, paper: dict[str, float] | None = None) -> None:
+def plot_sweep(result: SweepResult | dict[str, Any], path: str | os.PathLike[str], *,
+               paper: dict[str, float] | None = None) -> None:
     """Hit rate against capacity (log tokens), per variant, the every-boundary curves
     dashed, the trace maximum dotted; GB axes for V4-Flash, V4-Pro and a dense model."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 6.2))
-    for v in result.variants():
-        pts = sorted((result.capacity_tokens(p.capacity), p.total) for p in result.points if p.variant == v)
+    d = _as_dict(result)
+    rows = d["rows"]
+    fig, ax = plt.subplots(figsize=(9.5, 6.4))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for v in variants:
+        pts = sorted((r["capacity_tokens"], r) for r in rows if r["variant"] == v)
         xs = [x for x, _ in pts]
-        c = _VARIANT_COLORS.get(v, None)
-        ax.plot(xs, [100 * t["hit_rate"] for _, t in pts], "o-", color=c, label=f"{v}: achieved")
-        ax.plot(xs, [100 * t["every_boundary_hit_rate"] for _, t in pts], "--", color=c, alpha=0.7,
+        c = _VARIANT_COLORS.get(v)
+        ax.plot(xs, [100 * r["hit_rate"] for _, r in pts], "o-", color=c, label=f"{v}: achieved (snapshot policy)")
+        ax.plot(xs, [100 * r["every_boundary_hit_rate"] for _, r in pts], "--", color=c, alpha=0.7,
                 label=f"{v}: every boundary resumable")
-    if result.points:
-        mx = 100 * result.points[0].total["max_hit_rate"]
+        sim = [(x, r["lru_simulation_hit_rate"]) for x, r in pts if "lru_simulation_hit_rate" in r]
+        if sim:
+            ax.plot([x for x, _ in sim], [100 * s for _, s in sim], "x", color="black",
+                    label="plain LRU prefix simulation (paper's method)")
+    if rows:
+        mx = 100 * rows[0]["max_hit_rate"]
         ax.axhline(mx, color="black", linestyle=":", label=f"trace maximum {mx:.1f} %")
     ax.axvline(3e6, color="grey", linewidth=0.8)
-    ax.text(3e6, ax.get_ylim()[1] * 0.02, " 3M tokens", color="grey", fontsize=8)
+    ax.text(3e6, 1, " 3M tokens", color="grey", fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (tokens of Classical blocks)")
+    ax.set_xlabel("cache capacity (tokens of 512-token Classical blocks)")
     ax.set_ylabel("token hit rate (%)")
-    ax.set_title(f"{result.trace}: hit rate vs {result.tier} capacity (LRU, request sequence only)", fontsize=10)
+    ax.set_title(f"{d['trace']}: hit rate vs {d['tier']} capacity (LRU, request sequence only)", fontsize=10,
+                 pad=72)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(True, which="both", alpha=0.2)
-    per_token = {name: result.capacity_gb(1_000_000)[name] / 1e6 for name in ("deepseek-v4-flash", "deepseek-v4-pro")}
-    per_token["dense-320KB"] = DENSE_BYTES_PER_TOKEN / 1e9
-    for k, (name, gb) in enumerate(per_token.items()):
-        sec = ax.secondary_xaxis(1.0 + 0.1 * k, functions=(lambda x, g=gb: x * g, lambda y, g=gb: y / g))
-        sec.set_xlabel(f"GB, {name}", fontsize=8, labelpad=1)
-        sec.tick_params(labelsize=7)
+    if rows:
+        gb = rows[0]["capacity_gb"]
+        tokens = rows[0]["capacity_tokens"]
+        per_token = {name: g / tokens for name, g in gb.items()}
+        per_token["dense-320KB"] = DENSE_BYTES_PER_TOKEN / 1e9
+        for k, (name, g) in enumerate(per_token.items()):
+            sec = ax.secondary_xaxis(1.0 + 0.085 * k, functions=(lambda x, g=g: x * g, lambda y, g=g: y / g))
+            sec.set_xlabel(f"GB, {name}" + (" (incl. snapshot share)" if name.startswith("deepseek") else ""),
+                           fontsize=7, labelpad=0)
+            sec.tick_params(labelsize=7)
     if paper:
         ax.text(0.99, 0.02, "Mooncake Fig. 9, fraction of max at 3M: "
                 + ", ".join(f"{k} {100 * v:.0f} %" for k, v in paper.items()),
@@ -117,28 +149,31 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str], *, paper: dict
 
 def plot_fleet(reports: list[Any], path: str | os.PathLike[str]) -> None:
     """Per fleet replay (routing x shared level): the hit rate stacked by tier, beside the
-    fleet's maximum; the per-node hit rates as dots."""
+    fleet's maximum (dotted); the per-node hit rates as dots."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(reports), 4.8))
-    for i, r in enumerate(reports):
-        t = r.total
+    ds = [_as_dict(r) for r in reports]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.7 * len(ds), 4.8))
+    seen: set[str] = set()
+    for i, d in enumerate(ds):
+        t = d["total"]
         bottom = 0.0
         for tier in ("gpu", "host", "disk", "shared"):
-            v = 100 * t.rate(t.hit_tokens[tier])
+            v = 100 * t["hit_rate_by_tier"][tier]
             if v:
-                ax.bar(i, v, bottom=bottom, color=_TIER_COLORS[tier], label=tier if i == 0 or tier == "shared" else None)
+                ax.bar(i, v, bottom=bottom, color=_TIER_COLORS[tier], label=None if tier in seen else tier)
+                seen.add(tier)
                 bottom += v
-        rates = [100 * n.tally.rate(n.tally.hits) for n in r.nodes]
+        ax.text(i, bottom, f"{bottom:.1f} %", ha="center", va="bottom", fontsize=8)
+        nodes = d.get("nodes") or []
+        rates = [100 * n["hit_rate"] for n in nodes]
         ax.plot([i + 0.3] * len(rates), rates, "k.", markersize=4)
-        if r.fleet_max_tokens:
-            ax.plot([i - 0.4, i + 0.4], [100 * r.fleet_max_tokens / r.prompt_tokens] * 2, "k:")
-    ax.set_xticks(range(len(reports)), [f"{r.route}\n{'shared' if r.config.shared_url else 'local only'}"
-                                        for r in reports])
+        if d.get("fleet_max_hit_rate"):
+            ax.plot([i - 0.4, i + 0.4], [100 * d["fleet_max_hit_rate"]] * 2, "k:")
+    ax.set_xticks(range(len(ds)), [f"{d['route']}\n{'+ shared level' if d['capacity']['shared'] else 'local only'}"
+                                   for d in ds], fontsize=8)
     ax.set_ylabel("token hit rate (%)")
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), fontsize=8, loc="upper left")
-    n = len(reports[0].nodes) if reports else 0
-    ax.set_title(f"{reports[0].trace if reports else ''}: {n} nodes, {reports[0].config.tiers_label if reports else ''}"
-                 " (dots: nodes; dotted: fleet max)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    n = d["nodes_count"] if ds and "nodes_count" in ds[0] else len(ds[0].get("nodes") or []) if ds else 0
+    ax.set_title(f"{ds[0]['trace'] if ds else ''}: {n} nodes, {ds[0]['model'] if ds else ''} "
+                 f"(dots: nodes; dotted: fleet max)", fontsize=9)
     _save(fig, path)

@@ -66,6 +66,18 @@ class ReplayReport:
                     d[k] = d.get(k, 0) + v
         return out
 
+    def stranded(self) -> dict[str, dict[str, int]]:
+        """Stranded bytes per tier, summed over nodes (a shared level counted once)."""
+        out: dict[str, dict[str, int]] = {}
+        for i, n in enumerate(self.nodes):
+            for tier, kinds in n.stranded.items():
+                if tier == "shared" and i > 0:
+                    continue
+                d = out.setdefault(tier, {})
+                for k, v in kinds.items():
+                    d[k] = d.get(k, 0) + v
+        return out
+
     def moved(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for n in self.nodes:
@@ -100,11 +112,13 @@ class ReplayReport:
             "total": self.total.to_dict(),
             "resident_bytes": self.resident(),
             "moved_bytes": self.moved(),
+            "stranded_bytes": self.stranded(),
             "route": self.route,
             "fleet_max_hit_rate": (self.fleet_max_tokens / self.prompt_tokens
                                    if self.fleet_max_tokens is not None and self.prompt_tokens else None),
             "nodes": [{"name": n.name, "wall_s": n.wall_s, **n.tally.to_dict(), "resident_bytes": n.resident,
-                       "moved_bytes": n.moved} for n in self.nodes] if len(self.nodes) > 1 else None,
+                       "moved_bytes": n.moved, "stranded_bytes": n.stranded} for n in self.nodes]
+            if len(self.nodes) > 1 else None,
             **self.extra,
         }
 
@@ -148,6 +162,16 @@ def format_report(r: ReplayReport) -> str:
         b, s = kinds.get("blocks", 0), kinds.get("snapshots", 0)
         lines.append(f"  {tier:<38} {format_bytes(b):>12} {format_bytes(s):>12} "
                      f"{(s / b if b else 0):>10.3f}")
+    lines += ["", f"{'stranded at the end (held, no resume can use)':<40} {'no block':>12} {'no snapshot':>12} "
+                  f"{'snapshots':>12}",
+              "  (blocks a block before them is missing for / blocks no snapshot at or after them serves / "
+              "snapshots whose blocks are not all held)"]
+    for tier, kinds in r.stranded().items():
+        lines.append(f"  {tier:<38} {format_bytes(kinds.get('unreachable', 0)):>12} "
+                     f"{format_bytes(kinds.get('no_snapshot', 0)):>12} "
+                     f"{format_bytes(kinds.get('snapshots_unreachable', 0)):>12}"
+                     + (f"  ({format_bytes(kinds['unknown'])} of blocks not seen by this replay)"
+                        if kinds.get("unknown") else ""))
     moved = r.moved()
     if moved:
         lines += ["", f"{'moved between tiers (model bytes)':<40} {'blocks':>12} {'snapshots':>12}"]
