@@ -28,8 +28,6 @@ from tiered_kv.replay import Capacity, ReplayConfig, TokenMaker, load_trace, rep
 from tiered_kv.replay.node import Node
 from tiered_kv.replay.trace import Trace, TraceRequest
 
-from _util import lmdb_raw_read, lmdb_raw_write
-
 BT = 512
 
 
@@ -145,10 +143,10 @@ def test_hbm_only_hit_rate_equals_a_plain_lru_prefix_simulation(conversation: Tr
 def test_every_tier_serves_and_the_tokens_add_up(conversation: Trace) -> None:
     cfg = ReplayConfig(hbm=Capacity.of_tokens(400_000), host=Capacity.of_tokens(1_000_000),
                        disk=Capacity.of_tokens(2_000_000), verify_every=3)
-    report = replay(conversation.head(300), cfg)
+    report = replay(conversation.head(220), cfg)
     t = report.total
     t.check()
-    assert t.prompt_tokens == conversation.head(300).prompt_tokens
+    assert t.prompt_tokens == conversation.head(220).prompt_tokens
     assert all(t.hit_tokens[k] > 0 for k in ("gpu", "host", "disk")) and t.hit_tokens["shared"] == 0
     assert all(t.verified_by_tier[k] > 0 for k in ("gpu", "host", "disk"))
     assert t.miss_tokens["evicted_disk"] > 0 and t.miss_tokens["never_seen"] > 0
@@ -178,23 +176,29 @@ def test_host_only_evictions_are_attributed_to_the_tier_that_lost_them(conversat
 def test_a_corrupt_disk_record_is_a_counted_miss(tmp_path: Path, conversation: Trace) -> None:
     store = tmp_path / "disk"
     cfg = ReplayConfig(hbm=Capacity.of_tokens(2_000_000), disk=Capacity.of_tokens(4_000_000),
-                       disk_url=f"lmdb://{store}", verify_every=1)
+                       disk_url=f"lmdb://{store}", verify_every=4)
     head = list(enumerate(conversation.requests[:60]))
     with Node(cfg, BT, name="first") as node:
         node.run(head)
         node.finish()
-    # flip a payload byte of every stored block record, as a bad disk would
+    # flip a payload byte of every stored block record in its segment file, as a bad disk
+    # would (the index keeps the record's checksum)
     import lmdb
+
+    from tiered_kv.storage.lmdb_store import unpack_entry
+    from tiered_kv.storage.segments import segment_name
 
     env = lmdb.open(str(store), max_dbs=4, readonly=True, lock=False)
     with env.begin() as txn:
-        keys = [bytes(k) for k, _ in txn.cursor(db=env.open_db(b"records", txn=txn, create=False))]
+        locs = [unpack_entry(v)[0] for k, v in txn.cursor(db=env.open_db(b"records", txn=txn, create=False))
+                if bytes(k)[0] == 1]
     env.close()
-    blocks = [k for k in keys if k[0] == 1]
-    for kb in blocks:
-        raw = bytearray(lmdb_raw_read(store, kb))
-        raw[len(raw) // 2] ^= 0xFF
-        lmdb_raw_write(store, kb, bytes(raw))
+    for loc in locs:
+        with open(store / "segments" / segment_name(loc.segment), "r+b") as f:
+            f.seek(loc.offset + loc.length // 2)
+            byte = f.read(1)
+            f.seek(loc.offset + loc.length // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
     # a fresh node on the same store: its GPU is empty, so resumes must read the disk
     with Node(cfg, BT, name="second") as node:
         node.run(enumerate(conversation.requests[:60]))
