@@ -26,7 +26,6 @@ Writes bench/results/replay_fig9_<trace>.json and .png.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import os
@@ -50,36 +49,11 @@ BT = 512
 
 
 def lru_simulation(trace: Trace, capacity: int) -> float:
-    """Hit rate of a plain LRU prefix cache of ``capacity`` blocks over the hash ids (the
-    cache's mechanics: see tests/test_replay.py::lru_prefix_simulation)."""
-    evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-    cached: set[int] = set()
-    free, hits = capacity, 0
-    for r in trace:
-        n, ids = r.input_length, r.hash_ids
-        full, blocks, limit = n // BT, -(-n // BT), (n - 1) // BT
-        k = 0
-        while k < min(full, limit) and ids[k] in cached:
-            k += 1
-        hits += k * BT
-        for x in ids[:k]:
-            del evictable[x]
-        need = blocks - k
-        taken = min(free, need)
-        free -= taken
-        for _ in range(need - taken):
-            cached.discard(evictable.popitem(last=False)[0])
-        mine = set()
-        for x in ids[k:full]:
-            if x not in cached:
-                cached.add(x)
-                mine.add(x)
-        for pos in reversed(range(blocks)):
-            if pos < k or (pos < full and ids[pos] in mine):
-                evictable[ids[pos]] = None
-            else:
-                free += 1
-    return hits / trace.prompt_tokens
+    """Hit rate of a plain LRU prefix cache of ``capacity`` blocks over the hash ids: the
+    exactness test's own simulation (tests/test_replay.py), run here as the baseline."""
+    from test_replay import lru_prefix_simulation
+
+    return lru_prefix_simulation(trace, capacity) / trace.prompt_tokens
 
 
 @contextlib.contextmanager
