@@ -120,8 +120,11 @@ class ReplayConfig:
     cost: CostModel = field(default_factory=CostModel.defaults)
     #: where a disk store made for the replay goes (None: the system's temporary directory)
     workdir: str | None = None
-    #: options of the chain when ``shared_url`` is given (e.g. ``{"timeout_s": 5.0}``)
+    #: options of the chain when ``shared_url`` is given behind a disk (e.g. ``{"backoff_max_s": 5.0}``)
     chain_options: dict[str, Any] = field(default_factory=dict)
+    #: bound on each call to the shared level (a serving cache's default is 2 s; a replay on a
+    #: small machine shares its CPUs with the object store, which then answers slowly)
+    shared_timeout_s: float = 30.0
     #: the GPU pools in counts, instead of ``hbm``'s bytes split by ``snapshot_fraction``
     #: (e.g. a snapshot pool that never evicts, to compare with a plain LRU simulation)
     gpu_blocks: int | None = None

@@ -142,8 +142,8 @@ class Node:
         shared = shared_url if shared_url is not None else config.shared_url
         far = None if shared is None else (shared if shared_url is not None
                                            else shared_url_for(shared, f"replay-{run_id}"))
-        if config.disk is None:
-            return far, None  # (None: no store) a node writing straight to the shared level
+        if config.disk is None:  # (None: no store) a node writing straight to the shared level
+            return far, None if far is None else {"timeout_s": config.shared_timeout_s}
         url = config.disk_url
         if url is None:
             self._tmp = Path(tempfile.mkdtemp(prefix=f"tkv-replay-{self.name}-", dir=config.workdir))
@@ -151,7 +151,8 @@ class Node:
         disk_options = {"max_bytes": self.plan.disk_max_bytes}
         if far is None:
             return url, disk_options
-        return [url, far], {"level_options": [disk_options, {}], **config.chain_options}
+        return [url, far], {"level_options": [disk_options, {}], "timeout_s": config.shared_timeout_s,
+                            **config.chain_options}
 
     def _hook_evictions(self) -> None:
         """Count what moves down the tiers on eviction (the pools' ``on_evict`` is public)."""
