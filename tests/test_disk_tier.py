@@ -184,6 +184,8 @@ def test_queued_disk_writes_go_in_batches_and_failures_count_per_record(tmp_path
 
     store.put_many = put_many  # type: ignore[method-assign]
     tier = DiskTier(store, layout)
+    failed: list[RecordKey] = []
+    tier.on_write_failed = failed.append
     keys = [RecordKey.block(bytes([i]) * 32) for i in range(12)]
     payload = torch.zeros(64, dtype=torch.uint8)
     for k in keys[:6]:  # the writer thread holds the first batch at the gate; the rest queue
@@ -198,7 +200,7 @@ def test_queued_disk_writes_go_in_batches_and_failures_count_per_record(tmp_path
         tier.submit(k, b"\0" * 32, b"\0" * 32, payload)
     gate.set()
     tier.flush()
-    assert tier.writes == 11 and tier.write_errors == 1
+    assert tier.writes == 11 and tier.write_errors == 1 and failed == [keys[8]]
     assert [store.contains(k) for k in keys] == [k != keys[8] for k in keys]
     tier.close()
     store.close()

@@ -101,6 +101,9 @@ class DiskTier:
         self.write_errors = 0
         self.write_bytes = 0
         self.last_write_error: str | None = None
+        #: called on the writer thread with the key of each record whose write failed (after
+        #: it is counted); e.g. a trace replay, to know which records never reached the store
+        self.on_write_failed: Callable[[Any], None] | None = None
         self._failing = 0  # writes failed since the last one that succeeded
         self.reads = 0
         self.read_hits = 0
@@ -158,7 +161,7 @@ class DiskTier:
                 if ready is not None:
                     ready()
             except Exception as exc:  # this record's copy failed: counted, the others go on
-                self._write_failed(exc)
+                self._write_failed(exc, item.key)
                 done.set_result(None)
                 continue
             items.append(item)
@@ -179,7 +182,7 @@ class DiskTier:
         try:
             written = self.store.put_many([item])
         except Exception as exc:  # counted and surfaced in stats; the data is still cached above
-            self._write_failed(exc)
+            self._write_failed(exc, item.key)
             return
         self._wrote([item], written)
 
@@ -193,15 +196,18 @@ class DiskTier:
         if failed:
             log.warning("disk writes succeed again, after %d failed (counted in disk_write_errors)", failed)
 
-    def _write_failed(self, exc: Exception) -> None:
+    def _write_failed(self, exc: Exception, key: Any) -> None:
         """Count a failed write. One warning per run of failures (a full disk fails every
         write until space is freed: one line, not one per record); the count and the last
-        error are in :meth:`stats`, and the next write that succeeds logs how many failed."""
+        error are in :meth:`stats`, and the next write that succeeds logs how many failed.
+        :attr:`on_write_failed` is told the record's key."""
         with self._lock:
             self.write_errors += 1
             self.last_write_error = f"{type(exc).__name__}: {exc}"
             first = self._failing == 0
             self._failing += 1
+        if self.on_write_failed is not None:
+            self.on_write_failed(key)
         if first:
             log.warning("disk write failed: %s; the records stay in the GPU and host tiers; further failures "
                         "are counted (disk_write_errors), not logged, until a write succeeds", exc)

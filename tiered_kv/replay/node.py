@@ -73,6 +73,8 @@ class NodeResult:
     #: the cache's counters at the end (stand-in units)
     stats: dict[str, Any]
     wall_s: float
+    #: the last failed write to the node's store (its count: ``stats["disk_write_errors"]``)
+    last_write_error: str | None = None
 
 
 #: GIL switch interval while a replay runs: the request loop and the disk writer thread
@@ -130,6 +132,8 @@ class Node:
         self._parent: dict[bytes, bytes | None] = {}
         self._deepest = max(self.index.tiers)
         self._reached_host: set[bytes] | None = None
+        #: blocks whose write to the node's store failed (a full disk): they never reached it
+        self._disk_failed: set[bytes] = set()
         self._snapshot_offloads = 0
         self._hook_evictions()
         self._failures = self._failure_counts()
@@ -155,22 +159,32 @@ class Node:
                             **config.chain_options}
 
     def _hook_evictions(self) -> None:
-        """Count what moves down the tiers on eviction (the pools' ``on_evict`` is public)."""
+        """Learn what moves down the tiers, to tell which tier lost a block: the pools'
+        ``on_evict`` and the disk tier's ``on_write_failed`` are public hooks."""
         cache = self.cache
+        if cache.disk is not None:
+            from ..storage import RecordKind
+
+            failed = self._disk_failed
+
+            def write_failed(key: Any) -> None:  # (the writer thread; a set's add is atomic)
+                if key.kind is RecordKind.BLOCK:
+                    failed.add(key.block_hash)
+
+            cache.disk.on_write_failed = write_failed
         host = cache.host
         if host is None:
             return
-        if cache.disk is None:  # then "evicted from host" needs to know what reached it
-            self._reached_host = reached = set()
-            on_block = cache.blocks.on_evict
-            held = host.blocks.cached
+        self._reached_host = reached = set()
+        on_block = cache.blocks.on_evict
+        held = host.blocks.cached
 
-            def block_evicted(b: int, h: bytes) -> None:
-                on_block(b, h)  # type: ignore[misc]
-                if h in held:
-                    reached.add(h)
+        def block_evicted(b: int, h: bytes) -> None:
+            on_block(b, h)  # type: ignore[misc]
+            if h in held:
+                reached.add(h)
 
-            cache.blocks.on_evict = block_evicted
+        cache.blocks.on_evict = block_evicted
         on_snap = cache.snapshots.ids.on_evict
         snaps = host.snapshots.cached if host.snapshots is not None else {}
 
@@ -288,8 +302,9 @@ class Node:
 
     def _evicted_from(self, h: bytes) -> Tier:
         """The farthest tier block ``h`` had reached (all of them pass the GPU; with a disk
-        every sealed block is written through, and uploaded to a shared level behind it)."""
-        if self._deepest >= Tier.DISK:
+        every sealed block is written through, unless that write failed, and uploaded to a
+        shared level behind it)."""
+        if self._deepest >= Tier.DISK and h not in self._disk_failed:
             return self._deepest
         if self._reached_host is not None and h in self._reached_host:
             return Tier.HOST
@@ -347,6 +362,7 @@ class Node:
                 for t, counts in stranded(self._parent, blocks, snaps).items()}
         return NodeResult(name=self.name, tally=self.tally, plan=self.plan, resident=resident,
                           moved=self._moved(stats), stranded=lost,
+                          last_write_error=None if self.cache.disk is None else self.cache.disk.last_write_error,
                           stats={k: v for k, v in stats.items() if isinstance(v, (int, float))},
                           wall_s=time.perf_counter() - self._t0)
 

@@ -113,6 +113,7 @@ class ReplayReport:
             "resident_bytes": self.resident(),
             "moved_bytes": self.moved(),
             "stranded_bytes": self.stranded(),
+            "store_write_errors": sum(int(n.stats.get("disk_write_errors", 0)) for n in self.nodes),
             "route": self.route,
             "fleet_max_hit_rate": (self.fleet_max_tokens / self.prompt_tokens
                                    if self.fleet_max_tokens is not None and self.prompt_tokens else None),
@@ -180,6 +181,15 @@ def format_report(r: ReplayReport) -> str:
                 lines.append(f"  {path:<38} {kinds['records']:>12,} records (blocks and snapshots)")
             else:
                 lines.append(f"  {path:<38} {format_bytes(kinds['blocks']):>12} {format_bytes(kinds['snapshots']):>12}")
+    errors = sum(int(n.stats.get("disk_write_errors", 0)) for n in r.nodes)
+    uploads_lost = sum(int(n.stats.get("store_failed_uploads", 0)) + int(n.stats.get("store_dropped_uploads", 0))
+                       for n in r.nodes)
+    if errors or uploads_lost:
+        last = next((n.last_write_error for n in r.nodes if n.last_write_error), None)
+        lines += ["", f"store writes that failed: {errors:,} records (they stayed in memory; a block lost later is "
+                      f"counted evicted from the tier it last reached)" + (f"; last: {last}" if last else "")]
+        if uploads_lost:
+            lines.append(f"uploads to the shared level given up or dropped: {uploads_lost:,} records")
     cost = c.cost
     saved = t.saved_s
     lines += ["", "prefill (cost model; every rate is a flag)",
