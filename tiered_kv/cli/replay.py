@@ -196,15 +196,20 @@ def _run_single(args: argparse.Namespace, trace: Any, configs: list[Any]) -> int
         from ..replay.plot import plot_report
 
         plot_report(reports[0], args.png)
+    return _print(args, reports, reports[0].to_dict() if len(reports) == 1 else
+                  {"policies": [r.to_dict() for r in reports]}, _policy_table(reports) if len(reports) > 1 else None)
+
+
+def _print(args: argparse.Namespace, reports: list[Any], as_json: dict[str, Any], table: str | None) -> int:
+    """Print ``as_json`` (``--json``) or each report's text and ``table``."""
     if args.json:
-        _common.print_json(reports[0].to_dict() if len(reports) == 1 else
-                           {"policies": [r.to_dict() for r in reports]})
+        _common.print_json(as_json)
         return ExitCode.OK
     for r in reports:
         print(r.text())
         print()
-    if len(reports) > 1:
-        print(_policy_table(reports))
+    if table is not None:
+        print(table)
     if args.png:
         print(f"wrote {args.png}")
     return ExitCode.OK
@@ -289,16 +294,7 @@ def _run_fleet(args: argparse.Namespace, trace: Any, base: Any) -> int:
         from ..replay.plot import plot_fleet
 
         plot_fleet(reports, args.png)
-    if args.json:
-        _common.print_json({"fleet": [r.to_dict() for r in reports]})
-        return ExitCode.OK
-    for r in reports:
-        print(r.text())
-        print()
-    print(fleet_table(reports))
-    if args.png:
-        print(f"wrote {args.png}")
-    return ExitCode.OK
+    return _print(args, reports, {"fleet": [r.to_dict() for r in reports]}, fleet_table(reports))
 
 
 def fleet_table(reports: list[Any]) -> str:

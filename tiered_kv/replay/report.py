@@ -56,33 +56,23 @@ class ReplayReport:
 
     def resident(self) -> dict[str, dict[str, int]]:
         """Bytes resident per tier, summed over nodes (a shared level counted once)."""
-        out: dict[str, dict[str, int]] = {}
-        for i, n in enumerate(self.nodes):
-            for tier, kinds in n.resident.items():
-                if tier == "shared" and i > 0:
-                    continue
-                d = out.setdefault(tier, {})
-                for k, v in kinds.items():
-                    d[k] = d.get(k, 0) + v
-        return out
+        return self._summed("resident")
 
     def stranded(self) -> dict[str, dict[str, int]]:
         """Stranded bytes per tier, summed over nodes (a shared level counted once)."""
-        out: dict[str, dict[str, int]] = {}
-        for i, n in enumerate(self.nodes):
-            for tier, kinds in n.stranded.items():
-                if tier == "shared" and i > 0:
-                    continue
-                d = out.setdefault(tier, {})
-                for k, v in kinds.items():
-                    d[k] = d.get(k, 0) + v
-        return out
+        return self._summed("stranded")
 
     def moved(self) -> dict[str, dict[str, int]]:
+        """Bytes moved per path between tiers, summed over nodes."""
+        return self._summed("moved")
+
+    def _summed(self, what: str) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
-        for n in self.nodes:
-            for path, kinds in n.moved.items():
-                d = out.setdefault(path, {})
+        for i, n in enumerate(self.nodes):
+            for name, kinds in getattr(n, what).items():
+                if name == "shared" and i > 0:  # one level for the fleet: node0 counted it
+                    continue
+                d = out.setdefault(name, {})
                 for k, v in kinds.items():
                     d[k] = d.get(k, 0) + v
         return out
