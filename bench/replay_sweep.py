@@ -12,8 +12,9 @@ Per trace:
    method); the ratio replay / simulation is printed. At 3M tokens the paper's published
    fraction of the maximum (conversation 41 %, synthetic 46 %) is printed beside ours.
 2. At ``--tier-points`` capacities: HBM + host (``--host-tokens``), + disk
-   (``--disk-tokens``, LMDB), + a shared level (SeaweedFS S3, started here as the tests
-   start it; skipped with ``--no-shared`` or without the ``weed`` binary).
+   (``--disk-tokens``, LMDB); at ``--shared-points``: + a shared level (SeaweedFS S3, a
+   fresh server per run started as the tests start it; skipped with ``--no-shared`` or
+   without the ``weed`` binary).
 
 Capacities are also shown in GB for V4-Flash, V4-Pro and a dense model of 320 KB/token.
 Writes bench/results/replay_fig9_<trace>.json and .png.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -58,26 +60,26 @@ def lru_simulation(trace: Trace, capacity: int) -> float:
 
 @contextlib.contextmanager
 def shared_level(enabled: bool):
-    """A SeaweedFS bucket URL (None when disabled or the binary cannot run)."""
+    """A bucket URL on a fresh SeaweedFS server (16 GiB of volumes), or None when disabled
+    or the binary cannot run; the server and its data go at the end."""
     if not enabled:
         yield None
         return
+    from seaweedfs import WeedUnavailable, find_weed, running_seaweedfs
+
     try:
-        from seaweedfs import WeedUnavailable, running_seaweedfs
-    except ImportError:
-        yield None
-        return
-    try:
-        with running_seaweedfs() as sw:
-            sw.make_bucket("tkv-replay")
-            os.environ.update(sw.env())
-            yield sw.url("tkv-replay", "sweep")
+        find_weed()
     except WeedUnavailable as e:
         print(f"(no shared level: {e})")
         yield None
+        return
+    with running_seaweedfs(volume_max=256) as sw:
+        sw.make_bucket("tkv-replay")
+        os.environ.update(sw.env())
+        yield sw.url("tkv-replay", "sweep")
 
 
-def run_trace(name: str, points: list[int], tier_points: list[int], host: int, disk: int, shared: str | None,
+def run_trace(name: str, points: list[int], tier_points: list[int], shared_points: list[int], host: int, disk: int,
               limit: int | None) -> dict:
     trace = load_trace(f"bundled:{name}", limit=limit)
     log = lambda line: print(f"  {name}: {line}", flush=True)  # noqa: E731
@@ -87,13 +89,19 @@ def run_trace(name: str, points: list[int], tier_points: list[int], host: int, d
                  progress=log)
     result = SweepResult(trace=fig9.trace, tier="hbm", model=base.model, block_tokens=BT,
                          snapshot_fraction=base.snapshot_fraction, points=list(fig9.points))
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(points[0]), host=Capacity.of_tokens(host),
+                       disk=Capacity.of_tokens(disk), verify_every=64)
     if tier_points:
-        variants = ["hbm+host", "hbm+host+disk"] + (["hbm+host+disk+shared"] if shared else [])
-        cfg = ReplayConfig(hbm=Capacity.of_tokens(tier_points[0]), host=Capacity.of_tokens(host),
-                           disk=Capacity.of_tokens(disk), shared_url=shared, verify_every=64)
         tiers = sweep(trace, cfg, tier="hbm", capacities=[Capacity.of_tokens(p) for p in tier_points],
-                      variants=variants, progress=log)
+                      variants=["hbm+host", "hbm+host+disk"], progress=log)
         result.points += tiers.points
+    for p in shared_points:  # each on a fresh server: a run stores ~4 GB of stand-in records
+        with shared_level(True) as url:
+            if url is None:
+                break
+            tiers = sweep(trace, dataclasses.replace(cfg, shared_url=url), tier="hbm",
+                          capacities=[Capacity.of_tokens(p)], variants=["hbm+host+disk+shared"], progress=log)
+            result.points += tiers.points
     wall = time.perf_counter() - t0
     sim = {p: lru_simulation(trace, -(-p // BT)) for p in points}
     d = result.to_dict()
@@ -144,7 +152,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", choices=("conversation", "synthetic", "both"), default="both")
     p.add_argument("--points", default="256K,512K,1M,2M,3M,5M,10M,20M,50M,100M")
-    p.add_argument("--tier-points", default="1M,3M,10M")
+    p.add_argument("--tier-points", default="1M,3M,10M", help="HBM capacities of the + host and + disk runs")
+    p.add_argument("--shared-points", default="3M", help="HBM capacities of the + shared runs (SeaweedFS)")
     p.add_argument("--host-tokens", default="10M")
     p.add_argument("--disk-tokens", default="50M")
     p.add_argument("--no-shared", action="store_true")
@@ -153,11 +162,12 @@ def main() -> None:
     limit = 300 if args.quick else None
     points = [parse_tokens(x) for x in ("256K,1M,3M" if args.quick else args.points).split(",")]
     tier_points = [] if args.quick else [parse_tokens(x) for x in args.tier_points.split(",") if x]
+    shared_points = [] if args.quick or args.no_shared else [parse_tokens(x) for x in args.shared_points.split(",")
+                                                             if x]
     names = ["conversation", "synthetic"] if args.trace == "both" else [args.trace]
-    with shared_level(bool(tier_points) and not args.no_shared) as shared:
-        for name in names:
-            run_trace(name, points, tier_points, parse_tokens(args.host_tokens), parse_tokens(args.disk_tokens),
-                      shared, limit)
+    for name in names:
+        run_trace(name, points, tier_points, shared_points, parse_tokens(args.host_tokens),
+                  parse_tokens(args.disk_tokens), limit)
 
 
 if __name__ == "__main__":
