@@ -73,8 +73,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--disk-store", metavar="URL",
                    help="where the disk tier lives: any store URL (default: a fresh LMDB directory, removed after)")
     p.add_argument("--shared", metavar="URL",
-                   help="the shared level behind every node's disk: zarr+s3://BUCKET/PREFIX?endpoint=URL "
-                        "(credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or any store URL")
+                   help="the level every node shares (behind its disk with --disk, else its only store): "
+                        "zarr+s3://BUCKET/PREFIX?endpoint=URL (credentials in AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY) or any store URL")
     p.add_argument("--snapshot-fraction", type=float, default=0.25, metavar="F",
                    help="share of each memory tier given to snapshots (default %(default)s, the host tier's)")
     p.add_argument("--snapshot-policy", action="append", metavar="NAME[:N]",
