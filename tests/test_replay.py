@@ -309,3 +309,20 @@ def test_stranded_blocks_and_snapshots() -> None:
     # without c's snapshot, a, b and c serve no resume
     out = stranded(parent, blocks, {"gpu": set(), "disk": {b"e"}})
     assert out["gpu"]["no_snapshot"] == 2 and out["disk"]["no_snapshot"] == 1
+
+
+def test_tiers_are_sized_in_model_bytes() -> None:
+    from tiered_kv.replay import plan_tiers
+    from tiered_kv.storage import record_size
+
+    cfg = ReplayConfig(hbm=Capacity.of_bytes(40 << 30), host=Capacity.of_bytes(512 << 30),
+                       disk=Capacity.of_bytes(4 << 40))
+    p = plan_tiers(cfg, BT)
+    B, S = 1_971_328, 3_644_416  # V4-Flash at 512-token blocks
+    assert (p.standin.model.block_bytes, p.standin.model.snapshot_bytes) == (B, S)
+    assert p.gpu_snapshots == int((40 << 30) * 0.25) // S and p.gpu_blocks == ((40 << 30) - p.gpu_snapshots * S) // B
+    assert (p.gpu_blocks, p.gpu_snapshots, p.host_blocks, p.host_snapshots) == (16_340, 2_946, 209_157, 37_712)
+    assert p.disk_max_bytes == (4 << 40) * record_size(15_401) // record_size(B)
+    # tokens: that many tokens of blocks plus the snapshot share, in bytes; the pool holds what fits
+    p = plan_tiers(ReplayConfig(hbm=Capacity.of_tokens(3_000_000)), BT)
+    assert p.model_bytes["gpu"] == -(-5_860 * B * 4 // 3) and (p.gpu_blocks, p.gpu_snapshots) == (5_861, 1_056)
