@@ -259,9 +259,11 @@ def _run_sweep(args: argparse.Namespace, trace: Any, base: Any) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.png:
-        from ..replay.plot import plot_sweep
+        from ..replay.plot import PAPER_RANGE_AT_3M, plot_sweep
 
-        plot_sweep(result, args.png)
+        # Mooncake's published range belongs beside its own traces' HBM sweeps only
+        paper = PAPER_RANGE_AT_3M if tier == "hbm" and str(args.trace).startswith("bundled:") else None
+        plot_sweep(result, args.png, paper_range=paper)
     if args.json:
         _common.print_json(result.to_dict())
     else:

@@ -12,13 +12,15 @@ from typing import Any
 from .sweep import DENSE_BYTES_PER_TOKEN, SweepResult
 from .tally import REASONS
 
-__all__ = ["PAPER_FRACTION_AT_3M", "plot_fleet", "plot_report", "plot_sweep"]
+__all__ = ["PAPER_RANGE_AT_3M", "plot_fleet", "plot_report", "plot_sweep"]
 
 _TIER_COLORS = {"gpu": "#2b8cbe", "host": "#7bccc4", "disk": "#fdae61", "shared": "#d7191c"}
 _VARIANT_COLORS = {"hbm": "#2b8cbe", "hbm+host": "#41ab5d", "hbm+host+disk": "#fd8d3c",
                    "hbm+host+disk+shared": "#d7191c"}
-#: Mooncake FAST'25 Fig. 9: a 3M-token cache's hit rate as a fraction of the maximum
-PAPER_FRACTION_AT_3M = {"conversation": 0.41, "tool&agent": 0.75, "synthetic": 0.46}
+#: Mooncake FAST'25 Fig. 9: a local cache of 3M tokens reaches 41-75 % of the maximum hit
+#: rate. The paper publishes the range over its three workloads (conversation, tool and
+#: agent, synthetic), not which workload is where in it: a replay is compared with the range.
+PAPER_RANGE_AT_3M = (0.41, 0.75)
 _GIB = 2**30
 
 
@@ -99,13 +101,15 @@ def plot_report(report: Any, path: str | os.PathLike[str]) -> None:
 
 
 def plot_sweep(result: SweepResult | dict[str, Any], path: str | os.PathLike[str], *,
-               paper: dict[str, float] | None = None) -> None:
+               paper_range: tuple[float, float] | None = None) -> None:
     """Hit rate against capacity (log tokens), per variant, the every-boundary curves
-    dashed, the trace maximum dotted; GB axes for V4-Flash, V4-Pro and a dense model."""
+    dashed, the trace maximum dotted; GB axes for V4-Flash, V4-Pro and a dense model.
+    ``paper_range``: fractions of the maximum (low, high) drawn as a bar at 3M tokens
+    (:data:`PAPER_RANGE_AT_3M`, Mooncake's Fig. 9)."""
     plt = _pyplot()
     d = _as_dict(result)
     rows = d["rows"]
-    fig, ax = plt.subplots(figsize=(9.5, 6.4))
+    fig, ax = plt.subplots(figsize=(13, 6.4))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     for v in variants:
         pts = sorted((r["capacity_tokens"], r) for r in rows if r["variant"] == v)
@@ -121,6 +125,11 @@ def plot_sweep(result: SweepResult | dict[str, Any], path: str | os.PathLike[str
     if rows:
         mx = 100 * rows[0]["max_hit_rate"]
         ax.axhline(mx, color="black", linestyle=":", label=f"trace maximum {mx:.1f} %")
+        if paper_range is not None:
+            lo, hi = paper_range
+            ax.errorbar([3e6], [mx * (lo + hi) / 2], yerr=[[mx * (hi - lo) / 2]], fmt="none", ecolor="#7a0177",
+                        elinewidth=2.5, capsize=6,
+                        label=f"Mooncake Fig. 9 at 3M: {100 * lo:.0f}-{100 * hi:.0f} % of max (its 3 workloads)")
     ax.axvline(3e6, color="grey", linewidth=0.8)
     ax.text(3e6, 1, " 3M tokens", color="grey", fontsize=8)
     ax.set_xscale("log")
@@ -128,7 +137,7 @@ def plot_sweep(result: SweepResult | dict[str, Any], path: str | os.PathLike[str
     ax.set_ylabel("token hit rate (%)")
     ax.set_title(f"{d['trace']}: hit rate vs {d['tier']} capacity (LRU, request sequence only)", fontsize=10,
                  pad=72)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(True, which="both", alpha=0.2)
     if rows:
         gb = rows[0]["capacity_gb"]
@@ -140,10 +149,6 @@ def plot_sweep(result: SweepResult | dict[str, Any], path: str | os.PathLike[str
             sec.set_xlabel(f"GB, {name}" + (" (incl. snapshot share)" if name.startswith("deepseek") else ""),
                            fontsize=7, labelpad=0)
             sec.tick_params(labelsize=7)
-    if paper:
-        ax.text(0.99, 0.02, "Mooncake Fig. 9, fraction of max at 3M: "
-                + ", ".join(f"{k} {100 * v:.0f} %" for k, v in paper.items()),
-                transform=ax.transAxes, ha="right", fontsize=7, color="grey")
     _save(fig, path)
 
 
