@@ -75,6 +75,17 @@ def main() -> None:
     names = ["conversation", "synthetic"] if args.trace == "both" else [args.trace]
     chosen = ["paper", "flash"] if args.setting == "both" else [args.setting]
     configs = SETTINGS
+
+    def progress_every(step: int):
+        """A progress line every ``step`` requests (a fleet run takes minutes to an hour)."""
+        t0 = time.perf_counter()
+
+        def tell(i: int, n: int) -> None:
+            if i % step == 0 or i == n:
+                print(f"    {i:,}/{n:,} requests in {time.perf_counter() - t0:.0f} s (load {os.getloadavg()[0]:.1f})",
+                      flush=True)
+        return tell
+
     for setting in chosen:
         for name in names:
             trace = load_trace(f"bundled:{name}", limit=args.limit)
@@ -87,9 +98,10 @@ def main() -> None:
                             sw.make_bucket("tkv-replay")
                             os.environ.update(sw.env())
                             cfg = dataclasses.replace(configs[setting], shared_url=sw.url("tkv-replay", "fleet"))
-                            r = fleet_replay(trace, cfg, nodes=args.nodes, route=route)
+                            r = fleet_replay(trace, cfg, nodes=args.nodes, route=route, progress=progress_every(500))
                     else:
-                        r = fleet_replay(trace, configs[setting], nodes=args.nodes, route=route)
+                        r = fleet_replay(trace, configs[setting], nodes=args.nodes, route=route,
+                                         progress=progress_every(500))
                     print(f"  {setting} {name} {route} shared={with_shared}: hit {100 * r.hit_rate:.2f} % in "
                           f"{time.perf_counter() - t0:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
                     reports.append(r)
