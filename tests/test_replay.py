@@ -229,15 +229,16 @@ def test_cli_replay_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert png.stat().st_size > 10_000
 
 
-def test_cli_replay_compares_policies_and_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_replay_compares_policies_and_sweeps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--limit", "80", "--hbm-tokens",
                              "1M", "--snapshot-policy", "interval:1", "--snapshot-policy", "interval:8")
     assert code == ExitCode.OK, err
     table = out[out.index("snapshot policy   "):]
     assert "interval:1" in table and "interval:8" in table
     code, out, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--limit", "60", "--sweep",
-                             "hbm-tokens=256K,1M", "--host-tokens", "2M", "--json")
+                             "hbm-tokens=256K,1M", "--host-tokens", "2M", "--json", "--png", str(tmp_path / "s.png"))
     assert code == ExitCode.OK, err
+    assert (tmp_path / "s.png").stat().st_size > 10_000  # with Mooncake's published range at 3M tokens
     rows = json.loads(out)["rows"]
     assert [(r["capacity_tokens"], r["variant"]) for r in rows] == [
         (256_000, "hbm"), (256_000, "hbm+host"), (1_000_000, "hbm"), (1_000_000, "hbm+host")]
