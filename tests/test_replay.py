@@ -297,6 +297,29 @@ def test_fleet_shares_one_level_on_seaweedfs(seaweedfs, monkeypatch: pytest.Monk
     assert "random   yes" in fleet_table([report])
 
 
+def test_an_upload_landing_between_lookup_and_open_is_a_shared_hit(tmp_path: Path) -> None:
+    """A fleet's race, made to happen: node b's lookup runs before node a's blocks land on
+    the level they share, b's open after; b resumes more than its lookup said, and that is
+    counted (late tokens, shared hits), not taken for a broken invariant."""
+    ids = tuple(range(1, 9))
+    first = TraceRequest(timestamp_ms=0, input_length=8 * BT, output_length=1, hash_ids=ids)
+    second = TraceRequest(timestamp_ms=1, input_length=8 * BT + 100, output_length=1, hash_ids=(*ids, 99))
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(100_000), shared_url=f"zarr://{tmp_path / 'shared'}",
+                       snapshot_policy="interval:1", verify_every=1)
+    with Node(cfg, BT, name="a", shared_url=cfg.shared_url) as a, \
+            Node(cfg, BT, name="b", shared_url=cfg.shared_url) as b:
+        assert b.prepare(1, second).blocks() == 0  # nothing on the shared level yet
+        a.serve(0, first)
+        a.cache.flush()  # a's write-through to the shared level lands
+        served = b.serve(1, second)
+        assert served.resumable_tokens == 0 and served.hit_tokens == 8 * BT
+        t = b.tally
+        t.check()
+        assert t.late_tokens == 8 * BT and t.late_requests == 1
+        assert t.hit_tokens["shared"] == 8 * BT and t.snapshot_hits["shared"] == 1
+        assert t.verified_by_tier["shared"] == 8  # read back byte-exact from the shared level
+
+
 def test_stranded_blocks_and_snapshots() -> None:
     from tiered_kv.replay.stranded import stranded
 

@@ -243,13 +243,24 @@ class Node:
         req = cache.open(tokens)
         P = req.num_cached_tokens // bt
         t = self.tally
-        short = predicted - P
-        if short < 0:
-            raise AssertionError(f"{self.name} request {index}: open resumed {P} blocks, the lookup said {predicted}")
-        if short:
+        short, said = predicted - P, predicted
+        late = short < 0
+        if late:
+            if Tier.SHARED not in self.index.tiers:
+                raise AssertionError(f"{self.name} request {index}: open resumed {P} blocks, the lookup said "
+                                     f"{predicted}")
+            # other nodes write the shared level as this one serves: an upload landed between
+            # the lookup and the open (tally.py); account for what the open resumed
+            t.late_tokens += (P - predicted) * bt
+            t.late_requests += 1
+            predicted = P
+            held = max(held, P)
+            seen = max(seen, held)
+        elif short:
             t.miss_tokens[self._explain_short(index, P, predicted)] += short * bt
-        if P and self._should_verify(look, P):
-            self._verify(req, hashes[:P], look)
+        tiers = _block_tiers(look, P)
+        if P and self._should_verify(tiers):
+            self._verify(req, hashes[:P], tiers)
         cache.reserve(req, n - P * bt)
         full = len(hashes)
         self.synth.write_blocks(cache, req, P, hashes[P:full])
@@ -261,8 +272,8 @@ class Node:
         cache.close(req)
         for i in range(seen, len(hashes)):  # (those before seen are known)
             parent.setdefault(hashes[i], hashes[i - 1] if i else None)
-        self._account(look, n, P, predicted, held, seen, hashes)
-        return Served(index=index, prompt_tokens=n, hit_tokens=P * bt, resumable_tokens=predicted * bt)
+        self._account(look, n, P, predicted, held, seen, hashes, tiers, late)
+        return Served(index=index, prompt_tokens=n, hit_tokens=P * bt, resumable_tokens=said * bt)
 
     def run(self, requests: Iterable[tuple[int, TraceRequest]],
             progress: Callable[[int], None] | None = None) -> None:
@@ -273,7 +284,7 @@ class Node:
 
     # ------------------------------------------------------------------ accounting
     def _account(self, look: ResumeLookup, n: int, P: int, predicted: int, held: int, seen: int,
-                 hashes: list[bytes]) -> None:
+                 hashes: list[bytes], tiers: tuple[Tier, ...], late: bool) -> None:
         t, bt, cost = self.tally, self.bt, self.config.cost
         model = self.plan.standin.model
         t.requests += 1
@@ -290,11 +301,14 @@ class Node:
             return
         t.hit_requests += 1
         load = 0.0
-        for tier, k in _counts(look.block_tiers[:P]).items():
+        for tier, k in _counts(tiers).items():
             t.hit_tokens[tier.label] += k * bt
             t.loaded_bytes[tier.label] += k * model.block_bytes
             load += cost.load_s(tier, k * model.block_bytes)
-        snap = look.snapshot_tiers[look.tiers[-1]] if P == predicted else Tier.DISK
+        if late:  # what made the longer resume possible landed on the shared level
+            snap = Tier.SHARED
+        else:
+            snap = look.snapshot_tiers[look.tiers[-1]] if P == predicted else Tier.DISK
         assert snap is not None
         t.snapshot_hits[snap.label] += 1
         t.loaded_bytes[snap.label] += model.snapshot_bytes
@@ -328,14 +342,14 @@ class Node:
                              f"and no read failed")
 
     # ------------------------------------------------------------------ verification
-    def _should_verify(self, look: ResumeLookup, P: int) -> bool:
+    def _should_verify(self, tiers: tuple[Tier, ...]) -> bool:
         every = self.config.verify_every
         if not every:
             return False
-        tiers = {t.label for t in look.block_tiers[:P]}
-        return (self.tally.hit_requests % every == 0) or not tiers <= self._verified_tiers
+        labels = {t.label for t in tiers}
+        return (self.tally.hit_requests % every == 0) or not labels <= self._verified_tiers
 
-    def _verify(self, req: Any, hashes: list[bytes], look: ResumeLookup) -> None:
+    def _verify(self, req: Any, hashes: list[bytes], tiers: tuple[Tier, ...]) -> None:
         got = self.synth.verify(self.cache, req, hashes)
         if got.bad_blocks or got.bad_snapshots:
             raise AssertionError(f"{self.name}: wrong bytes served: {got.bad_blocks} of {got.blocks} blocks and "
@@ -344,7 +358,7 @@ class Node:
         t.verified_requests += 1
         t.verified_blocks += got.blocks
         t.verified_snapshots += got.snapshots
-        for tier, k in _counts(look.block_tiers[:len(hashes)]).items():
+        for tier, k in _counts(tiers).items():
             t.verified_by_tier[tier.label] += k
             self._verified_tiers.add(tier.label)
 
@@ -421,6 +435,13 @@ class Node:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _block_tiers(look: ResumeLookup, P: int) -> tuple[Tier, ...]:
+    """The tier each of the ``P`` resumed blocks came from: the lookup's, and the shared
+    level for blocks past its held prefix (they landed there after it: a fleet's race)."""
+    tiers = look.block_tiers[:P]
+    return tiers + (Tier.SHARED,) * (P - len(tiers))
 
 
 def _counts(tiers: tuple[Tier, ...]) -> dict[Tier, int]:

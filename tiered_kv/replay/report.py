@@ -196,6 +196,9 @@ def format_report(r: ReplayReport) -> str:
     lines += ["", f"verified byte-exact: {t.verified_requests:,} resumed requests, {t.verified_blocks:,} blocks "
                   f"({by_tier or 'none'}), {t.verified_snapshots:,} snapshots; every hit is also checksum-verified "
                   f"by the stores on read"]
+    if t.late_tokens:
+        lines += [f"resumed beyond the lookup just before the open: {t.late_tokens:,} tokens in {t.late_requests:,} "
+                  f"requests (other nodes' uploads to the shared level landed in between; counted as shared hits)"]
     if len(r.nodes) > 1:
         lines += ["", f"{'per node':<10} {'requests':>9} {'prompt tokens':>15} {'hit rate':>9} {'gpu':>8} {'host':>8} "
                       f"{'disk':>8} {'shared':>8} {'max':>8}"]

@@ -29,6 +29,11 @@ prompt, counted from its start (see :mod:`tiered_kv.lookup` for ``resident`` and
   shared, uploaded behind), so X's eviction is what lost it;
 * **never seen**: L - M blocks' tokens: the compulsory misses.
 
+In a fleet the shared level is written by the other nodes while a node serves, so an
+upload can land between the lookup and the open and the open resumes more than R: the
+node then accounts with R = P (and A, M at least P), the blocks no tier of its own held and
+the snapshot counted for the shared level, and ``late_tokens`` says how many tokens that was.
+
 So ``hit + corrupt + unavailable + no_snapshot + evicted + never_seen = L`` exactly; the
 trace maximum (an unbounded cache, every boundary resumable) is ``M``, and the
 every-boundary hit rate of this run is ``A`` (what the same resident blocks would give if
@@ -80,6 +85,10 @@ class Tally:
     verified_requests: int = 0
     #: verified blocks by the tier each was served from
     verified_by_tier: dict[str, int] = field(default_factory=_tiers)
+    #: tokens resumed beyond what the lookup just before the open said (a fleet's shared
+    #: level only: another node's upload landed in between), and the requests it happened to
+    late_tokens: int = 0
+    late_requests: int = 0
 
     @property
     def hits(self) -> int:
