@@ -168,7 +168,7 @@ class SeaweedFS:
 
     def __init__(self, weed: Path, data_dir: Path, *, ports: SeaweedPorts | None = None,
                  access_key: str | None = None, secret_key: str | None = None,
-                 region: str = REGION) -> None:
+                 region: str = REGION, volume_max: int = 64) -> None:
         self.weed = Path(weed)
         self.data_dir = Path(data_dir)
         self.ports = ports if ports is not None else SeaweedPorts.pick_free()
@@ -176,6 +176,9 @@ class SeaweedFS:
         self.secret_key = secret_key or secrets.token_urlsafe(30)
         self.region = region
         self.log_path = self.data_dir / "weed.log"
+        #: volumes of 64 MB the server may create: 4 GiB of objects by default (a benchmark
+        #: that stores more asks for more)
+        self.volume_max = volume_max
         self._proc: subprocess.Popen[bytes] | None = None
 
     # -- what clients use -------------------------------------------------------------
@@ -224,7 +227,7 @@ class SeaweedFS:
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p.master}", f"-master.port.grpc={p.master + g}",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-master.electionTimeout=1s",
-            f"-volume.port={p.volume}", f"-volume.port.grpc={p.volume + g}", "-volume.max=64",
+            f"-volume.port={p.volume}", f"-volume.port.grpc={p.volume + g}", f"-volume.max={self.volume_max}",
             "-filer", f"-filer.port={p.filer}", f"-filer.port.grpc={p.filer + g}",
             "-s3", f"-s3.port={p.s3}", f"-s3.port.grpc={p.s3 + g}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
@@ -380,7 +383,8 @@ class SeaweedFS:
 
 @contextlib.contextmanager
 def running_seaweedfs(data_dir: str | os.PathLike[str] | None = None, *, ports: SeaweedPorts | None = None,
-                      access_key: str | None = None, secret_key: str | None = None) -> Iterator[SeaweedFS]:
+                      access_key: str | None = None, secret_key: str | None = None,
+                      volume_max: int = 64) -> Iterator[SeaweedFS]:
     """Start a server, yield it, SIGKILL it and remove what it left; usable outside pytest.
 
     ``data_dir``: where its data and log go; default a fresh temporary directory, removed
@@ -389,7 +393,7 @@ def running_seaweedfs(data_dir: str | os.PathLike[str] | None = None, *, ports: 
     weed = find_weed()
     _check_runs(weed)
     root = Path(tempfile.mkdtemp(prefix="tkv-seaweedfs-")) if data_dir is None else Path(data_dir)
-    server = SeaweedFS(weed, root, ports=ports, access_key=access_key, secret_key=secret_key)
+    server = SeaweedFS(weed, root, ports=ports, access_key=access_key, secret_key=secret_key, volume_max=volume_max)
     try:
         server.start()
         yield server

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,49 @@ def test_fp8_flash_entries_through_every_tier_are_bit_identical(tmp_path: Path) 
         assert torch.equal(got, want)
         assert cache.stats()["hisparse_misses"] > 0
         cache.close(req)
+
+
+def test_queued_disk_writes_go_in_batches_and_failures_count_per_record(tmp_path: Path) -> None:
+    """Writes queued while the writer thread is busy are put in one batch (one store sync);
+    a batch that fails is written again record by record, so only the bad record counts."""
+    from tiered_kv.disk import DiskTier
+    from tiered_kv.storage import LmdbStore
+
+    layout = presets.tiny()
+    store = LmdbStore(tmp_path / "s", layout_fingerprint=layout.fingerprint)
+    real_put = store.put_many
+    calls: list[int] = []
+    gate = threading.Event()
+    refuse = {"batches": False, "key": None}
+
+    def put_many(items):
+        gate.wait()
+        calls.append(len(items))
+        if refuse["batches"] and len(items) > 1:
+            raise OSError("batch refused")
+        if any(item.key == refuse["key"] for item in items):
+            raise OSError("this record cannot be written")
+        return real_put(items)
+
+    store.put_many = put_many  # type: ignore[method-assign]
+    tier = DiskTier(store, layout)
+    failed: list[RecordKey] = []
+    tier.on_write_failed = failed.append
+    keys = [RecordKey.block(bytes([i]) * 32) for i in range(12)]
+    payload = torch.zeros(64, dtype=torch.uint8)
+    for k in keys[:6]:  # the writer thread holds the first batch at the gate; the rest queue
+        tier.submit(k, b"\0" * 32, b"\0" * 32, payload)
+    gate.set()
+    tier.flush()
+    assert sum(calls) == 6 and len(calls) <= 2 and tier.writes == 6  # (2: the first batch was taken alone)
+    calls.clear()
+    gate.clear()
+    refuse.update(batches=True, key=keys[8])
+    for k in keys[6:]:
+        tier.submit(k, b"\0" * 32, b"\0" * 32, payload)
+    gate.set()
+    tier.flush()
+    assert tier.writes == 11 and tier.write_errors == 1 and failed == [keys[8]]
+    assert [store.contains(k) for k in keys] == [k != keys[8] for k in keys]
+    tier.close()
+    store.close()

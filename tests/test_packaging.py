@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Source folder -> its import path in the installed wheel (pyproject ``package-dir``).
 PACKAGE_DIRS = {"tiered_kv": "tiered_kv", "kernels": "tiered_kv/kernels", "storage": "tiered_kv/storage"}
 REQUIRED = ("tiered_kv/__init__.py", "tiered_kv/kernels/__init__.py",
-            "tiered_kv/storage/__init__.py", "tiered_kv/py.typed")
+            "tiered_kv/storage/__init__.py", "tiered_kv/py.typed",
+            # the bundled Mooncake traces, their license and attribution (tiered-kv replay)
+            "tiered_kv/replay/data/conversation_trace.jsonl.xz", "tiered_kv/replay/data/synthetic_trace.jsonl.xz",
+            "tiered_kv/replay/data/LICENSE-APACHE", "tiered_kv/replay/data/NOTICE.md")
 #: (``.venv*``: the project's venv and the engines' and LMCache's, GBs each: ``make venv-vllm``...)
 _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__",
                                      ".pytest_cache", ".hypothesis", ".mypy_cache", "results")

@@ -31,7 +31,8 @@ naming what was expected, and :meth:`BlockPool.check_invariants` raises
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 __all__ = ["BlockPool", "EvictCallback"]
 
@@ -59,6 +60,10 @@ class BlockPool:
         self._refcounts: list[int] = [0] * num_blocks
         self._hashes: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
+        #: Read-only live view of the cached blocks, hash -> block id: ``h in pool.cached``
+        #: asks whether a hash is cached as fast as a dict does, taking no reference and
+        #: leaving the LRU order alone (a router's lookup asks it for every block).
+        self.cached: Mapping[bytes, int] = MappingProxyType(self._hash_to_block)
         # Uncached blocks with refcount 0, handed out from the left, returned on the right.
         self._free: deque[int] = deque(range(num_blocks))
         # Cached blocks with refcount 0; first key = least recently released.

@@ -43,9 +43,10 @@ from .errors import CacheFullError, CacheShutdownError
 from .hisparse import HiSparseBuffers, HiSparseConfig
 from .host import HostTier
 from .layout import KVLayout, LayerKind
+from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
-from .prefix import PrefixHasher, token_array, token_digest, tokens_to_bytes
+from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
 from .request import Request, as_token_list
 from .resume_reader import prepare_destination
 from .state_pool import SnapshotPool, StatePool, StateView
@@ -81,13 +82,19 @@ class TieredKVCache(TierMoves):
             ``encryption`` config there (or in a level's ``level_options``) without a
             ``tenant`` seals under the tenant ``salt``: ``store_options={"encryption":
             {"key_files": ["/etc/tiered-kv/key"]}}``.
+        host_snapshot_fraction: the share of ``host_bytes`` the host tier gives to
+            snapshots (the rest holds block records).
+        disk_max_pending: disk writes queued behind requests before a new one waits for
+            the oldest (:class:`~tiered_kv.disk.DiskTier`'s ``max_pending``; also the most
+            records written in one batch).
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
                  num_state_slots: int = 8, num_snapshots: int | None = None, snapshot_interval: int = 8,
                  model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
-                 store_options: dict | None = None) -> None:
+                 store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
+                 disk_max_pending: int = 64) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -113,7 +120,8 @@ class TieredKVCache(TierMoves):
         self._writer = EntryWriter(layout, self.tables)
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
-        self.host = HostTier(layout, host_bytes, self.device) if host_bytes is not None else None
+        self.host = (HostTier(layout, host_bytes, self.device, snapshot_fraction=host_snapshot_fraction)
+                     if host_bytes is not None else None)
         self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device, max_blocks=num_blocks)
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
@@ -125,7 +133,7 @@ class TieredKVCache(TierMoves):
         from .storage.encrypted.crypto import default_tenant  # an encrypted level's tenant defaults to the salt
 
         store_options = default_tenant(store_options, salt)
-        self.disk = DiskTier(store, layout, store_options=store_options,
+        self.disk = DiskTier(store, layout, store_options=store_options, max_pending=disk_max_pending,
                              writer=self._store_writer(salt)) if store is not None else None
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -250,6 +258,36 @@ class TieredKVCache(TierMoves):
         self._counters["prompt_tokens"] += len(tokens)
         self._counters["cached_tokens"] += P
         return req
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None, *,
+               block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
+               upto: Tier | None = None) -> ResumeLookup:
+        """How many tokens of a prompt each tier could resume, without loading anything,
+        taking a reference or changing LRU order: for routers (:mod:`tiered_kv.lookup`).
+
+        Give the prompt's ``token_ids`` (hashed here), or its full blocks' ``block_hashes``
+        as a router keeps them (``num_tokens``: the prompt's length, for the rule that one
+        token is always recomputed; None: the prompt goes on past the last hash). The
+        answer is per tier, cumulative: ``look.tokens(Tier.HOST)`` is what :meth:`open`
+        resumes with the GPU and host tiers, ``look.tokens()`` with every tier. ``upto``:
+        ask only the tiers up to this one (``Tier.DISK``: not the shared level of a chain).
+        """
+        from .lookup import ResumeIndex
+
+        self._check_running("lookup")
+        if (token_ids is None) == (block_hashes is None):
+            raise ValueError("lookup: expected token_ids or block_hashes (one of them)")
+        if token_ids is not None:
+            if num_tokens is not None:
+                raise ValueError("num_tokens: expected it only with block_hashes (the prompt gives its length)")
+            tokens = as_token_list(token_ids)
+            bt = self.layout.block_tokens
+            block_hashes = self.hasher.block_hashes(token_array(tokens)[:len(tokens) - len(tokens) % bt])
+            num_tokens = len(tokens)
+        index = self.__dict__.get("_resume_index")
+        if index is None:
+            index = self._resume_index = ResumeIndex.of_cache(self)
+        return index.lookup(block_hashes, num_tokens=num_tokens, upto=upto)
 
     def close(self, request: Request) -> None:
         """End a request: free its State slot; its full blocks stay as cached prefix."""
@@ -613,7 +651,8 @@ class TieredKVCache(TierMoves):
         b = req.block_ids[k]
         parent = req.block_hashes[-1] if req.block_hashes else self.hasher.root
         block_tokens = req.token_ids[k * bt:(k + 1) * bt]
-        h = self.hasher.chain(parent, tokens_to_bytes(block_tokens))
+        data = checked_token_bytes(block_tokens)  # (advance checked the ids)
+        h = self.hasher.chain(parent, data)
         req.block_hashes.append(h)
         self._counters["blocks_sealed"] += 1
         if self.hisparse is None:
@@ -629,7 +668,7 @@ class TieredKVCache(TierMoves):
             handle = self.copies.offload_blocks(parts, torch.tensor(ids), record)
             if self.hisparse is not None:  # it reads the slot's open block: order its next writes after
                 handle.make_stream_wait()
-            self.disk.submit(record_key("block", h), parent, token_digest(block_tokens), record[0],
+            self.disk.submit(record_key("block", h), parent, digest_token_bytes(data), record[0],
                              handle.wait_event)
         self._snapshot_at_boundary(req, h, k + 1)
 
@@ -720,7 +759,8 @@ class TieredKVCache(TierMoves):
             self._counters["snapshots_registered"] += 1
             if self.disk is not None:
                 parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
-                self.disk.submit(record_key("snapshot", h), parent, token_digest(block_tokens),
+                digest = digest_token_bytes(checked_token_bytes(block_tokens))
+                self.disk.submit(record_key("snapshot", h), parent, digest,
                                  self.snapshots.data[snap_id].to("cpu", copy=True))
         ids.free(snap_id)
 

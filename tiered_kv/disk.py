@@ -2,7 +2,8 @@
 
 Full blocks and registered snapshots are written *behind* the request by one background
 thread, so the request path never waits on disk; :meth:`DiskTier.flush` waits for every
-write submitted so far. A write that fails (full disk, full map, an I/O error) is
+write submitted so far. That thread writes whatever is queued when it starts a batch in
+one ``put_many`` (one store sync per batch, not per record). A write that fails (full disk, full map, an I/O error) is
 counted and its message kept; the data stays in the GPU and host tiers and the cache
 keeps serving. A run of failures logs one warning, not one per record. Writes are bounded: past ``max_pending`` queued writes a submit waits
 for the oldest one (back-pressure, never a dropped record).
@@ -81,6 +82,8 @@ class DiskTier:
                                       f"the store holds {store.layout_fingerprint}")
         self.store = store
         self.layout = layout
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending <= 0:
+            raise ValueError(f"max_pending: expected a positive int, got {max_pending!r}")
         self.max_pending = max_pending
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
             raise ValueError(f"read_threads: expected a positive int, got {read_threads!r}")
@@ -89,11 +92,18 @@ class DiskTier:
         self._readers: ThreadPoolExecutor | None = started_pool(read_threads, "tiered-kv-read")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-kv-disk")
         self._pending: deque[Future[None]] = deque()
+        #: writes not yet taken by the writer thread: (item, ready, its future)
+        self._queue: deque[tuple[Any, Callable[[], None] | None, Future[None]]] = deque()
+        self._queue_lock = threading.Lock()
+        self._draining = False  # a _drain job is queued or running
         self._lock = threading.Lock()
         self.writes = 0
         self.write_errors = 0
         self.write_bytes = 0
         self.last_write_error: str | None = None
+        #: called on the writer thread with the key of each record whose write failed (after
+        #: it is counted); e.g. a trace replay, to know which records never reached the store
+        self.on_write_failed: Callable[[Any], None] | None = None
         self._failing = 0  # writes failed since the last one that succeeded
         self.reads = 0
         self.read_hits = 0
@@ -107,40 +117,97 @@ class DiskTier:
                ready: Callable[[], None] | None = None) -> None:
         """Queue one record write. ``payload`` is a CPU uint8 tensor the caller no longer
         changes; ``ready`` (e.g. a copy handle's ``wait``) is called on the writer thread
-        before the payload is read."""
+        before the payload is read.
+
+        The writer thread takes every write queued when it starts a batch (up to
+        ``max_pending``) into one ``put_many``: one sync of the store for the batch instead
+        of one per record (on LMDB a record's ``fdatasync`` costs milliseconds). Order,
+        back-pressure and accounting are per record as before; a batch that fails is
+        written again record by record, so each failure is counted for its own record."""
         from .storage import PutItem
 
         item = PutItem(key=key, parent_hash=parent_hash, token_digest=token_digest, payload=payload)
         self._check_open("submit")
         while len(self._pending) >= self.max_pending:
             self._pending.popleft().result()
-        self._pending.append(self._executor.submit(self._write, item, ready))
+        done: Future[None] = Future()
+        with self._queue_lock:
+            self._queue.append((item, ready, done))
+            start, self._draining = not self._draining, True
+        if start:
+            self._executor.submit(self._drain)
+        self._pending.append(done)
 
-    def _write(self, item: Any, ready: Callable[[], None] | None) -> None:
-        try:
-            if ready is not None:
-                ready()
-            written = self.store.put_many([item])[0]
-        except Exception as exc:  # counted and surfaced in stats; the data is still cached above
-            self._write_failed(exc)
+    def _drain(self) -> None:
+        """Writer thread: write queued records in batches until the queue is empty."""
+        while True:
+            with self._queue_lock:
+                n = min(len(self._queue), self.max_pending)
+                batch = [self._queue.popleft() for _ in range(n)]
+                if not batch:
+                    self._draining = False
+                    return
+            try:
+                self._write_batch(batch)
+            finally:
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+
+    def _write_batch(self, batch: list[tuple[Any, Callable[[], None] | None, Future[None]]]) -> None:
+        items = []
+        for item, ready, done in batch:
+            try:
+                if ready is not None:
+                    ready()
+            except Exception as exc:  # this record's copy failed: counted, the others go on
+                self._write_failed(exc, item.key)
+                done.set_result(None)
+                continue
+            items.append(item)
+        if not items:
             return
+        if len(items) > 1:
+            try:
+                written = self.store.put_many(items)
+            except Exception:  # written again one by one below, so each failure is counted for its record
+                written = None
+            if written is not None:
+                self._wrote(items, written)
+                return
+        for item in items:
+            self._write(item)
+
+    def _write(self, item: Any) -> None:
+        try:
+            written = self.store.put_many([item])
+        except Exception as exc:  # counted and surfaced in stats; the data is still cached above
+            self._write_failed(exc, item.key)
+            return
+        self._wrote([item], written)
+
+    def _wrote(self, items: list[Any], written: list[bool]) -> None:
         with self._lock:
-            if written:
-                self.writes += 1
-                self.write_bytes += int(item.payload.numel())
+            for item, ok in zip(items, written):
+                if ok:
+                    self.writes += 1
+                    self.write_bytes += int(item.payload.numel())
             failed, self._failing = self._failing, 0
         if failed:
             log.warning("disk writes succeed again, after %d failed (counted in disk_write_errors)", failed)
 
-    def _write_failed(self, exc: Exception) -> None:
+    def _write_failed(self, exc: Exception, key: Any) -> None:
         """Count a failed write. One warning per run of failures (a full disk fails every
         write until space is freed: one line, not one per record); the count and the last
-        error are in :meth:`stats`, and the next write that succeeds logs how many failed."""
+        error are in :meth:`stats`, and the next write that succeeds logs how many failed.
+        :attr:`on_write_failed` is told the record's key."""
         with self._lock:
             self.write_errors += 1
             self.last_write_error = f"{type(exc).__name__}: {exc}"
             first = self._failing == 0
             self._failing += 1
+        if self.on_write_failed is not None:
+            self.on_write_failed(key)
         if first:
             log.warning("disk write failed: %s; the records stay in the GPU and host tiers; further failures "
                         "are counted (disk_write_errors), not logged, until a write succeeds", exc)

@@ -18,7 +18,8 @@ import numpy as np
 from .layout import KVLayout
 from .storage.format.record import HASH_BYTES
 
-__all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "token_array", "token_digest", "tokens_to_bytes"]
+__all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "checked_token_bytes", "digest_token_bytes",
+           "token_array", "token_digest", "tokens_to_bytes"]
 
 _MAX_TOKEN = 2**32 - 1
 
@@ -46,9 +47,21 @@ def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
+def checked_token_bytes(token_ids: list[int]) -> bytes:
+    """:func:`tokens_to_bytes` of a list of ints already checked to lie in ``[0, 2**32)``
+    (e.g. by ``as_token_list``): one C conversion, no numpy (the cache does this for every
+    block it seals)."""
+    return token_array(token_ids).astype("<u4", copy=False).tobytes()
+
+
 def token_digest(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """32-byte digest of a block's own token ids (stored in records, checked on read)."""
-    return hashlib.sha256(b"tokens\0" + tokens_to_bytes(token_ids)).digest()
+    return digest_token_bytes(tokens_to_bytes(token_ids))
+
+
+def digest_token_bytes(data: bytes) -> bytes:
+    """:func:`token_digest` of ids already given as their :func:`tokens_to_bytes`."""
+    return hashlib.sha256(b"tokens\0" + data).digest()
 
 
 def block_token_digests(token_ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes]:

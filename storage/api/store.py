@@ -59,6 +59,7 @@ from ..format.record import (
     HASH_BYTES,
     HEADER_BYTES,
     RecordKey,
+    RecordKind,
     RecordMeta,
     as_byte_array,
     as_out_segments,
@@ -232,6 +233,12 @@ class BlockStore(abc.ABC):
         """:meth:`contains` of each key; backends with per-request latency (object
         stores) answer them concurrently."""
         return [self.contains(k) for k in keys]
+
+    def contains_hashes(self, kind: RecordKind, hashes: Sequence[bytes]) -> list[bool]:
+        """:meth:`contains_many` of the records of ``kind`` under each of ``hashes`` (a
+        router's lookup asks this for every block of a prompt; a backend may answer it
+        without building a RecordKey per hash)."""
+        return self.contains_many([RecordKey(kind, h) for h in hashes])
 
     @abc.abstractmethod
     def delete(self, key: RecordKey) -> bool:

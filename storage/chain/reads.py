@@ -16,7 +16,7 @@ import numpy as np
 
 from ..api.store import BlockStore, PutItem, check_open
 from ..errors import StoreError
-from ..format.record import RecordKey, RecordMeta, write_segments
+from ..format.record import RecordKey, RecordKind, RecordMeta, write_segments
 from .levels import SKIPPED, Level
 from .writes import ChainWrites
 
@@ -134,6 +134,22 @@ class ChainReads(ChainWrites):
             for i, f in zip(todo, answer):
                 found[i] = bool(f)
         return found
+
+    def contains_at(self, level: int, kind: RecordKind, hashes: Sequence[bytes]) -> list[bool] | None:
+        """Which records of ``kind`` under ``hashes`` level ``level`` alone holds (0 =
+        nearest; :meth:`BlockStore.contains_hashes`), for callers that need to know where
+        a record is (a router's lookup). A far level is asked as the request path asks it:
+        bounded by ``timeout_s``; None when it is down, not open yet or did not answer in
+        time (and then marked down)."""
+        check_open(self._closed, self.where)
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < len(self._levels):
+            raise ValueError(f"level: expected an int in [0, {len(self._levels)}), got {level!r}")
+        if level == 0:
+            return [bool(f) for f in self._near.contains_hashes(kind, hashes)]
+        if not hashes:
+            return []
+        answer = self._call_far(self._levels[level], "contains", lambda s: s.contains_hashes(kind, list(hashes)))
+        return None if answer is SKIPPED else [bool(f) for f in answer]
 
 
 

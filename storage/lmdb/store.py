@@ -46,7 +46,7 @@ import lmdb
 from ..api.counters import StoreStats
 from ..api.store import BlockStore, PutItem, check_open, payload_of_record
 from ..errors import StoreError, StoreFullError
-from ..format.record import RecordKey, RecordMeta, fingerprint_field
+from ..format.record import KEY_BYTES, RecordKey, RecordKind, RecordMeta, fingerprint_field
 from ..format.rows import RowScatter
 from ..format.sealed_level import SEALED_LEVEL, sealing_json
 from ..format.writer import StoreWriter, parse_recorded
@@ -297,6 +297,13 @@ class LmdbStore(BlockStore):
 
     def contains_many(self, keys: Sequence[RecordKey]) -> list[bool]:
         return [v is not None for v in self._reads.lookup([key.to_bytes() for key in keys])]
+
+    def contains_hashes(self, kind: RecordKind, hashes: Sequence[bytes]) -> list[bool]:
+        """See :meth:`BlockStore.contains_hashes`: the key bytes made straight from the hashes."""
+        prefix = bytes((RecordKind(kind),))
+        if not set(map(type, hashes)) <= {bytes} or not set(map(len, hashes)) <= {KEY_BYTES - 1}:
+            raise ValueError(f"hashes: expected {KEY_BYTES - 1}-byte bytes objects")
+        return [v is not None for v in self._reads.lookup([prefix + h for h in hashes])]
 
     def __iter__(self) -> Iterator[RecordKey]:
         records = self._index.dbs.records  # type: ignore[union-attr]

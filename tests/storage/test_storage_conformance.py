@@ -365,6 +365,16 @@ class StoreConformance:
         assert set(store) == set(keys) - {keys[2]}
         assert store.put_many([item_for(keys[2], 64)]) == [True]  # a deleted key can be written again
 
+    def test_contains_hashes(self, store: BlockStore) -> None:
+        keys = [make_key(i) for i in range(4)]
+        store.put_many([item_for(k, 64) for k in keys[:3]])
+        kind = keys[0].kind
+        hashes = [k.block_hash for k in keys]
+        assert store.contains_hashes(kind, hashes) == [True, True, True, False]
+        other = RecordKind.SNAPSHOT if kind is RecordKind.BLOCK else RecordKind.BLOCK
+        assert store.contains_hashes(other, hashes) == [False] * 4  # the kind is part of the key
+        assert store.contains_hashes(kind, []) == []
+
     def test_stats_counters(self, store: BlockStore) -> None:
         keys = [make_key(i) for i in range(3)]
         assert store.stats()["oldest_access_ns"] is None

@@ -60,12 +60,14 @@ COMMANDS: dict[str, Command] = {
     "gc": Command("gc", "evict least recently used records down to a byte bound"),
     "keygen": Command("keygen", "write a new master key file (32 random bytes, mode 0600), or a tenant's key "
                               "file derived from one"),
+    "lookup": Command("lookup", "tokens of each prompt a store (or chain) could resume, per level, reading no record"),
     "ls": Command("ls", "the resume points each prompt would hit in a store"),
     "plan": Command("plan", "bytes per request and requests per GPU for a model preset"),
     "prefetch": Command("prefetch", "copy the records a prompt set would hit (or the most recent ones) from a "
                                     "shared store"),
     "rekey": Command("rekey", "move a store's records sealed under old master keys (or by an earlier version) "
                               "to a new key and its keyed names (resumable, loses nothing)"),
+    "replay": Command("replay", "replay a Mooncake request trace through the real tiers: hits per tier, miss reasons"),
     "serve-reference": Command("serve_reference", "serve the reference model over an OpenAI-compatible "
                                                   "completions endpoint"),
     "stats": Command("stats", "records, bytes, counters and access times of a store"),

@@ -1,0 +1,83 @@
+"""Cache policies a replay can run, by name, so that runs can be compared by name.
+
+A policy here is what the replay asks of :class:`~tiered_kv.cache.TieredKVCache`: the
+keyword options that select it. Today the cache has one snapshot policy and one eviction
+policy; a new policy is one entry in :data:`SNAPSHOT_POLICIES` or :data:`EVICTION_POLICIES`
+(a name, an optional integer argument, the cache options), and ``tiered-kv replay
+--snapshot-policy NAME[:ARG]`` / ``--eviction NAME`` selects it; a repeated option runs
+each and prints them side by side.
+
+Snapshot policies:
+
+* ``interval:N`` (default ``interval:8``): the cache's own: a snapshot at each prompt's
+  last two block boundaries (registered when the request closes) and one every ``N``
+  blocks (``snapshot_interval``).
+
+Eviction policies:
+
+* ``lru``: the cache's own: each tier evicts its least recently released block (and,
+  apart, snapshot), independently of the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EVICTION_POLICIES", "SNAPSHOT_POLICIES", "Policy", "eviction_policy", "snapshot_policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A named policy and the cache options that select it."""
+
+    #: its name with its argument, as given on the command line (``interval:8``)
+    label: str
+    description: str
+    cache_options: dict[str, Any] = field(default_factory=dict)
+
+
+def _interval(arg: int | None) -> Policy:
+    n = 8 if arg is None else arg
+    if n < 1:
+        raise ValueError(f"snapshot policy interval:N: expected N >= 1, got {n}")
+    return Policy(label=f"interval:{n}",
+                  description=f"snapshots at each prompt's last two block boundaries and every {n} blocks",
+                  cache_options={"snapshot_interval": n})
+
+
+def _lru(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"eviction policy lru: expected no argument, got {arg}")
+    return Policy(label="lru", description="least recently released first, per tier")
+
+
+#: name -> factory(optional integer argument)
+SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {"interval": _interval}
+EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru}
+
+
+def snapshot_policy(spec: str) -> Policy:
+    """``NAME[:N]`` -> the snapshot :class:`Policy` (ValueError naming the choices)."""
+    return _parse(spec, SNAPSHOT_POLICIES, "snapshot policy")
+
+
+def eviction_policy(spec: str) -> Policy:
+    """``NAME[:N]`` -> the eviction :class:`Policy`."""
+    return _parse(spec, EVICTION_POLICIES, "eviction policy")
+
+
+def _parse(spec: str, table: dict[str, Callable[[int | None], Policy]], what: str) -> Policy:
+    if not isinstance(spec, str):
+        raise TypeError(f"{what}: expected a str like 'NAME' or 'NAME:N', got {type(spec).__name__}")
+    name, sep, arg = spec.partition(":")
+    if name not in table:
+        raise ValueError(f"{what}: expected one of {', '.join(sorted(table))} (NAME or NAME:N), got {spec!r}")
+    value: int | None = None
+    if sep:
+        try:
+            value = int(arg)
+        except ValueError:
+            raise ValueError(f"{what} {spec!r}: expected an integer after ':', got {arg!r}") from None
+    return table[name](value)
