@@ -21,7 +21,9 @@ snapshot slot and keeps the latest two; every ``snapshot_interval`` blocks the s
 is registered at once (shared with other requests); at close the private ones are
 registered. So a closed prefix is resumable at its last block boundary (and the one
 before, for the same prompt sent again: one token is always recomputed), and long
-prompts are resumable every ``snapshot_interval`` blocks.
+prompts are resumable every ``snapshot_interval`` blocks. Other placements
+(``snapshot_policy="branch"``: where a prompt leaves the cached prefix tree) are in
+:mod:`tiered_kv.policy.snapshots`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from .layout import KVLayout, LayerKind
 from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
+from .policy.snapshots import SnapshotPolicy
+from .policy.snapshots import snapshot_policy as policy_by_name
 from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
 from .request import Request, as_token_list
 from .resume_reader import prepare_destination
@@ -87,6 +91,10 @@ class TieredKVCache(TierMoves):
         disk_max_pending: disk writes queued behind requests before a new one waits for
             the oldest (:class:`~tiered_kv.disk.DiskTier`'s ``max_pending``; also the most
             records written in one batch).
+        snapshot_policy: where requests publish State snapshots, by name or as a
+            :class:`~tiered_kv.policy.SnapshotPolicy`: ``"interval:N"`` (the default,
+            with N = ``snapshot_interval``), ``"branch"`` (where a prompt leaves the cached
+            prefix tree, and at its end) or ``"branch+interval:N"``.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
@@ -94,7 +102,7 @@ class TieredKVCache(TierMoves):
                  model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
                  store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
-                 disk_max_pending: int = 64) -> None:
+                 disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -105,6 +113,10 @@ class TieredKVCache(TierMoves):
             num_snapshots = 4 * num_state_slots
         num_snapshots = as_int("num_snapshots", num_snapshots, minimum=num_state_slots + 1)
         self.snapshot_interval = as_int("snapshot_interval", snapshot_interval, minimum=1)
+        #: where requests publish snapshots (:mod:`tiered_kv.policy.snapshots`); default:
+        #: every ``snapshot_interval`` blocks and the prompt's last two boundaries
+        self.snapshot_policy: SnapshotPolicy = (SnapshotPolicy.intervals(self.snapshot_interval)
+                                                if snapshot_policy is None else policy_by_name(snapshot_policy))
         if hisparse is not None and host_bytes is None:
             raise ValueError("hisparse: expected host_bytes too (the CSA mirror lives in the host tier)")
         if hisparse is not None and not isinstance(hisparse, HiSparseConfig):
@@ -141,7 +153,7 @@ class TieredKVCache(TierMoves):
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
-             "snapshots_elided",
+             "snapshots_elided", "snapshots_branch",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
         self._resume_dest = prepare_destination(self)
@@ -250,6 +262,8 @@ class TieredKVCache(TierMoves):
         P = num_blocks * bt
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
+        if self.snapshot_policy.branch_points and num_blocks < len(hashes):
+            req._branch_at = self._branch_point(hashes, num_blocks, len(tokens))
         self._requests[req.request_id] = req
         self.tables.assign(slot, block_ids)
         if self.hisparse is not None:  # the device's block -> host record table of the prefix
@@ -258,6 +272,14 @@ class TieredKVCache(TierMoves):
         self._counters["prompt_tokens"] += len(tokens)
         self._counters["cached_tokens"] += P
         return req
+
+    def _branch_point(self, hashes: list[bytes], resumed: int, num_tokens: int) -> int | None:
+        """The boundary where the prompt leaves the cached prefix tree (its first block
+        held by no tier), when it lies past the ``resumed`` blocks and before the prompt's
+        last boundaries (published at close anyway); else None."""
+        look = self.lookup(block_hashes=hashes, num_tokens=num_tokens)
+        d = look.resident_blocks[look.tiers[-1]]
+        return d if resumed < d < len(hashes) else None
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None, *,
                block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
@@ -293,9 +315,13 @@ class TieredKVCache(TierMoves):
         """End a request: free its State slot; its full blocks stay as cached prefix."""
         self._check_running("close")
         req = self._live(request)
+        bt = self.layout.block_tokens
+        publish = set(self.snapshot_policy.publish_at_close([k for k, _, _ in req._pending], req.num_tokens, bt))
         for k, snap_id, h in req._pending:
-            self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * self.layout.block_tokens:
-                                                              k * self.layout.block_tokens])
+            if k in publish:
+                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt])
+            else:  # never published: the slot goes back uncached
+                self.snapshots.ids.free(snap_id)
         req._pending = []
         if req._host_reserved is not None:
             assert self.host is not None
@@ -725,7 +751,8 @@ class TieredKVCache(TierMoves):
         of a prefill chunk reserved at once; an engine that reserves block by block sees
         no change.
         """
-        interval = num_blocks % self.snapshot_interval == 0
+        branch = num_blocks == req._branch_at
+        interval = self.snapshot_policy.at_interval(num_blocks) or branch
         if not interval and (num_blocks + 2) * self.layout.block_tokens <= req._reserved_to:
             self._counters["snapshots_elided"] += 1
             return
@@ -748,6 +775,8 @@ class TieredKVCache(TierMoves):
         self._counters["snapshots_taken"] += 1
         if interval:
             bt = self.layout.block_tokens
+            if branch:
+                self._counters["snapshots_branch"] += 1
             self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt])
         else:
             req._pending.append((num_blocks, snap_id, h))
