@@ -48,6 +48,7 @@ from .layout import KVLayout, LayerKind
 from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
+from .policy.eviction import EvictionPolicy, eviction_policy
 from .policy.snapshots import SnapshotPolicy
 from .policy.snapshots import snapshot_policy as policy_by_name
 from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
@@ -95,6 +96,9 @@ class TieredKVCache(TierMoves):
             :class:`~tiered_kv.policy.SnapshotPolicy`: ``"interval:N"`` (the default,
             with N = ``snapshot_interval``), ``"branch"`` (where a prompt leaves the cached
             prefix tree, and at its end) or ``"branch+interval:N"``.
+        eviction: the memory tiers' eviction policy (:mod:`tiered_kv.policy.eviction`):
+            ``"lru"`` (the default) or ``"leaf-lru"`` (leaves first, snapshots with their
+            blocks: evicts nothing a cached block after it still needs).
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
@@ -102,7 +106,8 @@ class TieredKVCache(TierMoves):
                  model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
                  store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
-                 disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None) -> None:
+                 disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None,
+                 eviction: str | EvictionPolicy = "lru") -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -123,7 +128,8 @@ class TieredKVCache(TierMoves):
             raise TypeError(f"hisparse: expected a HiSparseConfig, got {type(hisparse).__name__}")
         self.hasher = PrefixHasher(layout, model_id=model_id, salt=salt)
         self.copies = CopyEngine(self.device)
-        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict)
+        self.eviction: EvictionPolicy = eviction_policy(eviction)
+        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict, leaf_first=self.eviction.leaf_first)
         self.classical = ClassicalPool(layout, num_blocks, self.device,
                                        csa_blocks=num_state_slots if hisparse is not None else None)
         self.states = StatePool(layout, num_state_slots, self.device)
@@ -132,8 +138,10 @@ class TieredKVCache(TierMoves):
         self._writer = EntryWriter(layout, self.tables)
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
-        self.host = (HostTier(layout, host_bytes, self.device, snapshot_fraction=host_snapshot_fraction)
-                     if host_bytes is not None else None)
+        self.host = (HostTier(layout, host_bytes, self.device, snapshot_fraction=host_snapshot_fraction,
+                              leaf_first=self.eviction.leaf_first) if host_bytes is not None else None)
+        if self.host is not None and self.eviction.coherent_snapshots:
+            self.host.blocks.on_evict = self._on_host_block_evict
         self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device, max_blocks=num_blocks)
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
@@ -153,7 +161,7 @@ class TieredKVCache(TierMoves):
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
-             "snapshots_elided", "snapshots_branch",
+             "snapshots_elided", "snapshots_branch", "snapshots_evicted_with_block",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
         self._resume_dest = prepare_destination(self)
@@ -685,7 +693,7 @@ class TieredKVCache(TierMoves):
             parts, ids = self.classical.parts, [b]
         else:
             parts, ids = self._mirror_to_host(req, b, h), [0]
-        if not self.blocks.cache(b, h):
+        if not self.blocks.cache(b, h, parent):
             self._counters["blocks_duplicate"] += 1
         if self.disk is not None:
             # A private record (a host tier's may be recycled before the write), copied
@@ -720,7 +728,8 @@ class TieredKVCache(TierMoves):
             self._mirrors_pending.popleft()
         if not handle.finished:
             self._mirrors_pending.append(handle)
-        if not self.host.blocks.cache(hid, h):  # the host already has this block: use that record
+        parent = req.block_hashes[-2] if len(req.block_hashes) > 1 else self.hasher.root
+        if not self.host.blocks.cache(hid, h, parent):  # the host already has this block: use that record
             existing = self.host.blocks.lookup(h)
             assert existing is not None
             handle.wait()  # the freed record may be reused (and written on the host) at once

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .hisparse import HiSparseBuffers
     from .host import HostTier
     from .layout import KVLayout
+    from .policy.eviction import EvictionPolicy
     from .prefix import PrefixHasher
     from .state_pool import SnapshotPool, StatePool
     from .transfer import CopyEngine, CopyHandle
@@ -54,6 +55,7 @@ class TierMoves:
     disk: DiskTier | None
     copies: CopyEngine
     hasher: PrefixHasher
+    eviction: EvictionPolicy
     _host_of_block: dict[int, int]
     _counters: dict[str, int]
 
@@ -232,8 +234,8 @@ class TierMoves:
         for hid in hids[len(bids):]:
             self._drop_host_ref(hid)
         self._load_host_records(hids[:len(bids)], bids)
-        for b, h in zip(bids, hashes[lo:]):
-            self.blocks.cache(b, h)
+        for i, b in enumerate(bids, lo):
+            self.blocks.cache(b, hashes[i], hashes[i - 1] if i else self.hasher.root)
         self._counters["blocks_from_host"] += len(bids)
         return bids
 
@@ -434,22 +436,32 @@ class TierMoves:
         self.blocks.free(b)
 
     def _on_block_evict(self, b: int, h: bytes) -> None:
-        """A cached GPU block is reused: keep its record in the host tier."""
+        """A cached GPU block is reused: keep its record in the host tier (and with the
+        leaf-lru policy the GPU's snapshot at its end goes down with it)."""
+        if self.eviction.coherent_snapshots and self.snapshots.ids.evict_hash(h):
+            self._counters["snapshots_evicted_with_block"] += 1
         hid = self._host_of_block.pop(b, None)
         if hid is not None:  # HiSparse: the host already holds the record
             self._drop_host_ref(hid)
             return
         if self.host is None or self.host.blocks.lookup(h) is not None:
             return
+        parent = self.blocks.parent_hash(b) if self.blocks.leaf_first else None  # (read before the slot is reused)
         hid = self.host.blocks.allocate()
         if hid is None:
             return
         handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
         handle.make_stream_wait()  # the block is overwritten only after the copy read it
         self._last_offload = handle
-        self.host.blocks.cache(hid, h)
+        self.host.blocks.cache(hid, h, parent)
         self.host.blocks.free(hid)
         self._counters["blocks_offloaded"] += 1
+
+    def _on_host_block_evict(self, hid: int, h: bytes) -> None:
+        """leaf-lru: a host record evicted takes the host's snapshot at its end along."""
+        host = self.host
+        if host is not None and host.snapshots is not None and host.snapshots.evict_hash(h):
+            self._counters["snapshots_evicted_with_block"] += 1
 
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
         if self.host is not None:

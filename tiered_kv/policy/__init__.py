@@ -10,6 +10,8 @@ The cache holds the pools and the index and asks the policy; a policy holds no t
 
 from __future__ import annotations
 
+from .eviction import EVICTION_POLICIES, EvictionPolicy, eviction_policy
 from .snapshots import PromptEnds, SnapshotPolicy, snapshot_policy
 
-__all__ = ["PromptEnds", "SnapshotPolicy", "snapshot_policy"]
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "PromptEnds", "SnapshotPolicy", "eviction_policy",
+           "snapshot_policy"]

@@ -20,6 +20,8 @@ Eviction policies:
 
 * ``lru``: the cache's own: each tier evicts its least recently released block (and,
   apart, snapshot), independently of the others.
+* ``leaf-lru``: leaves first, and a block's snapshot goes with it
+  (:mod:`tiered_kv.policy.eviction`).
 """
 
 from __future__ import annotations
@@ -71,10 +73,17 @@ def _lru(arg: int | None) -> Policy:
     return Policy(label="lru", description="least recently released first, per tier")
 
 
+def _leaf_lru(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"eviction policy leaf-lru: expected no argument, got {arg}")
+    return Policy(label="leaf-lru", description="leaves first per tier, each block's snapshot evicted with it",
+                  cache_options={"eviction": "leaf-lru"})
+
+
 #: name -> factory(optional integer argument)
 SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {
     "interval": _interval, "branch": _branch, "branch+interval": _branch_interval}
-EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru}
+EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru, "leaf-lru": _leaf_lru}
 
 
 def snapshot_policy(spec: str) -> Policy:
