@@ -88,13 +88,18 @@ class BlockPool:
         self._num_used = 0
         #: Leaves first: evict no block while a block cached after it remains (see above).
         self.leaf_first: bool = bool(leaf_first)
-        #: Leaves first: evictions that took a block with cached children (none were childless).
+        #: Evictions that took a block while a block cached after it (given with ``parent``)
+        #: remained in this pool: that block is stranded here. Counted under every order;
+        #: a ``leaf_first`` pool does it only when every evictable block has a child.
         self.stranding_evictions: int = 0
-        # leaf_first: each cached block's parent hash (None: unknown or the root); cached
-        # blocks per parent hash; evictable blocks with children, oldest first
-        self._parents: list[bytes | None] = [None] * num_blocks if self.leaf_first else []
+        # each cached block's parent hash (None: not given, or the root); cached blocks per
+        # parent hash; leaf_first: evictable blocks with children, oldest first
+        self._parents: list[bytes | None] = [None] * num_blocks
         self._children: dict[bytes, int] = {}
         self._parked: OrderedDict[int, None] = OrderedDict()
+        #: Inside ``on_evict``: the parent hash the evicted block was cached with (None
+        #: outside a callback, or none given), so a lower tier can keep the path.
+        self.evicted_parent: bytes | None = None
 
     def __repr__(self) -> str:
         return (
@@ -217,7 +222,8 @@ class BlockPool:
         block: the first copy wins and the caller keeps its block as a private one.
         Re-caching a block under its own hash returns ``True``. ``parent``: the hash of the
         block before it on its path (None: the path's first block, or unknown), which a
-        ``leaf_first`` pool keeps from being evicted while this block is cached.
+        ``leaf_first`` pool keeps from being evicted while this block is cached (every
+        pool counts an eviction that strands a cached child: ``stranding_evictions``).
         """
         self._check_id("cache", block_id)
         self._check_hash("cache", block_hash)
@@ -235,7 +241,7 @@ class BlockPool:
             return False
         self._hashes[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
-        if self.leaf_first and parent is not None:
+        if parent is not None:
             if not isinstance(parent, bytes):
                 raise ValueError(f"cache: expected parent as bytes or None, got {type(parent).__name__}")
             self._parents[block_id] = parent
@@ -243,13 +249,12 @@ class BlockPool:
         return True
 
     def parent_hash(self, block_id: int) -> bytes | None:
-        """The parent hash a ``leaf_first`` pool was given for cached ``block_id`` (None:
-        none given, not cached, or not ``leaf_first``)."""
+        """The parent hash cached ``block_id`` was given (None: none given, or not cached)."""
         self._check_id("parent_hash", block_id)
-        return self._parents[block_id] if self.leaf_first and self._hashes[block_id] is not None else None
+        return self._parents[block_id] if self._hashes[block_id] is not None else None
 
     def num_children(self, block_hash: bytes) -> int:
-        """Blocks cached in this pool with parent ``block_hash`` (``leaf_first`` pools)."""
+        """Blocks cached in this pool with parent ``block_hash``."""
         return self._children.get(block_hash, 0)
 
     def uncache(self, block_id: int) -> None:
@@ -289,14 +294,18 @@ class BlockPool:
             return False
         if self._evictable.pop(block_id, 0) is not None:
             del self._parked[block_id]
+        if self._children.get(block_hash):
+            self.stranding_evictions += 1
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
         self.evictions += 1
+        self.evicted_parent = self._parents[block_id]
         self._drop_child(block_id)
         try:
             if self.on_evict is not None:
                 self.on_evict(block_id, block_hash)
         finally:
+            self.evicted_parent = None
             self._free.append(block_id)
         return True
 
@@ -383,20 +392,19 @@ class BlockPool:
             raise AssertionError(
                 f"num_used counter is {self._num_used}, {len(referenced)} blocks are referenced"
             )
-        if self.leaf_first:
-            counts: dict[bytes, int] = {}
-            for b, h in enumerate(self._hashes):
-                p = self._parents[b]
-                if h is None and p is not None:
-                    raise AssertionError(f"block {b} is not cached but keeps a parent hash")
-                if p is not None:
-                    counts[p] = counts.get(p, 0) + 1
-            if counts != self._children:
-                raise AssertionError(f"child counts {self._children} disagree with the cached blocks' parents {counts}")
-            for b in self._parked:
-                h = self._hashes[b]
-                if h is None or not self._children.get(h):
-                    raise AssertionError(f"parked block {b} has no cached child")
+        counts: dict[bytes, int] = {}
+        for b, h in enumerate(self._hashes):
+            p = self._parents[b]
+            if h is None and p is not None:
+                raise AssertionError(f"block {b} is not cached but keeps a parent hash")
+            if p is not None:
+                counts[p] = counts.get(p, 0) + 1
+        if counts != self._children:
+            raise AssertionError(f"child counts {self._children} disagree with the cached blocks' parents {counts}")
+        for b in self._parked:
+            h = self._hashes[b]
+            if h is None or not self._children.get(h):
+                raise AssertionError(f"parked block {b} has no cached child")
         if self.num_free + self.num_evictable + self.num_used != n:
             raise AssertionError(
                 f"free {self.num_free} + evictable {self.num_evictable} + used {self.num_used} != {n}"
@@ -430,17 +438,22 @@ class BlockPool:
         block_hash = self._hashes[block_id]
         if block_hash is None:
             raise AssertionError(f"evictable block {block_id} has no hash")
+        if not self.leaf_first and self._children.get(block_hash):
+            self.stranding_evictions += 1
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
         self.evictions += 1
-        if self.leaf_first:
-            self._drop_child(block_id)
+        self.evicted_parent = self._parents[block_id]
+        self._drop_child(block_id)
         if self.on_evict is not None:
             try:
                 self.on_evict(block_id, block_hash)
             except BaseException:
                 self._free.append(block_id)
                 raise
+            finally:
+                self.evicted_parent = None
+        self.evicted_parent = None
         return block_id
 
     def _oldest_leaf(self) -> int:
@@ -461,8 +474,6 @@ class BlockPool:
     def _drop_child(self, block_id: int) -> None:
         """``block_id`` left the cache: it no longer holds its parent; a parked parent whose
         last child it was goes back to the LRU's head."""
-        if not self.leaf_first:
-            return
         p = self._parents[block_id]
         if p is None:
             return

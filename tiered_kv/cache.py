@@ -142,6 +142,8 @@ class TieredKVCache(TierMoves):
                               leaf_first=self.eviction.leaf_first) if host_bytes is not None else None)
         if self.host is not None and self.eviction.coherent_snapshots:
             self.host.blocks.on_evict = self._on_host_block_evict
+            if self.host.snapshots is not None:
+                self.host.snapshots.on_evict = self._on_host_snapshot_evict
         self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device, max_blocks=num_blocks)
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
@@ -162,6 +164,8 @@ class TieredKVCache(TierMoves):
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
              "snapshots_elided", "snapshots_branch", "snapshots_evicted_with_block",
+             "blocks_evicted_with_snapshot", "miss_tokens_no_snapshot", "miss_tokens_not_cached",
+             "miss_tokens_tail",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
         self._resume_dest = prepare_destination(self)
@@ -270,8 +274,14 @@ class TieredKVCache(TierMoves):
         P = num_blocks * bt
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
-        if self.snapshot_policy.branch_points and num_blocks < len(hashes):
-            req._branch_at = self._branch_point(hashes, num_blocks, len(tokens))
+        held = num_blocks
+        if num_blocks < len(hashes):  # why the rest is computed: held without a snapshot, or not held
+            held = self._held_prefix(hashes, len(tokens))
+            if self.snapshot_policy.branch_points and num_blocks < held < len(hashes):
+                req._branch_at = held
+        self._counters["miss_tokens_no_snapshot"] += (held - num_blocks) * bt
+        self._counters["miss_tokens_not_cached"] += (len(hashes) - held) * bt
+        self._counters["miss_tokens_tail"] += len(tokens) - len(hashes) * bt
         self._requests[req.request_id] = req
         self.tables.assign(slot, block_ids)
         if self.hisparse is not None:  # the device's block -> host record table of the prefix
@@ -281,13 +291,11 @@ class TieredKVCache(TierMoves):
         self._counters["cached_tokens"] += P
         return req
 
-    def _branch_point(self, hashes: list[bytes], resumed: int, num_tokens: int) -> int | None:
-        """The boundary where the prompt leaves the cached prefix tree (its first block
-        held by no tier), when it lies past the ``resumed`` blocks and before the prompt's
-        last boundaries (published at close anyway); else None."""
+    def _held_prefix(self, hashes: list[bytes], num_tokens: int) -> int:
+        """How many leading blocks of ``hashes`` some tier holds: where the prompt leaves
+        the cached prefix tree (its first block no tier holds; the router lookup's answer)."""
         look = self.lookup(block_hashes=hashes, num_tokens=num_tokens)
-        d = look.resident_blocks[look.tiers[-1]]
-        return d if resumed < d < len(hashes) else None
+        return look.resident_blocks[look.tiers[-1]]
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None, *,
                block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
@@ -814,7 +822,13 @@ class TieredKVCache(TierMoves):
             snaps = 0 if h.snapshots is None else h.snapshots.num_used + h.snapshots.num_evictable
             host_bytes = (h.blocks.num_used + h.blocks.num_evictable) * L.block_bytes + snaps * L.snapshot_bytes
             host_capacity = h.nbytes
+        host_snap_bytes = None
+        if self.host is not None:
+            hs = self.host.snapshots
+            host_snap_bytes = 0 if hs is None else (hs.num_used + hs.num_evictable) * L.snapshot_bytes
         gauges = TierGauges(
+            gpu_snapshot_bytes=(snap_ids.num_used + snap_ids.num_evictable) * L.snapshot_bytes,
+            host_snapshot_bytes=host_snap_bytes,
             block_tokens=L.block_tokens,
             gpu_bytes=(self.blocks.num_used + self.blocks.num_evictable) * L.block_bytes
             + (snap_ids.num_used + snap_ids.num_evictable) * L.snapshot_bytes,
@@ -834,6 +848,7 @@ class TieredKVCache(TierMoves):
             "blocks_cached_evictable": self.blocks.num_evictable,
             "blocks_used": self.blocks.num_used,
             "blocks_evicted": self.blocks.evictions,
+            "blocks_stranding_evictions": self.blocks.stranding_evictions,
             "state_slots_free": self.states.num_free,
             "snapshots_cached": self.snapshots.ids.num_cached,
             "snapshots_evicted": self.snapshots.ids.evictions,

@@ -118,6 +118,7 @@ class HostTier:
             "host_blocks_cached": self.blocks.num_cached,
             "host_blocks_used": self.blocks.num_used,
             "host_blocks_evicted": self.blocks.evictions,
+            "host_blocks_stranding_evictions": self.blocks.stranding_evictions,
             "host_snapshots_total": self.num_snapshots,
             "host_snapshots_cached": 0 if self.snapshots is None else self.snapshots.num_cached,
             "host_snapshots_evicted": 0 if self.snapshots is None else self.snapshots.evictions,

@@ -11,7 +11,9 @@ strands the snapshot. ::
                it on the same path remains (LRU among the blocks without a cached child:
                :class:`~tiered_kv.block_pool.BlockPool` ``leaf_first``, O(1) amortised),
                and a block evicted from a tier takes the tier's snapshot at its end along
-               (from the GPU both move to the host tier; from the host tier both go)
+               (from the GPU both move to the host tier; from the host tier both go); a
+               snapshot dropped from the last tier that holds it (no tier below keeps a
+               copy) takes along the blocks that led only to it
 
 The cache releases a request's blocks last block first, so in the GPU pool the least
 recently released block is nearly always a leaf already; the host tier, filled by
