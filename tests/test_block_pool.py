@@ -837,3 +837,74 @@ def test_seeded_random_walk_agrees_with_model(seed: int) -> None:
     if num_blocks >= 2:
         assert machine.eviction_choices > 0, "the walk never evicted from an LRU of 2+ blocks"
 
+
+
+# ------------------------------------------------------------ leaves first
+def _cached(pool: BlockPool, h: bytes, parent: bytes | None) -> int:
+    b = pool.allocate()
+    assert b is not None and pool.cache(b, h, parent)
+    return b
+
+
+def test_leaf_first_parks_a_parent_until_its_last_child_goes() -> None:
+    # a path a -> b -> c, released start first (the order a flat LRU evicts a path's start in)
+    pool = BlockPool(4, leaf_first=True)
+    a, b, c = _cached(pool, b"a", None), _cached(pool, b"b", b"a"), _cached(pool, b"c", b"b")
+    x = _cached(pool, b"x", None)  # another path, released last
+    for blk in (a, b, c, x):
+        pool.free(blk)
+    evicted: list[bytes] = []
+    pool.on_evict = lambda _b, h: evicted.append(h)
+    assert [pool.allocate() for _ in range(4)] == [c, b, a, x]
+    assert evicted == [b"c", b"b", b"a", b"x"]  # leaves first; the parked parents back at the head
+    assert pool.stranding_evictions == 0
+    pool.check_invariants()
+
+
+def test_plain_lru_evicts_the_path_start_first() -> None:
+    pool = BlockPool(3)
+    a, b, c = _cached(pool, b"a", None), _cached(pool, b"b", b"a"), _cached(pool, b"c", b"b")
+    for blk in (a, b, c):
+        pool.free(blk)
+    assert [pool.allocate() for _ in range(3)] == [a, b, c]
+
+
+def test_leaf_first_keeps_lru_order_among_leaves_and_a_hit_unparks() -> None:
+    pool = BlockPool(5, leaf_first=True)
+    a, b = _cached(pool, b"a", None), _cached(pool, b"b", b"a")
+    y, z = _cached(pool, b"y", None), _cached(pool, b"z", None)
+    for blk in (a, y, b, z):  # LRU: a (parent of b), y, b, z
+        pool.free(blk)
+    assert pool.evict_lru() == y  # a parked (b is cached after it), y the oldest leaf
+    assert pool.evictable() == [b, z, a]
+    pool.incref(a)  # a hit on the parked block takes it out; released, it is the newest
+    pool.free(a)
+    assert pool.evictable() == [b, z, a]
+    assert [pool.evict_lru() for _ in range(3)] == [b, z, a]
+    pool.check_invariants()
+
+
+def test_leaf_first_with_every_child_referenced_evicts_a_parent_and_counts_it() -> None:
+    pool = BlockPool(2, leaf_first=True)
+    a = _cached(pool, b"a", None)
+    b = _cached(pool, b"b", b"a")  # b stays referenced (a suffix held without its prefix)
+    pool.free(a)
+    assert pool.num_available == 1
+    assert pool.allocate() == a and pool.stranding_evictions == 1
+    assert pool.num_children(b"a") == 1  # b still counts under its parent's hash
+    pool.check_invariants()
+
+
+def test_leaf_first_uncache_and_evict_hash_release_the_parent() -> None:
+    pool = BlockPool(3, leaf_first=True)
+    a, b = _cached(pool, b"a", None), _cached(pool, b"b", b"a")
+    pool.free(a)
+    pool.free(b)
+    assert pool.parent_hash(b) == b"a" and pool.num_children(b"a") == 1
+    assert not pool.evict_hash(b"nope")
+    seen: list[bytes] = []
+    pool.on_evict = lambda _b, h: seen.append(h)
+    assert pool.evict_hash(b"b") and seen == [b"b"] and pool.num_children(b"a") == 0
+    pool.uncache(a)
+    assert pool.num_cached == 0 and pool.num_free == 3
+    pool.check_invariants()

@@ -56,3 +56,40 @@ def test_metrics_module_imports_no_cache_module() -> None:
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "collections.abc", "dataclasses"}, imported
+
+
+def test_policy_counters_in_metrics_and_prometheus(tiny_layout) -> None:
+    """Misses by reason, snapshot bytes per tier, stranding evictions and where snapshots
+    were published (issue 22 item 4), on a branch that a third prompt resumes."""
+    from tiered_kv import TieredKVCache
+    from _util import random_tokens
+
+    L, bt = tiny_layout, tiny_layout.block_tokens
+    cache = TieredKVCache(L, num_blocks=32, num_state_slots=1, num_snapshots=8, snapshot_policy="branch",
+                          eviction="leaf-lru", host_bytes=8 * L.block_bytes + 4 * L.snapshot_bytes)
+
+    def serve(t: list[int]) -> None:
+        r = cache.open(t)
+        cache.reserve(r, len(t) - r.num_cached_tokens)
+        p = r.num_cached_tokens
+        while p < len(t):
+            n = min(bt - p % bt, len(t) - p)
+            cache.advance(r, t[p:p + n])
+            p += n
+        cache.close(r)
+
+    base = random_tokens(6 * bt + 10, seed=1)
+    serve(base)                                                # 6 blocks not cached, 10 tail tokens
+    serve(base[:3 * bt] + random_tokens(3 * bt + 5, seed=2))   # 3 held but no snapshot, 3 not cached, 5
+    serve(base[:3 * bt] + random_tokens(2 * bt + 7, seed=3))   # resumes 3 at the branch; 2 not cached, 7
+    m = cache.metrics()
+    assert m.get("tiered_kv_miss_tokens_total", reason="no_snapshot") == 3 * bt
+    assert m.get("tiered_kv_miss_tokens_total", reason="not_cached") == 11 * bt
+    assert m.get("tiered_kv_miss_tokens_total", reason="tail") == 22
+    assert m.get("tiered_kv_snapshots_published_total", where="branch") == 1
+    assert m.get("tiered_kv_snapshot_bytes", tier="gpu") == cache.snapshots.ids.num_cached * L.snapshot_bytes
+    assert m.get("tiered_kv_snapshot_bytes", tier="host") == 0
+    assert m.get("tiered_kv_stranding_evictions_total", tier="gpu") == 0
+    text = m.to_prometheus()
+    assert 'tiered_kv_miss_tokens_total{reason="no_snapshot"} 384' in text
+    assert "# TYPE tiered_kv_stranding_evictions_total counter" in text

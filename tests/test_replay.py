@@ -248,7 +248,7 @@ def test_cli_replay_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> No
     code, _, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--hbm-tokens", "50K")
     assert code == ExitCode.USAGE and "longest prompt" in err
     code, _, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--snapshot-policy", "every")
-    assert code == ExitCode.USAGE and "expected one of interval" in err
+    assert code == ExitCode.USAGE and "expected one of branch, branch+interval, interval" in err
     code, _, err = run_cli(capsys, "replay", "--trace", "bundled:conversation", "--disk-store", "lmdb:///tmp/x")
     assert code == ExitCode.USAGE and "give the disk tier's capacity" in err
 

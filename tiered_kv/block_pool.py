@@ -22,6 +22,23 @@ Every id is in exactly one of three states::
 least-recently-released cached block: a cached block is worth keeping because a later
 request with the same prefix can reuse it without recomputing it.
 
+**Leaves first** (``leaf_first=True``, the ``leaf-lru`` eviction policy of
+:mod:`tiered_kv.policy.eviction`): a block cached with its ``parent`` hash counts as a
+child of that hash, and a cached block with a cached child in this pool is not evicted
+while the child remains: evicting it would strand the child (no resume reaches a block
+whose predecessor is gone). When the LRU head has a child it is *parked* (out of the LRU,
+still evictable), and when its last child leaves the pool it goes back to the LRU's head:
+it was older than every block in the LRU when parked and than every block released since,
+so the order is LRU among the blocks that can go. Each release parks a block at most once:
+O(1) amortised. Only when every evictable block is parked (children all referenced: a
+caller that holds a block's suffix without its prefix) is the oldest parked one evicted,
+counted in ``stranding_evictions``::
+
+    evictable LRU (leaves, and blocks not yet seen at the head)     parked (with children)
+    oldest ---------------------------------------------> newest    {b: waiting for its last
+      ^ the head: evicted if childless, else parked -------------->  child to leave}
+      +---------------- a parked block whose last child left -------+
+
 Failures follow the package's rule: running out of blocks returns ``None``, bad input
 (an out-of-range id, a double free, caching an unreferenced block) raises ``ValueError``
 naming what was expected, and :meth:`BlockPool.check_invariants` raises
@@ -49,7 +66,7 @@ class BlockPool:
     walk the pool. Not thread-safe: one owner (the scheduler) drives it.
     """
 
-    def __init__(self, num_blocks: int, *, on_evict: EvictCallback | None = None) -> None:
+    def __init__(self, num_blocks: int, *, on_evict: EvictCallback | None = None, leaf_first: bool = False) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         self.num_blocks: int = num_blocks
@@ -69,6 +86,20 @@ class BlockPool:
         # Cached blocks with refcount 0; first key = least recently released.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._num_used = 0
+        #: Leaves first: evict no block while a block cached after it remains (see above).
+        self.leaf_first: bool = bool(leaf_first)
+        #: Evictions that took a block while a block cached after it (given with ``parent``)
+        #: remained in this pool: that block is stranded here. Counted under every order;
+        #: a ``leaf_first`` pool does it only when every evictable block has a child.
+        self.stranding_evictions: int = 0
+        # each cached block's parent hash (None: not given, or the root); cached blocks per
+        # parent hash; leaf_first: evictable blocks with children, oldest first
+        self._parents: list[bytes | None] = [None] * num_blocks
+        self._children: dict[bytes, int] = {}
+        self._parked: OrderedDict[int, None] = OrderedDict()
+        #: Inside ``on_evict``: the parent hash the evicted block was cached with (None
+        #: outside a callback, or none given), so a lower tier can keep the path.
+        self.evicted_parent: bytes | None = None
 
     def __repr__(self) -> str:
         return (
@@ -85,12 +116,12 @@ class BlockPool:
     @property
     def num_evictable(self) -> int:
         """Cached blocks with refcount 0 (reusable by hash, or evictable for space)."""
-        return len(self._evictable)
+        return len(self._evictable) + len(self._parked)
 
     @property
     def num_available(self) -> int:
         """How many :meth:`allocate` calls can succeed from now: free plus evictable."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._parked)
 
     @property
     def num_used(self) -> int:
@@ -111,7 +142,7 @@ class BlockPool:
         """
         if self._free:
             block_id = self._free.popleft()
-        elif self._evictable:
+        elif self._evictable or self._parked:
             block_id = self._evict_oldest()
         else:
             return None
@@ -159,7 +190,8 @@ class BlockPool:
                 raise ValueError(
                     f"incref: expected a referenced or cached block, block {block_id} is free"
                 )
-            del self._evictable[block_id]
+            if self._evictable.pop(block_id, 0) is not None:  # (else parked)
+                del self._parked[block_id]
             self._num_used += 1
         self._refcounts[block_id] = refcount + 1
 
@@ -183,12 +215,15 @@ class BlockPool:
                 self._evictable[block_id] = None
 
     # ------------------------------------------------------------------ cache
-    def cache(self, block_id: int, block_hash: bytes) -> bool:
+    def cache(self, block_id: int, block_hash: bytes, parent: bytes | None = None) -> bool:
         """Register the referenced block ``block_id`` as holding the data of ``block_hash``.
 
         Returns ``False`` and changes nothing when ``block_hash`` already maps to another
         block: the first copy wins and the caller keeps its block as a private one.
-        Re-caching a block under its own hash returns ``True``.
+        Re-caching a block under its own hash returns ``True``. ``parent``: the hash of the
+        block before it on its path (None: the path's first block, or unknown), which a
+        ``leaf_first`` pool keeps from being evicted while this block is cached (every
+        pool counts an eviction that strands a cached child: ``stranding_evictions``).
         """
         self._check_id("cache", block_id)
         self._check_hash("cache", block_hash)
@@ -206,7 +241,21 @@ class BlockPool:
             return False
         self._hashes[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
+        if parent is not None:
+            if not isinstance(parent, bytes):
+                raise ValueError(f"cache: expected parent as bytes or None, got {type(parent).__name__}")
+            self._parents[block_id] = parent
+            self._children[parent] = self._children.get(parent, 0) + 1
         return True
+
+    def parent_hash(self, block_id: int) -> bytes | None:
+        """The parent hash cached ``block_id`` was given (None: none given, or not cached)."""
+        self._check_id("parent_hash", block_id)
+        return self._parents[block_id] if self._hashes[block_id] is not None else None
+
+    def num_children(self, block_hash: bytes) -> int:
+        """Blocks cached in this pool with parent ``block_hash``."""
+        return self._children.get(block_hash, 0)
 
     def uncache(self, block_id: int) -> None:
         """Drop the hash mapping of a cached block (e.g. its data turned out stale).
@@ -222,8 +271,10 @@ class BlockPool:
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
         if self._refcounts[block_id] == 0:
-            del self._evictable[block_id]
+            if self._evictable.pop(block_id, 0) is not None:
+                del self._parked[block_id]
             self._free.append(block_id)
+        self._drop_child(block_id)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block cached under ``block_hash``, or ``None`` on a miss.
@@ -233,12 +284,37 @@ class BlockPool:
         self._check_hash("lookup", block_hash)
         return self._hash_to_block.get(block_hash)
 
+    def evict_hash(self, block_hash: bytes) -> bool:
+        """Evict the unreferenced block cached under ``block_hash`` (``on_evict`` runs, as
+        for an eviction to make room) to the tail of the free list. False when no block
+        is cached under it or it is referenced (nothing changes)."""
+        self._check_hash("evict_hash", block_hash)
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is None or self._refcounts[block_id]:
+            return False
+        if self._evictable.pop(block_id, 0) is not None:
+            del self._parked[block_id]
+        if self._children.get(block_hash):
+            self.stranding_evictions += 1
+        del self._hash_to_block[block_hash]
+        self._hashes[block_id] = None
+        self.evictions += 1
+        self.evicted_parent = self._parents[block_id]
+        self._drop_child(block_id)
+        try:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
+        finally:
+            self.evicted_parent = None
+            self._free.append(block_id)
+        return True
+
     def evict_lru(self) -> int | None:
         """Evict the least-recently-released cached block to the tail of the free list.
 
         Returns its id, or ``None`` when no cached block is unreferenced.
         """
-        if not self._evictable:
+        if not self._evictable and not self._parked:
             return None
         block_id = self._evict_oldest()
         self._free.append(block_id)
@@ -256,8 +332,10 @@ class BlockPool:
         return self._hashes[block_id]
 
     def evictable(self) -> list[int]:
-        """Evictable block ids, the next one to be evicted first."""
-        return list(self._evictable)
+        """Evictable block ids: the LRU, the next one to be evicted first (of a ``leaf_first``
+        pool: the next one to reach its head; a block with cached children there is parked),
+        then the parked blocks, oldest first."""
+        return [*self._evictable, *self._parked]
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping is inconsistent.
@@ -279,6 +357,9 @@ class BlockPool:
         if len(free) != len(self._free):
             raise AssertionError(f"free list holds duplicates: {list(self._free)}")
         evictable = set(self._evictable)
+        if set(self._parked) & evictable:
+            raise AssertionError(f"blocks {sorted(set(self._parked) & evictable)} are both parked and in the LRU")
+        evictable |= set(self._parked)
         referenced = {b for b, refcount in enumerate(self._refcounts) if refcount > 0}
         for name, group in (("free list", free), ("evictable LRU", evictable)):
             outside = [b for b in group if not 0 <= b < n]
@@ -311,6 +392,19 @@ class BlockPool:
             raise AssertionError(
                 f"num_used counter is {self._num_used}, {len(referenced)} blocks are referenced"
             )
+        counts: dict[bytes, int] = {}
+        for b, h in enumerate(self._hashes):
+            p = self._parents[b]
+            if h is None and p is not None:
+                raise AssertionError(f"block {b} is not cached but keeps a parent hash")
+            if p is not None:
+                counts[p] = counts.get(p, 0) + 1
+        if counts != self._children:
+            raise AssertionError(f"child counts {self._children} disagree with the cached blocks' parents {counts}")
+        for b in self._parked:
+            h = self._hashes[b]
+            if h is None or not self._children.get(h):
+                raise AssertionError(f"parked block {b} has no cached child")
         if self.num_free + self.num_evictable + self.num_used != n:
             raise AssertionError(
                 f"free {self.num_free} + evictable {self.num_evictable} + used {self.num_used} != {n}"
@@ -337,17 +431,60 @@ class BlockPool:
         block as no longer servable. The caller puts the id on the free list or hands it
         out; if the callback raises, the id goes to the free list so it is not leaked.
         """
-        block_id, _ = self._evictable.popitem(last=False)
+        if self.leaf_first:
+            block_id = self._oldest_leaf()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
         block_hash = self._hashes[block_id]
         if block_hash is None:
             raise AssertionError(f"evictable block {block_id} has no hash")
+        if not self.leaf_first and self._children.get(block_hash):
+            self.stranding_evictions += 1
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
         self.evictions += 1
+        self.evicted_parent = self._parents[block_id]
+        self._drop_child(block_id)
         if self.on_evict is not None:
             try:
                 self.on_evict(block_id, block_hash)
             except BaseException:
                 self._free.append(block_id)
                 raise
+            finally:
+                self.evicted_parent = None
+        self.evicted_parent = None
         return block_id
+
+    def _oldest_leaf(self) -> int:
+        """Take the evictable block to evict out of the LRU (or the parked set): the LRU's
+        oldest childless block, parking those with children on the way."""
+        evictable, children, hashes = self._evictable, self._children, self._hashes
+        while evictable:
+            block_id = next(iter(evictable))
+            h = hashes[block_id]
+            del evictable[block_id]
+            if h is None or not children.get(h):
+                return block_id
+            self._parked[block_id] = None
+        self.stranding_evictions += 1  # every evictable block has a cached child (all referenced)
+        block_id, _ = self._parked.popitem(last=False)
+        return block_id
+
+    def _drop_child(self, block_id: int) -> None:
+        """``block_id`` left the cache: it no longer holds its parent; a parked parent whose
+        last child it was goes back to the LRU's head."""
+        p = self._parents[block_id]
+        if p is None:
+            return
+        self._parents[block_id] = None
+        left = self._children[p] - 1
+        if left:
+            self._children[p] = left
+            return
+        del self._children[p]
+        pid = self._hash_to_block.get(p)
+        if pid is not None and pid in self._parked:
+            del self._parked[pid]
+            self._evictable[pid] = None
+            self._evictable.move_to_end(pid, last=False)

@@ -21,7 +21,9 @@ snapshot slot and keeps the latest two; every ``snapshot_interval`` blocks the s
 is registered at once (shared with other requests); at close the private ones are
 registered. So a closed prefix is resumable at its last block boundary (and the one
 before, for the same prompt sent again: one token is always recomputed), and long
-prompts are resumable every ``snapshot_interval`` blocks.
+prompts are resumable every ``snapshot_interval`` blocks. Other placements
+(``snapshot_policy="branch"``: where a prompt leaves the cached prefix tree) are in
+:mod:`tiered_kv.policy.snapshots`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from .layout import KVLayout, LayerKind
 from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
+from .policy.eviction import EvictionPolicy, eviction_policy
+from .policy.snapshots import SnapshotPolicy
+from .policy.snapshots import snapshot_policy as policy_by_name
 from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
 from .request import Request, as_token_list
 from .resume_reader import prepare_destination
@@ -87,6 +92,13 @@ class TieredKVCache(TierMoves):
         disk_max_pending: disk writes queued behind requests before a new one waits for
             the oldest (:class:`~tiered_kv.disk.DiskTier`'s ``max_pending``; also the most
             records written in one batch).
+        snapshot_policy: where requests publish State snapshots, by name or as a
+            :class:`~tiered_kv.policy.SnapshotPolicy`: ``"interval:N"`` (the default,
+            with N = ``snapshot_interval``), ``"branch"`` (where a prompt leaves the cached
+            prefix tree, and at its end) or ``"branch+interval:N"``.
+        eviction: the memory tiers' eviction policy (:mod:`tiered_kv.policy.eviction`):
+            ``"lru"`` (the default) or ``"leaf-lru"`` (leaves first, snapshots with their
+            blocks: evicts nothing a cached block after it still needs).
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
@@ -94,7 +106,8 @@ class TieredKVCache(TierMoves):
                  model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
                  store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
-                 disk_max_pending: int = 64) -> None:
+                 disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None,
+                 eviction: str | EvictionPolicy = "lru") -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -105,13 +118,18 @@ class TieredKVCache(TierMoves):
             num_snapshots = 4 * num_state_slots
         num_snapshots = as_int("num_snapshots", num_snapshots, minimum=num_state_slots + 1)
         self.snapshot_interval = as_int("snapshot_interval", snapshot_interval, minimum=1)
+        #: where requests publish snapshots (:mod:`tiered_kv.policy.snapshots`); default:
+        #: every ``snapshot_interval`` blocks and the prompt's last two boundaries
+        self.snapshot_policy: SnapshotPolicy = (SnapshotPolicy.intervals(self.snapshot_interval)
+                                                if snapshot_policy is None else policy_by_name(snapshot_policy))
         if hisparse is not None and host_bytes is None:
             raise ValueError("hisparse: expected host_bytes too (the CSA mirror lives in the host tier)")
         if hisparse is not None and not isinstance(hisparse, HiSparseConfig):
             raise TypeError(f"hisparse: expected a HiSparseConfig, got {type(hisparse).__name__}")
         self.hasher = PrefixHasher(layout, model_id=model_id, salt=salt)
         self.copies = CopyEngine(self.device)
-        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict)
+        self.eviction: EvictionPolicy = eviction_policy(eviction)
+        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict, leaf_first=self.eviction.leaf_first)
         self.classical = ClassicalPool(layout, num_blocks, self.device,
                                        csa_blocks=num_state_slots if hisparse is not None else None)
         self.states = StatePool(layout, num_state_slots, self.device)
@@ -120,8 +138,12 @@ class TieredKVCache(TierMoves):
         self._writer = EntryWriter(layout, self.tables)
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
-        self.host = (HostTier(layout, host_bytes, self.device, snapshot_fraction=host_snapshot_fraction)
-                     if host_bytes is not None else None)
+        self.host = (HostTier(layout, host_bytes, self.device, snapshot_fraction=host_snapshot_fraction,
+                              leaf_first=self.eviction.leaf_first) if host_bytes is not None else None)
+        if self.host is not None and self.eviction.coherent_snapshots:
+            self.host.blocks.on_evict = self._on_host_block_evict
+            if self.host.snapshots is not None:
+                self.host.snapshots.on_evict = self._on_host_snapshot_evict
         self.hisparse = (HiSparseBuffers(layout, hisparse, num_state_slots, self.device, max_blocks=num_blocks)
                          if hisparse is not None else None)
         #: HiSparse: GPU block -> the host record holding its CSA part (one host ref each).
@@ -141,7 +163,9 @@ class TieredKVCache(TierMoves):
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_opened", "requests_closed", "prompt_tokens", "cached_tokens", "blocks_sealed",
              "blocks_duplicate", "snapshots_taken", "snapshots_registered", "snapshots_skipped",
-             "snapshots_elided",
+             "snapshots_elided", "snapshots_branch", "snapshots_evicted_with_block",
+             "blocks_evicted_with_snapshot", "miss_tokens_no_snapshot", "miss_tokens_not_cached",
+             "miss_tokens_tail",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
              "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
         self._resume_dest = prepare_destination(self)
@@ -250,6 +274,14 @@ class TieredKVCache(TierMoves):
         P = num_blocks * bt
         req = Request(request_id=next(self._ids), slot=slot, token_ids=tokens[:P], block_ids=block_ids,
                       block_hashes=hashes[:num_blocks], num_cached_tokens=P)
+        held = num_blocks
+        if num_blocks < len(hashes):  # why the rest is computed: held without a snapshot, or not held
+            held = self._held_prefix(hashes, len(tokens))
+            if self.snapshot_policy.branch_points and num_blocks < held < len(hashes):
+                req._branch_at = held
+        self._counters["miss_tokens_no_snapshot"] += (held - num_blocks) * bt
+        self._counters["miss_tokens_not_cached"] += (len(hashes) - held) * bt
+        self._counters["miss_tokens_tail"] += len(tokens) - len(hashes) * bt
         self._requests[req.request_id] = req
         self.tables.assign(slot, block_ids)
         if self.hisparse is not None:  # the device's block -> host record table of the prefix
@@ -258,6 +290,12 @@ class TieredKVCache(TierMoves):
         self._counters["prompt_tokens"] += len(tokens)
         self._counters["cached_tokens"] += P
         return req
+
+    def _held_prefix(self, hashes: list[bytes], num_tokens: int) -> int:
+        """How many leading blocks of ``hashes`` some tier holds: where the prompt leaves
+        the cached prefix tree (its first block no tier holds; the router lookup's answer)."""
+        look = self.lookup(block_hashes=hashes, num_tokens=num_tokens)
+        return look.resident_blocks[look.tiers[-1]]
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None, *,
                block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
@@ -293,9 +331,13 @@ class TieredKVCache(TierMoves):
         """End a request: free its State slot; its full blocks stay as cached prefix."""
         self._check_running("close")
         req = self._live(request)
+        bt = self.layout.block_tokens
+        publish = set(self.snapshot_policy.publish_at_close([k for k, _, _ in req._pending], req.num_tokens, bt))
         for k, snap_id, h in req._pending:
-            self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * self.layout.block_tokens:
-                                                              k * self.layout.block_tokens])
+            if k in publish:
+                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt])
+            else:  # never published: the slot goes back uncached
+                self.snapshots.ids.free(snap_id)
         req._pending = []
         if req._host_reserved is not None:
             assert self.host is not None
@@ -659,7 +701,7 @@ class TieredKVCache(TierMoves):
             parts, ids = self.classical.parts, [b]
         else:
             parts, ids = self._mirror_to_host(req, b, h), [0]
-        if not self.blocks.cache(b, h):
+        if not self.blocks.cache(b, h, parent):
             self._counters["blocks_duplicate"] += 1
         if self.disk is not None:
             # A private record (a host tier's may be recycled before the write), copied
@@ -694,7 +736,8 @@ class TieredKVCache(TierMoves):
             self._mirrors_pending.popleft()
         if not handle.finished:
             self._mirrors_pending.append(handle)
-        if not self.host.blocks.cache(hid, h):  # the host already has this block: use that record
+        parent = req.block_hashes[-2] if len(req.block_hashes) > 1 else self.hasher.root
+        if not self.host.blocks.cache(hid, h, parent):  # the host already has this block: use that record
             existing = self.host.blocks.lookup(h)
             assert existing is not None
             handle.wait()  # the freed record may be reused (and written on the host) at once
@@ -725,7 +768,8 @@ class TieredKVCache(TierMoves):
         of a prefill chunk reserved at once; an engine that reserves block by block sees
         no change.
         """
-        interval = num_blocks % self.snapshot_interval == 0
+        branch = num_blocks == req._branch_at
+        interval = self.snapshot_policy.at_interval(num_blocks) or branch
         if not interval and (num_blocks + 2) * self.layout.block_tokens <= req._reserved_to:
             self._counters["snapshots_elided"] += 1
             return
@@ -748,6 +792,8 @@ class TieredKVCache(TierMoves):
         self._counters["snapshots_taken"] += 1
         if interval:
             bt = self.layout.block_tokens
+            if branch:
+                self._counters["snapshots_branch"] += 1
             self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt])
         else:
             req._pending.append((num_blocks, snap_id, h))
@@ -776,7 +822,13 @@ class TieredKVCache(TierMoves):
             snaps = 0 if h.snapshots is None else h.snapshots.num_used + h.snapshots.num_evictable
             host_bytes = (h.blocks.num_used + h.blocks.num_evictable) * L.block_bytes + snaps * L.snapshot_bytes
             host_capacity = h.nbytes
+        host_snap_bytes = None
+        if self.host is not None:
+            hs = self.host.snapshots
+            host_snap_bytes = 0 if hs is None else (hs.num_used + hs.num_evictable) * L.snapshot_bytes
         gauges = TierGauges(
+            gpu_snapshot_bytes=(snap_ids.num_used + snap_ids.num_evictable) * L.snapshot_bytes,
+            host_snapshot_bytes=host_snap_bytes,
             block_tokens=L.block_tokens,
             gpu_bytes=(self.blocks.num_used + self.blocks.num_evictable) * L.block_bytes
             + (snap_ids.num_used + snap_ids.num_evictable) * L.snapshot_bytes,
@@ -796,6 +848,7 @@ class TieredKVCache(TierMoves):
             "blocks_cached_evictable": self.blocks.num_evictable,
             "blocks_used": self.blocks.num_used,
             "blocks_evicted": self.blocks.evictions,
+            "blocks_stranding_evictions": self.blocks.stranding_evictions,
             "state_slots_free": self.states.num_free,
             "snapshots_cached": self.snapshots.ids.num_cached,
             "snapshots_evicted": self.snapshots.ids.evictions,

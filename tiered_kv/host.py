@@ -38,10 +38,11 @@ class HostTier:
         host_bytes: byte capacity of both slabs together.
         device: the GPU tier's device (memory is pinned for a CUDA device).
         snapshot_fraction: share of ``host_bytes`` given to snapshots.
+        leaf_first: the record pool evicts leaves first (the ``leaf-lru`` policy).
     """
 
     def __init__(self, layout: KVLayout, host_bytes: int, device: torch.device, *,
-                 snapshot_fraction: float = 0.25) -> None:
+                 snapshot_fraction: float = 0.25, leaf_first: bool = False) -> None:
         if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
             raise ValueError(f"host_bytes: expected a positive int, got {host_bytes!r}")
         if not 0.0 <= snapshot_fraction < 1.0:
@@ -56,7 +57,7 @@ class HostTier:
         self.pinned = pin_memory_supported(device)
         #: ``[num_host_blocks, block_bytes]`` uint8
         self.records = empty_host((num_blocks, layout.block_bytes), pinned=self.pinned)
-        self.blocks = BlockPool(num_blocks)
+        self.blocks = BlockPool(num_blocks, leaf_first=leaf_first)
         #: ``[num_host_snapshots, snapshot_bytes]`` uint8 (may have 0 rows)
         self.snapshot_data = empty_host((num_snaps, layout.snapshot_bytes), pinned=self.pinned)
         self.snapshots: BlockPool | None = BlockPool(num_snaps) if num_snaps else None
@@ -117,6 +118,7 @@ class HostTier:
             "host_blocks_cached": self.blocks.num_cached,
             "host_blocks_used": self.blocks.num_used,
             "host_blocks_evicted": self.blocks.evictions,
+            "host_blocks_stranding_evictions": self.blocks.stranding_evictions,
             "host_snapshots_total": self.num_snapshots,
             "host_snapshots_cached": 0 if self.snapshots is None else self.snapshots.num_cached,
             "host_snapshots_evicted": 0 if self.snapshots is None else self.snapshots.evictions,

@@ -30,6 +30,16 @@ tiered_kv_copy_latency_seconds     gauge    copy-engine latency, label ``stat`` 
 tiered_kv_requests_total           counter  requests opened / closed, label ``event``
 tiered_kv_tokens_total             counter  prompt tokens and tokens served from cache, label ``kind``
 tiered_kv_live_requests            gauge    requests open now
+tiered_kv_snapshot_bytes           gauge    bytes of State snapshots held by the tier (gpu, host)
+tiered_kv_miss_tokens_total        counter  prompt tokens computed, label ``reason``: no_snapshot
+                                            (held by some tier, no snapshot to resume there),
+                                            not_cached (no tier holds the block: never seen or
+                                            evicted), tail (the partial last block and the one
+                                            token always computed)
+tiered_kv_stranding_evictions_total counter blocks evicted while a block cached after them on
+                                            their path stayed in the tier (stranded it there)
+tiered_kv_snapshots_published_total counter snapshots published, label ``where``: branch (where
+                                            a prompt left the cached prefix tree), other
 =================================  =======  ==================================================
 """
 
@@ -118,6 +128,8 @@ class TierGauges:
     host_capacity_bytes: int | None = None
     hisparse: bool = False
     disk: bool = False
+    gpu_snapshot_bytes: int = 0
+    host_snapshot_bytes: int | None = None
 
 
 def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
@@ -136,6 +148,19 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
     reqs = Metric("tiered_kv_requests_total", "counter", "Requests opened and closed.")
     toks = Metric("tiered_kv_tokens_total", "counter", "Prompt tokens seen and tokens served from cache.")
     live = Metric("tiered_kv_live_requests", "gauge", "Requests open now.")
+    snap_bytes = Metric("tiered_kv_snapshot_bytes", "gauge", "Bytes of State snapshots held by a tier.")
+    miss_tokens = Metric("tiered_kv_miss_tokens_total", "counter", "Prompt tokens computed, by why they were.")
+    stranding = Metric("tiered_kv_stranding_evictions_total", "counter",
+                       "Blocks evicted while a block cached after them on their path stayed in the tier.")
+    published = Metric("tiered_kv_snapshots_published_total", "counter", "State snapshots published, by where.")
+
+    snap_bytes.add(g.gpu_snapshot_bytes, tier="gpu")
+    for reason in ("no_snapshot", "not_cached", "tail"):
+        miss_tokens.add(s.get(f"miss_tokens_{reason}", 0), reason=reason)
+    stranding.add(s.get("blocks_stranding_evictions", 0), tier="gpu")
+    branch = s.get("snapshots_branch", 0)
+    published.add(branch, where="branch")
+    published.add(s.get("snapshots_registered", 0) - branch, where="other")
 
     held.add(g.gpu_bytes, tier="gpu")
     cap.add(g.gpu_capacity_bytes, tier="gpu")
@@ -156,6 +181,8 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
         hits.add(s["snapshots_from_host"], tier="host", kind="snapshot")
         evict.add(s["host_blocks_evicted"], tier="host", kind="block")
         evict.add(s["host_snapshots_evicted"], tier="host", kind="snapshot")
+        snap_bytes.add(g.host_snapshot_bytes or 0, tier="host")
+        stranding.add(s.get("host_blocks_stranding_evictions", 0), tier="host")
     if g.hisparse:
         hits.add(s["hisparse_hits"], tier="hisparse_buffer", kind="csa_entry")
         misses.add(s["hisparse_misses"], tier="hisparse_buffer", kind="csa_entry")
@@ -179,5 +206,6 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
     toks.add(s["prompt_tokens"], kind="prompt")
     toks.add(s["cached_tokens"], kind="cached")
     live.add(s["live_requests"])
-    families = [held, cap, hits, misses, evict, corrupt, auth, werr, moved, lat, reqs, toks, live]
+    families = [held, cap, hits, misses, evict, corrupt, auth, werr, moved, lat, reqs, toks, live, snap_bytes,
+                miss_tokens, stranding, published]
     return MetricsSnapshot([m for m in families if m.samples])

@@ -41,6 +41,9 @@ class Request:
     #: here before it can close the request, so boundaries two or more blocks short of it
     #: need no private snapshot (see ``TieredKVCache._snapshot_at_boundary``).
     _reserved_to: int = field(default=0, repr=False)
+    #: The boundary (in blocks) where the prompt leaves the cached prefix tree, when the
+    #: snapshot policy publishes branch points there (see :mod:`tiered_kv.policy.snapshots`).
+    _branch_at: int | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -141,7 +141,13 @@ class DiskBatch:
     slot: int = -1
     lo: int = 0
     hashes: list[bytes] = field(default_factory=list)
+    #: the hash of the block before ``lo`` (None: ``lo`` is the path's first block)
+    parent: bytes | None = None
     future: Future[list[bool]] | None = None
+
+    def parents(self) -> list[bytes | None]:
+        """Each block's parent hash, in order (for the pools' leaves-first bookkeeping)."""
+        return [self.parent, *self.hashes[:-1]]
 
 
 def leading_good(ok: list[bool]) -> int:
@@ -385,8 +391,8 @@ class HostRecords(Destination):
         moves = self.moves
         assert moves.host is not None
         hids, bids = batch.hids[:good], batch.bids[:good]
-        for hid, h in zip(hids, batch.hashes):
-            moves.host.blocks.cache(hid, h)  # verified: promoted to the host tier
+        for hid, h, parent in zip(hids, batch.hashes, batch.parents()):
+            moves.host.blocks.cache(hid, h, parent)  # verified: promoted to the host tier
         if self.copy_on_readers:  # already copied on the reader thread
             moves._keep_host_refs(hids, bids)
         else:
@@ -490,6 +496,7 @@ class DiskResume:
             a = self.next_lo
             b = a + len(batch.bids)
             batch.lo, batch.hashes = a, self.hashes[a:b]
+            batch.parent = self.hashes[a - 1] if a else None
             keys = [_block_key(h) for h in batch.hashes]
             job = self.dest.read_job(batch, keys, self.digests[a - self.lo:b - self.lo])
             if a == self.lo and b == self.hi:  # the whole range at once: nothing to overlap with
@@ -510,8 +517,8 @@ class DiskResume:
             moves.blocks.free(b)
         self.dest.land(batch, good)
         bids = batch.bids[:good]
-        for b, h in zip(bids, batch.hashes):
-            moves.blocks.cache(b, h)
+        for b, h, parent in zip(bids, batch.hashes, batch.parents()):
+            moves.blocks.cache(b, h, parent)
         self.loaded += bids
         moves._counters["blocks_from_disk"] += good
         if good < len(batch.bids):

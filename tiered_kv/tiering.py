@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .hisparse import HiSparseBuffers
     from .host import HostTier
     from .layout import KVLayout
+    from .policy.eviction import EvictionPolicy
     from .prefix import PrefixHasher
     from .state_pool import SnapshotPool, StatePool
     from .transfer import CopyEngine, CopyHandle
@@ -54,6 +55,7 @@ class TierMoves:
     disk: DiskTier | None
     copies: CopyEngine
     hasher: PrefixHasher
+    eviction: EvictionPolicy
     _host_of_block: dict[int, int]
     _counters: dict[str, int]
 
@@ -78,6 +80,8 @@ class TierMoves:
     #: Where resume reads land (kept between opens: the staging ring, the pools' row views)
     _resume_dest: Destination | None = None
     _snap_staging: torch.Tensor | None = None
+    #: leaf-lru: a prune of blocks that lead to no snapshot is running (see _prune_to_snapshot)
+    _pruning: bool = False
     _snap_staging_ready: Callable[[], None] | None = None
 
     # ------------------------------------------------------- prefix matching
@@ -232,8 +236,8 @@ class TierMoves:
         for hid in hids[len(bids):]:
             self._drop_host_ref(hid)
         self._load_host_records(hids[:len(bids)], bids)
-        for b, h in zip(bids, hashes[lo:]):
-            self.blocks.cache(b, h)
+        for i, b in enumerate(bids, lo):
+            self.blocks.cache(b, hashes[i], hashes[i - 1] if i else self.hasher.root)
         self._counters["blocks_from_host"] += len(bids)
         return bids
 
@@ -434,26 +438,71 @@ class TierMoves:
         self.blocks.free(b)
 
     def _on_block_evict(self, b: int, h: bytes) -> None:
-        """A cached GPU block is reused: keep its record in the host tier."""
+        """A cached GPU block is reused: keep its record in the host tier (and with the
+        leaf-lru policy the GPU's snapshot at its end goes down with it)."""
+        if self.eviction.coherent_snapshots:
+            if self.snapshots.ids.evict_hash(h):
+                self._counters["snapshots_evicted_with_block"] += 1
+            if self.host is None and self.disk is None:  # its parent may now lead to no snapshot
+                self._prune_to_snapshot(self.blocks, self.snapshots.ids, self.blocks.evicted_parent)
         hid = self._host_of_block.pop(b, None)
         if hid is not None:  # HiSparse: the host already holds the record
             self._drop_host_ref(hid)
             return
         if self.host is None or self.host.blocks.lookup(h) is not None:
             return
+        parent = self.blocks.evicted_parent  # (the path, kept in the host tier)
         hid = self.host.blocks.allocate()
         if hid is None:
             return
         handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
         handle.make_stream_wait()  # the block is overwritten only after the copy read it
         self._last_offload = handle
-        self.host.blocks.cache(hid, h)
+        self.host.blocks.cache(hid, h, parent)
         self.host.blocks.free(hid)
         self._counters["blocks_offloaded"] += 1
 
+    def _on_host_block_evict(self, hid: int, h: bytes) -> None:
+        """leaf-lru: a host record evicted takes the host's snapshot at its end along."""
+        host = self.host
+        if host is not None and host.snapshots is not None and host.snapshots.evict_hash(h):
+            self._counters["snapshots_evicted_with_block"] += 1
+        if host is not None and self.disk is None:  # its parent may now lead to no snapshot
+            self._prune_to_snapshot(host.blocks, host.snapshots, host.blocks.evicted_parent)
+
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
-        if self.host is not None:
-            self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
+        kept = self.host is not None and self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
+        if not kept and self.disk is None and self.eviction.coherent_snapshots:
+            self._prune_to_snapshot(self.blocks, self.snapshots.ids, h)
+
+    def _on_host_snapshot_evict(self, sid: int, h: bytes) -> None:
+        """leaf-lru: a host snapshot evicted with no disk below: its blocks' path goes too."""
+        host = self.host
+        if self.disk is None and host is not None:
+            self._prune_to_snapshot(host.blocks, host.snapshots, h)
+
+    def _prune_to_snapshot(self, pool: BlockPool, snaps: BlockPool | None, h: bytes | None) -> None:
+        """leaf-lru, in a tier with nothing below it: a snapshot or block at ``h`` left; the
+        blocks of ``pool`` that led only to it (walking up from ``h`` while each is
+        unreferenced, childless and has no snapshot of its own) are dead weight, since a
+        resume needs a snapshot at or after them, and are evicted too."""
+        if self._pruning:  # (the evictions below call back here: the loop does their work)
+            return
+        self._pruning = True
+        try:
+            x = h
+            while x is not None:
+                b = pool.lookup(x)
+                if (b is None or pool.refcount(b) or pool.num_children(x)
+                        or (snaps is not None and snaps.lookup(x) is not None)
+                        or self.snapshots.ids.lookup(x) is not None):
+                    return
+                parent = pool.parent_hash(b)
+                pool.evict_hash(x)
+                self._counters["blocks_evicted_with_snapshot"] += 1
+                x = parent
+        finally:
+            self._pruning = False
 
 
 @dataclass(slots=True)

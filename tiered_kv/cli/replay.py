@@ -37,6 +37,7 @@ import math
 import sys
 from typing import Any
 
+from ..planner import format_bytes
 from ..presets import PRESETS
 from . import _common
 from ._common import Progress
@@ -217,15 +218,22 @@ def _print(args: argparse.Namespace, reports: list[Any], as_json: dict[str, Any]
 
 
 def _policy_table(reports: list[Any]) -> str:
-    lines = [f"{'snapshot policy':<18} {'eviction':<10} {'hit rate':>9} {'every boundary':>15} {'max':>8} "
-             f"{'snapshot bytes / block bytes':>29}"]
+    lines = [f"{'snapshot policy':<20} {'eviction':<10} {'hit rate':>9} {'every boundary':>15} {'of it':>7} "
+             f"{'max':>8} {'snap/block bytes: memory':>25} {'all tiers':>10} {'stranded':>10}"]
     for r in reports:
         t, res = r.total, r.resident()
-        blocks = sum(v.get("blocks", 0) for k, v in res.items() if k in ("gpu", "host"))
-        snaps = sum(v.get("snapshots", 0) for k, v in res.items() if k in ("gpu", "host"))
-        lines.append(f"{r.config.snapshot().label:<18} {r.config.eviction().label:<10} "
-                     f"{100 * t.rate(t.hits):8.2f}% {100 * t.rate(t.resident_tokens):14.2f}% "
-                     f"{100 * t.rate(t.max_tokens):7.2f}% {snaps / blocks if blocks else 0:>29.3f}")
+
+        def ratio(tiers: tuple[str, ...] | None, res: dict = res) -> float:
+            blocks = sum(v.get("blocks", 0) for k, v in res.items() if tiers is None or k in tiers)
+            snaps = sum(v.get("snapshots", 0) for k, v in res.items() if tiers is None or k in tiers)
+            return snaps / blocks if blocks else 0.0
+
+        stranded = sum(sum(v.values()) for v in r.stranded().values())
+        of_it = t.hits / t.resident_tokens if t.resident_tokens else 0.0
+        lines.append(f"{r.config.snapshot().label:<20} {r.config.eviction().label:<10} "
+                     f"{100 * t.rate(t.hits):8.2f}% {100 * t.rate(t.resident_tokens):14.2f}% {100 * of_it:6.1f}% "
+                     f"{100 * t.rate(t.max_tokens):7.2f}% {ratio(('gpu', 'host')):>25.3f} {ratio(None):>10.3f} "
+                     f"{format_bytes(stranded):>10}")
     return "\n".join(lines)
 
 

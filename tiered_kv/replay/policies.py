@@ -12,11 +12,16 @@ Snapshot policies:
 * ``interval:N`` (default ``interval:8``): the cache's own: a snapshot at each prompt's
   last two block boundaries (registered when the request closes) and one every ``N``
   blocks (``snapshot_interval``).
+* ``branch``: where the prompt leaves the cached prefix tree, and at its last boundary
+  (:mod:`tiered_kv.policy.snapshots`).
+* ``branch+interval:N``: both, and every ``N`` blocks.
 
 Eviction policies:
 
 * ``lru``: the cache's own: each tier evicts its least recently released block (and,
   apart, snapshot), independently of the others.
+* ``leaf-lru``: leaves first, and a block's snapshot goes with it
+  (:mod:`tiered_kv.policy.eviction`).
 """
 
 from __future__ import annotations
@@ -47,15 +52,38 @@ def _interval(arg: int | None) -> Policy:
                   cache_options={"snapshot_interval": n})
 
 
+def _branch(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"snapshot policy branch: expected no argument (branch+interval:N for intervals too), got {arg}")
+    return Policy(label="branch", description="snapshots where a prompt leaves the cached prefix tree and at its end",
+                  cache_options={"snapshot_policy": "branch"})
+
+
+def _branch_interval(arg: int | None) -> Policy:
+    if arg is None or arg < 1:
+        raise ValueError(f"snapshot policy branch+interval:N: expected N >= 1, got {arg}")
+    return Policy(label=f"branch+interval:{arg}",
+                  description=f"snapshots at branch points, at prompt ends and every {arg} blocks",
+                  cache_options={"snapshot_policy": f"branch+interval:{arg}"})
+
+
 def _lru(arg: int | None) -> Policy:
     if arg is not None:
         raise ValueError(f"eviction policy lru: expected no argument, got {arg}")
     return Policy(label="lru", description="least recently released first, per tier")
 
 
+def _leaf_lru(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"eviction policy leaf-lru: expected no argument, got {arg}")
+    return Policy(label="leaf-lru", description="leaves first per tier, each block's snapshot evicted with it",
+                  cache_options={"eviction": "leaf-lru"})
+
+
 #: name -> factory(optional integer argument)
-SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {"interval": _interval}
-EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru}
+SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {
+    "interval": _interval, "branch": _branch, "branch+interval": _branch_interval}
+EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru, "leaf-lru": _leaf_lru}
 
 
 def snapshot_policy(spec: str) -> Policy:
