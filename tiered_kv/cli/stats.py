@@ -108,13 +108,15 @@ def store_summary(store: Any) -> dict[str, Any]:
 
 def _bytes_by_kind(store: Any, keys: list[Any]) -> dict[str, Any]:
     """``block_bytes``, ``snapshot_bytes`` and ``snapshot_block_ratio`` of ``keys`` (None
-    each where ``store`` cannot size records without reading them); a record evicted
-    since it was listed counts 0."""
+    each where ``store`` cannot size its records without reading them, or sizes none of
+    them); a record evicted since it was listed counts 0."""
     from ..storage import RecordKind
 
     try:
         sizes = store.payload_sizes(keys) if keys else []
     except NotImplementedError:
+        sizes = []
+    if keys and all(n is None for n in sizes):  # (e.g. sealed records, no key given to size them)
         return {"block_bytes": None, "snapshot_bytes": None, "snapshot_block_ratio": None}
     by_kind = {RecordKind.BLOCK: 0, RecordKind.SNAPSHOT: 0}
     for key, n in zip(keys, sizes):
