@@ -1,13 +1,18 @@
-"""A separate process for the disk-tier tests: ``python _disk_worker.py URL PHASE N``.
+"""A separate process for the disk-tier tests:
+``python _disk_worker.py URL PHASE N [SNAPSHOT_POLICY EVICTION]``.
 
-PHASE ``a`` runs the reference model over the first N tokens and exits; ``b`` opens the
-same store, resumes the full sequence and prints the max |cached - naive| logit error
-and the number of cached tokens as JSON.
+PHASE ``a`` runs the reference model over the first N tokens and exits; ``kill`` does the
+same, flushes, prints its stats and kills itself with SIGKILL (no close, no shutdown: a
+crash after ``flush()`` returned); ``b`` opens the same store, resumes the full sequence
+and prints the max |cached - naive| logit error and the number of cached tokens as JSON.
+SNAPSHOT_POLICY / EVICTION: the cache's policies by name (default: the cache's defaults).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 from tiered_kv import TieredKVCache, presets
@@ -16,16 +21,19 @@ from tiered_kv.reference import ReferenceModel
 from _util import random_tokens
 
 url, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+policies = {"snapshot_policy": sys.argv[4], "eviction": sys.argv[5]} if len(sys.argv) > 5 else {}
 layout = presets.tiny()
 model = ReferenceModel(layout, seed=0)
 tokens = random_tokens(420, seed=4)
-with TieredKVCache(layout, num_blocks=16, num_state_slots=2, store=url) as cache:
-    if phase == "a":
+with TieredKVCache(layout, num_blocks=16, num_state_slots=2, store=url, **policies) as cache:
+    if phase in ("a", "kill"):
         req = cache.open(tokens[:n])
         model.forward(cache, req, tokens[:n])
         cache.close(req)
         cache.flush()
-        print(json.dumps(cache.stats()))
+        print(json.dumps(cache.stats()), flush=True)
+        if phase == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)  # after flush(), before close: nothing else runs
     else:
         req = cache.open(tokens)
         got = model.forward(cache, req, tokens[req.num_cached_tokens:])

@@ -109,6 +109,9 @@ def test_stats_verify_gc_on_an_engine_store_without_a_layout(engine_name: str, b
 
     stats = cli_json(capsys, "stats", "--store", url)
     assert (stats["layout_fingerprint"], stats["records"], stats["blocks"]) == (engine.fingerprint, N, N)
+    # an engine's records are blocks (pages, chunks): its snapshot bytes are 0
+    assert (stats["block_bytes"], stats["snapshot_bytes"], stats["snapshot_block_ratio"]) == (
+        sum(item.payload.nbytes for item in items), 0, 0.0)
     assert stats["model"] is None  # no tiered_kv preset has this layout
     assert_writer(stats["writer"], engine)
     code, table, err = cli(capsys, "stats", "--store", url)

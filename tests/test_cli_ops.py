@@ -83,6 +83,11 @@ def test_stats_matches_the_store(filled: tuple[Path, Path, dict], capsys: pytest
     assert s["oldest_access_ns"] == direct["oldest_access_ns"] <= s["newest_access_ns"]
     assert s["oldest_access"].endswith("Z") and s["newest_access"] >= s["oldest_access"]
     assert filled[2]["totals"]["records"] == s["records"]
+    # payload bytes by kind: what the snapshot policy costs on the store
+    layout = presets.tiny()
+    assert s["block_bytes"] == s["blocks"] * layout.block_bytes
+    assert s["snapshot_bytes"] == s["snapshots"] * layout.snapshot_bytes > 0
+    assert s["snapshot_block_ratio"] == round(s["snapshot_bytes"] / s["block_bytes"], 4)
 
 
 def test_stats_table(filled: tuple[Path, Path, dict], capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,6 +100,11 @@ def test_stats_table(filled: tuple[Path, Path, dict], capsys: pytest.CaptureFixt
     assert rows["layout_fingerprint"][0] == TINY_FP
     for key in ("hits", "misses", "corrupt", "evictions", "oldest_access", "newest_access"):
         assert key in rows
+    layout = presets.tiny()
+    blocks, snaps = int(rows["records"][1]), int(rows["records"][3])  # "N blocks, M snapshots"
+    assert rows["block_bytes"][0] == str(blocks * layout.block_bytes)
+    assert rows["snapshot_bytes"][0] == str(snaps * layout.snapshot_bytes)
+    assert f"{snaps * layout.snapshot_bytes / (blocks * layout.block_bytes):.3f} of the block bytes" in out
 
 
 # ----------------------------------------------------------------------------- verify

@@ -478,11 +478,14 @@ class BlockPool:
         if p is None:
             return
         self._parents[block_id] = None
-        left = self._children[p] - 1
-        if left:
+        # a count that is missing or already 0 (bookkeeping gone wrong, which
+        # check_invariants reports) reads as "no child left": the count only orders
+        # evictions, a lookup never trusts it, so a wrong one costs order, never bytes
+        left = self._children.get(p, 0) - 1
+        if left > 0:
             self._children[p] = left
             return
-        del self._children[p]
+        self._children.pop(p, None)
         pid = self._hash_to_block.get(p)
         if pid is not None and pid in self._parked:
             del self._parked[pid]

@@ -112,6 +112,14 @@ def test_config_errors_name_what_was_expected(tmp_path):
         TieredKVHiCacheStorage(cfg, {})
 
 
+@pytest.mark.parametrize("key", ["snapshot_policy", "eviction"])
+def test_cache_policy_options_are_refused_with_the_reason(tmp_path, key):
+    cfg = env.storage_config(f"lmdb://{tmp_path}/s", **{key: "leaf-lru" if key == "eviction" else "branch"})
+    with pytest.raises(ValueError, match=f"{key} select the policies of tiered_kv's own GPU and host tiers"):
+        TieredKVHiCacheStorage(cfg, {})
+    assert not (tmp_path / "s").exists()
+
+
 def test_store_options_timeout_is_harmless_on_a_local_store(store_url, backends):
     """The chain example's ``store_options`` on a single LMDB store: accepted, no effect."""
     pool = env.mla_host_pool()
@@ -308,6 +316,9 @@ def test_batch_exists_counts_leading_pages(store_url, backends):
     assert b.batch_exists(keys) == 5
     assert b.batch_exists(keys[6:]) == 2
     assert b.batch_exists(env.page_keys(3, seed=9)) == 0
+    c = b.counters()   # the three queries: 8 + 2 + 3 pages asked, 5 + 2 found, the others not cached
+    assert (c["lookup_pages"], c["lookup_pages_hit"], c["lookup_pages_no_state"],
+            c["lookup_pages_not_cached"]) == (13, 7, 0, 6)
     assert b.exists(keys[0]) and not b.exists(keys[5])
 
 
@@ -604,6 +615,11 @@ def test_v2_missing_pages_shrink_the_hit_per_pool_policy(store_url, backends, la
     # KV anchor: all 6; C4: 5 leading pages; state (window 1): stop points 2 and 4
     assert r.restorable_prefix_pages == [2, 4]
     assert r.kv_hit_pages == 4
+    # misses by reason (issue 22): page 5 is in no C4 record (not cached); page 4 is held by
+    # every KV pool but no state lets SGLang resume after it (the cache's no_snapshot)
+    c = b.counters()
+    assert (c["lookup_pages"], c["lookup_pages_hit"], c["lookup_pages_no_state"],
+            c["lookup_pages_not_cached"]) == (6, 4, 1, 1)
     assert r.extra_pool_hit_pages[PoolName(c4)] == 5 and r.extra_pool_hit_pages[PoolName(state)] == 4
     dst = side[state].alloc(PAGE)
     assert b.batch_get_v2([PoolTransfer(name=PoolName(state), host_indices=dst, keys=keys[3:4])]) == \

@@ -17,6 +17,7 @@ import pytest
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from tiered_kv.integrations import vllm as vllm_tier
 from tiered_kv.integrations.vllm import TieredKVTier, TieredKVTierInfo, TieredKVTierMetrics, VllmKeyMapper
 from tiered_kv.storage import LayoutMismatchError, LmdbStore, StoreChain, record_size
 
@@ -124,7 +125,9 @@ def _corrupt(path: Path, key_bytes: bytes) -> None:
     lmdb_raw_write(path, key_bytes, bytes(value))
 
 
-def test_restart_then_corrupt_record_is_a_failed_key(tmp_path: Path, engines: list[Engine]) -> None:
+def test_restart_then_corrupt_record_is_a_failed_key(tmp_path: Path, engines: list[Engine],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_tier, "STORE_STATS_INTERVAL_S", 0.0)   # every get_stats reads the store's
     path = tmp_path / "store"
     writer = Engine(f"lmdb://{path}", num_chunks=8)
     engines.append(writer)
@@ -144,6 +147,7 @@ def test_restart_then_corrupt_record_is_a_failed_key(tmp_path: Path, engines: li
     assert reader.counter("kv_offload_tiering_promotion_job_failures", TIER) >= 1
     assert reader.counter(tiered("LOAD_MISSES")) == 1
     assert reader.tier.store.stats()["corrupt"] == 1
+    assert reader.counter(tiered("STORE_CORRUPT")) == 1   # the miss's reason, through the tier's counters
     assert reader.load([keys[2]]) == {keys[2]: None}   # the bad record was removed: a plain miss now
 
 
@@ -228,6 +232,39 @@ def test_another_tensor_parallel_size_is_refused_with_the_reason(tmp_path: Path,
     config = type(config)(**{**config.__dict__, "parallel": parallel})
     with pytest.raises(LayoutMismatchError, match="tensor-parallel size 2 \\(one copy per rank"):
         TieringOffloadingSpec(config).get_manager()
+
+
+def test_the_caches_counters_through_the_tier(tmp_path: Path, engines: list[Engine],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22 item 4: hits (chunks loaded), misses by reason (not cached: lookup_misses),
+    and the store's evictions, as vLLM counters of the tier."""
+    monkeypatch.setattr(vllm_tier, "STORE_STATS_INTERVAL_S", 0.0)
+    engine = Engine(f"lmdb://{tmp_path / 'store'}", num_chunks=4, max_bytes=6 * record_size(CHUNK_BYTES))
+    engines.append(engine)
+    keys = chunk_keys("counters", 8)
+    for batch in (keys[:4], keys[4:]):       # 8 chunks into a store bounded at 6: 2 evicted
+        engine.store(batch)
+        engine.wait_jobs()
+    left = len(engine.tier.store)
+    assert left <= 6
+    got = engine.load(keys[:4] + chunk_keys("never stored", 2))   # none in the primary tier now
+    hits = sum(v is not None for v in got.values())
+    assert hits == 4 - (8 - left) and all(got[k] == chunk_bytes(k) for k in keys[:4] if got[k] is not None)
+    engine.step()
+    assert engine.counter(tiered("CHUNKS_LOADED")) == hits
+    assert engine.counter(tiered("LOOKUP_MISSES")) == 6 - hits     # evicted or never stored: not cached
+    assert engine.counter(tiered("STORE_EVICTIONS")) == 8 - left
+    assert engine.counter(tiered("STORE_CORRUPT")) == 0
+    metrics = TieredKVTier.build_metric_definitions({})
+    assert {TieredKVTierMetrics.LOOKUP_MISSES, TieredKVTierMetrics.STORE_CORRUPT,
+            TieredKVTierMetrics.STORE_EVICTIONS} <= set(metrics)
+
+
+@pytest.mark.parametrize("key", ["snapshot_policy", "eviction"])
+def test_cache_policy_options_are_refused_with_the_reason(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError, match=f"{key} select the policies of tiered_kv's own GPU and host tiers"):
+        Engine(f"lmdb://{tmp_path / 'store'}", **{key: "leaf-lru" if key == "eviction" else "branch"})
+    assert not (tmp_path / "store").exists()
 
 
 def test_an_unknown_tier_option_lists_the_valid_keys(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@
     tiered-kv stats --store lmdb:///var/cache/kv --json
     tiered-kv stats --store lmdb:///var/cache/kv --store "zarr+s3://kv/v4?endpoint=..."   # a chain
 
-Records (blocks and snapshots), bytes against the bound, the least and most recent
-access, the store's layout fingerprint and writer (who created it: the tiered_kv cache,
+Records (blocks and snapshots) and their payload bytes by kind (snapshot bytes against
+block bytes: what the snapshot placement policy costs on this store), bytes against the
+bound, the least and most recent access, the store's layout fingerprint and writer (who created it: the tiered_kv cache,
 the vLLM adapter or the SGLang adapter; the model; a hash of the tenant, never the tenant)
 and its hit / miss / corrupt / eviction counters. No layout option is needed: the store
 is opened for whatever layout it holds; ``--model`` (and the overrides) only check that it
@@ -17,6 +18,11 @@ lifetime counters, summed over every process that used it (each flushes its coun
 its access times and at close), and the table shows those; other backends count only
 for the open store object, so a fresh ``tiered-kv stats`` shows zeros there (a serving
 process reports its own through ``cache.metrics()``). An LMDB store is opened read-only.
+
+The cache's policy counters (misses by reason, stranding evictions, snapshots published,
+snapshot bytes per memory tier) belong to a serving process's GPU and host tiers, which a
+store does not see: they are in ``cache.metrics()`` and its Prometheus export, and
+``stats`` shows the store's share of them, its block and snapshot bytes.
 
 Encryption: the ``encrypted`` row says whether the store's records are sealed (the level
 records it; an older store: a sample). With ``--key-file`` (see :mod:`._keys`) it shows
@@ -78,16 +84,47 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def store_summary(store: Any) -> dict[str, Any]:
-    """``store.stats()`` plus record counts by kind and ISO-8601 access times."""
+    """``store.stats()`` plus record counts and payload bytes by kind, and ISO-8601 access times.
+
+    ``block_bytes`` / ``snapshot_bytes``: payload bytes of the block and snapshot records
+    the store holds (from its index or object sizes, not read), the store's side of the
+    cache's ``tiered_kv_snapshot_bytes{tier}``; ``snapshot_block_ratio`` their ratio (the
+    replay's *snap/blk* of the disk). None where the store cannot size records without
+    reading them. The other policy counters (misses by reason, stranding evictions,
+    snapshots published) are counted by a serving process's memory tiers: a store holds
+    none of them (``cache.metrics()`` exports them).
+    """
     from ..storage import RecordKind
 
-    kinds = [key.kind for key in store]  # first: on an object store this lists the bucket
+    keys = list(store)  # first: on an object store this lists the bucket
     stats = dict(store.stats())
-    stats["blocks"] = sum(k is RecordKind.BLOCK for k in kinds)
-    stats["snapshots"] = sum(k is RecordKind.SNAPSHOT for k in kinds)
+    stats["blocks"] = sum(k.kind is RecordKind.BLOCK for k in keys)
+    stats["snapshots"] = sum(k.kind is RecordKind.SNAPSHOT for k in keys)
+    stats.update(_bytes_by_kind(store, keys))
     stats["oldest_access"] = _common.iso_time(stats.get("oldest_access_ns"))
     stats["newest_access"] = _common.iso_time(stats.get("newest_access_ns"))
     return stats
+
+
+def _bytes_by_kind(store: Any, keys: list[Any]) -> dict[str, Any]:
+    """``block_bytes``, ``snapshot_bytes`` and ``snapshot_block_ratio`` of ``keys`` (None
+    each where ``store`` cannot size its records without reading them, or sizes none of
+    them); a record evicted since it was listed counts 0."""
+    from ..storage import RecordKind
+
+    try:
+        sizes = store.payload_sizes(keys) if keys else []
+    except NotImplementedError:
+        sizes = []
+    if keys and all(n is None for n in sizes):  # (e.g. sealed records, no key given to size them)
+        return {"block_bytes": None, "snapshot_bytes": None, "snapshot_block_ratio": None}
+    by_kind = {RecordKind.BLOCK: 0, RecordKind.SNAPSHOT: 0}
+    for key, n in zip(keys, sizes):
+        if n is not None and key.kind in by_kind:
+            by_kind[key.kind] += n
+    blocks, snaps = by_kind[RecordKind.BLOCK], by_kind[RecordKind.SNAPSHOT]
+    return {"block_bytes": blocks, "snapshot_bytes": snaps,
+            "snapshot_block_ratio": round(snaps / blocks, 4) if blocks else None}
 
 
 def format_table(s: dict[str, Any]) -> str:
@@ -100,6 +137,7 @@ def format_table(s: dict[str, Any]) -> str:
         ("writer", _common.describe_writer(s.get("writer")), ""),
         ("records", str(s["records"]), f"{s['blocks']} blocks, {s['snapshots']} snapshots"),
         ("bytes", str(s["bytes"]), format_bytes(s["bytes"])),
+        *_kind_bytes_rows(s),
         ("max_bytes", str(max_bytes) if max_bytes is not None else "none",
          format_bytes(max_bytes) if max_bytes is not None else "unbounded"),
         ("oldest_access", s["oldest_access"] or "-", "least recently used record (evicted first)"),
@@ -132,6 +170,16 @@ def format_table(s: dict[str, Any]) -> str:
         cell = value.rjust(num_w) if value.isdigit() else value.ljust(num_w)
         lines.append(f"{name.ljust(name_w)}  {cell}  {extra}".rstrip())
     return "\n".join(lines)
+
+
+def _kind_bytes_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The ``block_bytes`` / ``snapshot_bytes`` rows (payload bytes by record kind)."""
+    if s.get("block_bytes") is None:
+        return []
+    ratio = s.get("snapshot_block_ratio")
+    share = f"{ratio:.3f} of the block bytes" if ratio is not None else "no block bytes"
+    return [("block_bytes", str(s["block_bytes"]), f"{format_bytes(s['block_bytes'])} payload of block records"),
+            ("snapshot_bytes", str(s["snapshot_bytes"]), f"{format_bytes(s['snapshot_bytes'])}: {share}")]
 
 
 def _encryption_rows(e: dict[str, Any]) -> list[tuple[str, str, str]]:

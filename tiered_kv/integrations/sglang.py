@@ -49,6 +49,21 @@ with ``--enable-metrics``), and :meth:`counters` our own page counters
 plus the store's (hits, misses, corrupt, evictions, bytes);
 :meth:`TieredKVHiCacheStorage.of` finds the backend behind SGLang's failure injector.
 
+The cache's counters (issue 22) as this backend can count them, in :meth:`counters`:
+hits per tier are ``pages_read`` (this L3) beside SGLang's own L1 / L2 hits; misses by
+reason are ``lookup_pages_not_cached`` and ``lookup_pages_no_state`` (pages whose KV is
+stored but which no state pool snapshot lets SGLang resume at: DeepSeek V4's compressor
+state, SWA, Mamba), and ``pages_missed`` / ``store.corrupt`` at read time; evictions are
+``store.evictions`` (the store's LRU under ``max_bytes``). Snapshot bytes and stranding
+evictions have no counterpart: SGLang's state pages are pages of a pool like any other
+here, and where SGLang snapshots its state and which pages its L1 / L2 evict is SGLang's.
+
+Policies. tiered_kv's snapshot placement and eviction policies (``snapshot_policy``,
+``eviction``) choose what tiered_kv's own GPU and host tiers keep; under SGLang those
+tiers are SGLang's (its radix cache and host pool, with their own eviction), and this
+backend is a store that evicts least recently accessed records first. The two keys in
+the extra config are refused with a ValueError that says so, rather than ignored.
+
 ``clear`` (SGLang's ``POST /hicache/storage-backend/clear``) is refused by default: the
 store may be shared. It raises, since SGLang 0.5.23's cache controller ignores a returned
 ``False``; SGLang's storage layer then logs the failure and reports it as ``False`` (its
@@ -146,8 +161,14 @@ class _PoolBinding:
 #: Page counters of one backend object (this process, since it was created), in order:
 #: pages_missed: absent, corrupt or foreign (the read returned False); pages_write_failed:
 #: store full or failing; store_errors: calls the store failed (each failed call, not page).
+#: lookup_*: the pages ``batch_exists`` / ``batch_exists_v2`` were asked about, per query:
+#: lookup_pages_hit restorable (the hit), lookup_pages_no_state held by every KV pool but
+#: past the last page a state pool can restore (the cache's ``no_snapshot`` miss reason),
+#: lookup_pages_not_cached not held (never stored, evicted, or unreadable: ``not_cached``).
 _COUNTERS = ("pages_read", "pages_missed", "pages_written", "pages_already_stored", "pages_write_failed",
-             "store_errors")
+             "store_errors", "lookup_pages", "lookup_pages_hit", "lookup_pages_no_state", "lookup_pages_not_cached")
+#: Cache options that do not apply to this backend (module docstring: Policies).
+_CACHE_POLICY_KEYS = ("snapshot_policy", "eviction")
 
 
 class _OpenStores:
@@ -291,6 +312,12 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise TypeError(f"storage_config: expected a HiCacheStorageConfig, got "
                             f"{type(storage_config).__name__}")
         extra = dict(storage_config.extra_config or {})
+        policy = sorted(set(extra) & set(_CACHE_POLICY_KEYS))
+        if policy:
+            raise ValueError(f"extra_config: {', '.join(policy)} select the policies of tiered_kv's own GPU and host "
+                             f"tiers (TieredKVCache); under SGLang those tiers are SGLang's, and this backend is a "
+                             f"store that evicts least recently used records first (bound it with "
+                             f"store_options.max_bytes). See docs/integrations/sglang.md, Policies")
         store_url = extra.get("store")
         if store_url is None:
             raise ValueError('extra_config: expected "store": a tiered_kv store URL or list of URLs '
@@ -532,11 +559,22 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ v1: zero-copy
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """The number of leading ``keys`` whose KV page is stored."""
+        n = self._kv_prefix(keys)
+        self._count_lookup(len(keys), held=n, restorable=n)
+        return n
+
+    def _kv_prefix(self, keys: list[str]) -> int:
         binding = self._binding(PoolName.KV)
         if binding.logical:
             return len(keys)
         present = self._exists_prefix(binding, self._kv_format, keys)
         return present.index(False) if False in present else len(present)
+
+    def _count_lookup(self, asked: int, *, held: int, restorable: int) -> None:
+        """A query of ``asked`` pages: ``held`` leading ones stored in every KV pool, of
+        which ``restorable`` leading ones resumable (the lookup_* counters)."""
+        self._counters.add(lookup_pages=asked, lookup_pages_hit=restorable, lookup_pages_no_state=held - restorable,
+                           lookup_pages_not_cached=asked - held)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -556,9 +594,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         ``ALL_PAGES`` pools need each page of the prefix; ``TRAILING_PAGES`` pools only the
         last ``len(transfer.keys)`` pages before a stop point (SWA / Mamba state).
         """
-        kv_pages = self.batch_exists(keys, extra_info)
+        kv_pages = self._kv_prefix(keys)
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
+        held = kv_pages   # leading pages every all-pages pool holds (a pool not asked: all)
         for transfer in pool_transfers or []:
             if not restorable:
                 break
@@ -568,6 +607,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages
                 pool_restorable = set(range(1, boundary + 1))
+                held = min(held, boundary)
             elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 window = max(1, len(transfer.keys) if transfer.keys else 1)
                 pool_restorable = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
@@ -578,7 +618,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             if boundary:
                 hit_count[transfer.name] = boundary
             restorable = [n for n in restorable if n in pool_restorable]
-        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+        resumable = restorable[-1] if restorable else 0
+        self._count_lookup(len(keys), held=max(held, resumable), restorable=resumable)
+        return PoolTransferResult(resumable, hit_count, restorable)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:

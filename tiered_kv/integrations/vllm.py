@@ -70,6 +70,29 @@ Counters (``get_stats``; Prometheus names)::
     vllm:kv_offload_tiered_kv_job_errors{error=}     jobs the store failed: full, unavailable,
                                                      closed, error
     vllm:kv_offload_tiered_kv_lookup_errors          lookup batches the store failed (MISS)
+    vllm:kv_offload_tiered_kv_lookup_misses          chunks a lookup did not find: not cached
+                                                     (never stored, or evicted)
+    vllm:kv_offload_tiered_kv_store_corrupt          records that failed verification: each a
+                                                     miss (recomputed), counted by the store
+    vllm:kv_offload_tiered_kv_store_evictions        records the store evicted for space (its
+                                                     LRU, by access time, under max_bytes)
+
+These are the cache's counters (``tiered_kv_hits_total``, ``tiered_kv_miss_tokens_total
+{reason}``, ``tiered_kv_evictions_total``, ``tiered_kv_corrupt_total``) as this tier can
+count them: ``chunks_loaded`` are its hits; its misses are ``lookup_misses`` (not cached),
+``load_misses`` (evicted since the lookup, or corrupt) and of those ``store_corrupt``.
+The store counters are read from ``store.stats()`` at most every
+:data:`STORE_STATS_INTERVAL_S` (it is an index transaction). The cache's snapshot and
+stranding counters have no counterpart here: vLLM's chunks are KV blocks only (no State
+snapshots), and their records carry no parent link (vLLM's chained hash is opaque), so
+neither snapshot bytes nor a stranding eviction can be told apart in this store.
+
+Policies. The snapshot placement and eviction policies of :mod:`tiered_kv.policy`
+(``snapshot_policy``, ``eviction``) choose what tiered_kv's own GPU and host tiers keep
+and where its requests snapshot State; under vLLM those tiers are vLLM's (its GPU blocks
+and its CPU primary tier, with vLLM's own eviction), and this tier is a store that evicts
+least recently accessed records first. The two keys are therefore refused with a
+ValueError that says so, rather than accepted and ignored.
 """
 
 from __future__ import annotations
@@ -134,6 +157,10 @@ _FINGERPRINT_PREFIX = "vllm-"
 _FINGERPRINT_HEX = 32 - len(_FINGERPRINT_PREFIX)   # the record header holds 32 ascii bytes
 #: Staging memory for chunks read ahead from their lookup (TieredKVTier's read_ahead_bytes).
 DEFAULT_READ_AHEAD_BYTES = 256 << 20
+#: Seconds between two reads of ``store.stats()`` by ``get_stats`` (the store's own counters).
+STORE_STATS_INTERVAL_S = 10.0
+#: Cache options that do not apply to this tier (see the module docstring: Policies).
+_CACHE_POLICY_KEYS = ("snapshot_policy", "eviction")
 
 
 class TieredKVTierMetrics:
@@ -147,6 +174,9 @@ class TieredKVTierMetrics:
     LOAD_MISSES = "vllm:kv_offload_tiered_kv_load_misses"
     JOB_ERRORS = "vllm:kv_offload_tiered_kv_job_errors"
     LOOKUP_ERRORS = "vllm:kv_offload_tiered_kv_lookup_errors"
+    LOOKUP_MISSES = "vllm:kv_offload_tiered_kv_lookup_misses"
+    STORE_CORRUPT = "vllm:kv_offload_tiered_kv_store_corrupt"
+    STORE_EVICTIONS = "vllm:kv_offload_tiered_kv_store_evictions"
 
     #: the ``error`` label values of JOB_ERRORS
     ERROR_KINDS = ("full", "unavailable", "closed", "error")
@@ -235,6 +265,8 @@ class _StoreLookup(AsyncLookupManager):
         except Exception:
             tier.counters.add_to((TieredKVTierMetrics.LOOKUP_ERRORS, ()))
             raise   # AsyncLookupManager logs it and answers MISS for the batch
+        found = list(found)
+        tier.counters.add_to((TieredKVTierMetrics.LOOKUP_MISSES, ()), found.count(False))
         if tier.read_ahead is not None:   # a hit is promoted next step: start reading it now
             tier.read_ahead.start([k for k, hit in zip(keys, found) if hit])
         return found
@@ -304,6 +336,12 @@ class TieredKVTier(SecondaryTierManager):
                  enable_kv_events: bool = False, locality: str | None = None,
                  encryption: EncryptionConfig | dict[str, Any] | None = None,
                  backpressure_detector: BackpressureDetector | None = None, **unknown: Any) -> None:
+        policy = sorted(set(unknown) & set(_CACHE_POLICY_KEYS))
+        if policy:
+            raise ValueError(f"secondary tier {tier_type!r} (TieredKVTier): {', '.join(policy)} select the policies "
+                             f"of tiered_kv's own GPU and host tiers (TieredKVCache); under vLLM those tiers are "
+                             f"vLLM's, and this tier is a store that evicts least recently used records first "
+                             f"(bound it with max_bytes). See docs/integrations/vllm.md, Policies")
         if unknown:
             raise TypeError(f"secondary tier {tier_type!r} (TieredKVTier): unknown option(s) {sorted(unknown)}; "
                             f"expected some of {_config_keys()} (open_store options go in store_options)")
@@ -361,6 +399,9 @@ class TieredKVTier(SecondaryTierManager):
                             "the tier emits none", tier_type)
         #: (Prometheus name, label values) -> count since the last get_stats
         self.counters = Counters()
+        #: the store's own counters (STORE_STATS) as last read, and when (monotonic; None: never)
+        self._store_seen: dict[str, int] = {}
+        self._store_read_at: float | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads,
                                                            thread_name_prefix="tiered_kv_vllm")
         # Written by pool threads, drained by get_finished_jobs() on the scheduler side.
@@ -540,9 +581,39 @@ class TieredKVTier(SecondaryTierManager):
                               "closed, error.", labelnames=("error",)),
             m.LOOKUP_ERRORS: OffloadingCounterMetadata(
                 documentation="tiered_kv lookup batches the store failed (answered as misses)."),
+            m.LOOKUP_MISSES: OffloadingCounterMetadata(
+                documentation="KV chunks a tiered_kv lookup did not find: not cached (never stored, or evicted)."),
+            m.STORE_CORRUPT: OffloadingCounterMetadata(
+                documentation="tiered_kv records that failed verification (checksum, key, layout, token digest): "
+                              "each a miss, recomputed by vLLM, never served."),
+            m.STORE_EVICTIONS: OffloadingCounterMetadata(
+                documentation="tiered_kv records the store evicted for space (least recently accessed first)."),
         }
 
+    #: the store's counters get_stats forwards: stats() key -> our counter
+    _STORE_STATS = {"corrupt": TieredKVTierMetrics.STORE_CORRUPT, "evictions": TieredKVTierMetrics.STORE_EVICTIONS}
+
+    def _poll_store(self, *, force: bool = False) -> None:
+        """Add what the store's ``corrupt`` / ``evictions`` counters gained since the last
+        read to ours: at most every STORE_STATS_INTERVAL_S unless ``force``. A store that
+        cannot answer is skipped (its jobs count their own errors)."""
+        now = time.monotonic()
+        if not force and self._store_read_at is not None and now - self._store_read_at < STORE_STATS_INTERVAL_S:
+            return
+        self._store_read_at = now
+        try:
+            stats = self.store.stats()
+        except Exception:
+            return
+        for key, name in self._STORE_STATS.items():
+            value = int(stats.get(key) or 0)
+            gained = value - self._store_seen.get(key, 0)
+            self._store_seen[key] = value
+            if gained > 0:
+                self.counters.add_to((name, ()), gained)
+
     def get_stats(self) -> OffloadingConnectorStats | None:
+        self._poll_store()
         if self.read_ahead is not None:
             ra = self.read_ahead.stats()
             self.counters.add_to((TieredKVTierMetrics.CHUNKS_READ_AHEAD, ()), ra.delivered)
