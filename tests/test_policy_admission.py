@@ -147,3 +147,25 @@ def test_snapshot_never_on_disk_without_its_blocks(tmp_path: Path, tiny_layout, 
 def test_admission_is_validated_without_a_disk(tiny_layout) -> None:
     with pytest.raises(ValueError, match="admission"):
         TieredKVCache(tiny_layout, num_blocks=4, num_state_slots=1, admission="sometimes")
+
+
+def test_replay_counts_rejects_and_writes_fewer_disk_bytes() -> None:
+    from tiered_kv.replay import Capacity, ReplayConfig, load_trace, replay
+
+    trace = load_trace("bundled:conversation", limit=120)
+    base = ReplayConfig(hbm=Capacity.of_tokens(400_000), host=Capacity.of_tokens(1_000_000),
+                        disk=Capacity.of_tokens(2_000_000), verify_every=4)
+    runs = {}
+    for name in ("all", "second-hit"):
+        import dataclasses
+
+        report = replay(trace, dataclasses.replace(base, admission_policy=name))
+        report.total.check()
+        s = report.nodes[0].stats
+        runs[name] = (report, s)
+    (a, sa), (b, sb) = runs["all"], runs["second-hit"]
+    assert sa["admission_rejects"] == 0 and sb["admission_rejects"] > 0 and sb["admission_admitted"] > 0
+    assert sb["disk_write_bytes"] < sa["disk_write_bytes"]
+    assert b.moved()["gpu->disk"]["blocks"] < a.moved()["gpu->disk"]["blocks"]
+    assert b.to_dict()["policies"]["admission"] == "second-hit"
+    assert b.total.verified_blocks > 0  # the hits it served were read back byte for byte

@@ -342,7 +342,7 @@ class TieredKVCache(TierMoves):
         publish = set(self.snapshot_policy.publish_at_close([k for k, _, _ in req._pending], req.num_tokens, bt))
         for k, snap_id, h in req._pending:
             if k in publish:
-                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt])
+                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt], req.block_hashes[:k])
             else:  # never published: the slot goes back uncached
                 self.snapshots.ids.free(snap_id)
         req._pending = []
@@ -801,16 +801,20 @@ class TieredKVCache(TierMoves):
             bt = self.layout.block_tokens
             if branch:
                 self._counters["snapshots_branch"] += 1
-            self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt])
+            self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt],
+                                    req.block_hashes[:num_blocks])
         else:
             req._pending.append((num_blocks, snap_id, h))
 
-    def _register_snapshot(self, snap_id: int, h: bytes, block_tokens: list[int]) -> None:
-        """Publish a private snapshot under ``h`` (unless one exists), persist it, drop our ref."""
+    def _register_snapshot(self, snap_id: int, h: bytes, block_tokens: list[int],
+                           before: list[bytes] | None = None) -> None:
+        """Publish a private snapshot under ``h`` (unless one exists), persist it (when the
+        disk admission filter lets it: ``before``, the hashes of the blocks it follows), drop
+        our ref."""
         ids = self.snapshots.ids
         if ids.cache(snap_id, h):
             self._counters["snapshots_registered"] += 1
-            if self.disk is not None and self.disk.admission.at_write("snapshot", h):
+            if self.disk is not None and self.disk.admission.at_write("snapshot", h, before):
                 parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
                 digest = digest_token_bytes(checked_token_bytes(block_tokens))
                 self.disk.submit(record_key("snapshot", h), parent, digest,

@@ -9,6 +9,9 @@ spare disk writes (SSD wear, store bandwidth). ::
     second-hit    a record reaches the disk only once it has been hit in a memory tier
                   (a resume served it from the GPU or host tier); = ``hits:1``
     hits:N        only after N such hits
+    seen-twice    second-hit, or when it is computed a second time (sealed / published
+                  again: it was wanted again while no tier held it), a doorkeeper in
+                  TinyLFU's sense: the first sighting is remembered (its hash), not written
 
 A record held back is simply not on disk: a later resume that needs it there misses
 (it is recomputed), never reads wrong bytes. Prefixes stay resumable: a snapshot is
@@ -36,6 +39,8 @@ class AdmissionPolicy:
 
     #: memory-tier hits a record needs before it is written to disk (0: written through)
     hits: int
+    #: also written when computed a second time (remembered by hash, bounded)
+    seen_twice: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.hits, bool) or not isinstance(self.hits, int) or self.hits < 0:
@@ -43,6 +48,8 @@ class AdmissionPolicy:
 
     @property
     def label(self) -> str:
+        if self.seen_twice:
+            return "seen-twice"
         return {0: "all", 1: "second-hit"}.get(self.hits, f"hits:{self.hits}")
 
     @property
@@ -51,7 +58,8 @@ class AdmissionPolicy:
 
 
 ADMISSION_POLICIES: dict[str, AdmissionPolicy] = {
-    "all": AdmissionPolicy(hits=0), "second-hit": AdmissionPolicy(hits=1)}
+    "all": AdmissionPolicy(hits=0), "second-hit": AdmissionPolicy(hits=1),
+    "seen-twice": AdmissionPolicy(hits=1, seen_twice=True)}
 
 
 def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
@@ -71,7 +79,7 @@ def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
         if n < 1:
             raise ValueError(f"admission {spec!r}: expected hits:N with N >= 1, got {n}")
         return AdmissionPolicy(hits=n)
-    raise ValueError(f"admission: expected 'all', 'second-hit' or 'hits:N', got {spec!r}")
+    raise ValueError(f"admission: expected 'all', 'second-hit', 'seen-twice' or 'hits:N', got {spec!r}")
 
 
 class AdmissionFilter:
@@ -90,14 +98,29 @@ class AdmissionFilter:
         self.max_tracked = max_tracked
         self._hits: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._on_disk: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        #: seen-twice: records sealed / published once and held back
+        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         #: writes held back at seal / publish time
         self.rejects = 0
         #: records written later, on a hit
         self.admitted = 0
 
-    def at_write(self, kind: str, h: bytes) -> bool:
+    def at_write(self, kind: str, h: bytes, before: list[bytes] | None = None) -> bool:
+        """A record is sealed / published: write it now? ``before``: for a snapshot, the
+        hashes of the blocks before it (it is admitted only when each is known on disk)."""
         if self.policy.write_through:
             return True
+        key = (kind, h)
+        if self.policy.seen_twice and key in self._seen and key not in self._on_disk and (
+                before is None or all(("block", b) in self._on_disk for b in before)):
+            del self._seen[key]
+            self.on_disk(kind, h)
+            return True
+        if self.policy.seen_twice:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+            if len(self._seen) > self.max_tracked:
+                self._seen.popitem(last=False)
         self.rejects += 1
         return False
 

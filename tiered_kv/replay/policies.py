@@ -28,6 +28,7 @@ Disk admission filters (``--admission NAME``, :mod:`tiered_kv.policy.admission`)
 * ``all``: the cache's own: every sealed block and published snapshot is written through.
 * ``second-hit``: a record reaches the disk once a memory tier has served it.
 * ``hits:N``: after N such hits.
+* ``seen-twice``: ``second-hit``, or when a record is computed a second time.
 """
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ def _second_hit(arg: int | None) -> Policy:
                   cache_options={"admission": "second-hit"})
 
 
+def _seen_twice(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"admission policy seen-twice: expected no argument, got {arg}")
+    return Policy(label="seen-twice", description="second-hit, or a record computed a second time",
+                  cache_options={"admission": "seen-twice"})
+
+
 def _hits(arg: int | None) -> Policy:
     if arg is None or arg < 1:
         raise ValueError(f"admission policy hits:N: expected N >= 1, got {arg}")
@@ -111,7 +119,7 @@ SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {
     "interval": _interval, "branch": _branch, "branch+interval": _branch_interval}
 EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru, "leaf-lru": _leaf_lru}
 ADMISSION_POLICIES: dict[str, Callable[[int | None], Policy]] = {
-    "all": _all, "second-hit": _second_hit, "hits": _hits}
+    "all": _all, "second-hit": _second_hit, "seen-twice": _seen_twice, "hits": _hits}
 
 
 def snapshot_policy(spec: str) -> Policy:
