@@ -58,6 +58,12 @@ def test_filter_counts_rejects_and_admits_after_n_hits_once() -> None:
     for i in range(8):  # bounded: the oldest "on disk" is forgotten (at worst written once more)
         f.on_disk("block", bytes([i]))
     assert not f.known_on_disk("block", b"a") and f.known_on_disk("block", bytes([7]))
+    twice = AdmissionFilter(admission_policy("seen-twice"))
+    assert not twice.at_write("block", b"x") and twice.at_write("block", b"x")  # computed again: written
+    assert not twice.at_write("block", b"x")  # (on disk: never twice)
+    assert not twice.at_write("snapshot", b"y", [b"x", b"z"]) and not twice.at_write("snapshot", b"y", [b"x", b"z"])
+    twice.on_disk("block", b"z")  # every block before it on disk now: the snapshot may follow
+    assert twice.at_write("snapshot", b"y", [b"x", b"z"]) and twice.rejects == 4
     everything = AdmissionFilter(admission_policy("all"))
     assert everything.at_write("block", b"a") and everything.rejects == 0 and not everything.hit("block", b"a")
 
@@ -103,8 +109,9 @@ def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path
         assert cache.stats()["disk_writes"] == before
 
 
-def test_snapshot_never_on_disk_without_its_blocks(tmp_path: Path, tiny_layout, tiny_model) -> None:
-    """hits:2 on a prefix tree whose prompts share starts of different lengths: blocks
+@pytest.mark.parametrize("admission", ["hits:2", "seen-twice"])
+def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """hits:2 (and seen-twice: written when computed again) on a prefix tree whose prompts share starts of different lengths: blocks
     are hit more often than the snapshots past them, and a snapshot admitted takes every
     block before it along; served through a small GPU pool and the host tier (hits from
     both). Then a fresh cache resumes every prompt from disk exactly."""
@@ -114,9 +121,9 @@ def test_snapshot_never_on_disk_without_its_blocks(tmp_path: Path, tiny_layout, 
     rng = random.Random(5)
     roots = [random_tokens(4 * bt, seed=50 + i) for i in range(2)]
     prompts = [rng.choice(roots)[:rng.randint(1, 4) * bt] + random_tokens(rng.randint(1, 2) * bt + 3, seed=60 + i)
-               for i in range(10)]
+               for i in range(8)]
     url = f"lmdb://{tmp_path / 's'}"
-    opts: dict = {"num_blocks": 10, "num_state_slots": 1, "num_snapshots": 3, "store": url, "admission": "hits:2",
+    opts: dict = {"num_blocks": 10, "num_state_slots": 1, "num_snapshots": 3, "store": url, "admission": admission,
                   "snapshot_policy": "interval:1", "host_bytes": 8 * tiny_layout.block_bytes
                   + 4 * tiny_layout.snapshot_bytes, "host_snapshot_fraction": 0.4}
     with TieredKVCache(tiny_layout, **opts) as cache:
