@@ -64,8 +64,8 @@ class DiskTier:
         writer: who writes (a :class:`~tiered_kv.storage.StoreWriter`), recorded by a
             store created here.
         admission: the disk admission filter (:mod:`tiered_kv.policy.admission`):
-            ``"all"`` (every record written through, the default), ``"second-hit"`` or
-            ``"hits:N"``. The cache asks :attr:`admission` before it submits a record
+            ``"all"`` (every record written through, the default), ``"second-hit"``,
+            ``"seen-twice"`` or ``"hits:N"``. The cache asks :attr:`admission` before it submits a record
             and again when a memory tier serves one; rejects are counted in :meth:`stats`.
     """
 
