@@ -48,6 +48,7 @@ from .layout import KVLayout, LayerKind
 from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
+from .policy.admission import AdmissionPolicy, admission_policy
 from .policy.eviction import EvictionPolicy, eviction_policy
 from .policy.snapshots import SnapshotPolicy
 from .policy.snapshots import snapshot_policy as policy_by_name
@@ -99,6 +100,11 @@ class TieredKVCache(TierMoves):
         eviction: the memory tiers' eviction policy (:mod:`tiered_kv.policy.eviction`):
             ``"lru"`` (the default) or ``"leaf-lru"`` (leaves first, snapshots with their
             blocks: evicts nothing a cached block after it still needs).
+        admission: the disk tier's admission filter (:mod:`tiered_kv.policy.admission`):
+            ``"all"`` (the default: every sealed block and published snapshot is written
+            through), ``"second-hit"`` (a record reaches the disk once a memory tier has
+            served it), ``"seen-twice"`` (that, or when it is computed a second time) or
+            ``"hits:N"``. Rejects: ``stats()["admission_rejects"]``.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
@@ -107,7 +113,7 @@ class TieredKVCache(TierMoves):
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
                  store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
                  disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None,
-                 eviction: str | EvictionPolicy = "lru") -> None:
+                 eviction: str | EvictionPolicy = "lru", admission: str | AdmissionPolicy = "all") -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -156,7 +162,9 @@ class TieredKVCache(TierMoves):
 
         store_options = default_tenant(store_options, salt)
         self.disk = DiskTier(store, layout, store_options=store_options, max_pending=disk_max_pending,
-                             writer=self._store_writer(salt)) if store is not None else None
+                             writer=self._store_writer(salt), admission=admission) if store is not None else None
+        if store is None:
+            admission_policy(admission)  # (validated even without a disk tier)
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._shut_down = False
@@ -335,7 +343,7 @@ class TieredKVCache(TierMoves):
         publish = set(self.snapshot_policy.publish_at_close([k for k, _, _ in req._pending], req.num_tokens, bt))
         for k, snap_id, h in req._pending:
             if k in publish:
-                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt])
+                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt], req.block_hashes[:k])
             else:  # never published: the slot goes back uncached
                 self.snapshots.ids.free(snap_id)
         req._pending = []
@@ -703,7 +711,7 @@ class TieredKVCache(TierMoves):
             parts, ids = self._mirror_to_host(req, b, h), [0]
         if not self.blocks.cache(b, h, parent):
             self._counters["blocks_duplicate"] += 1
-        if self.disk is not None:
+        if self.disk is not None and self.disk.admission.at_write("block", h):
             # A private record (a host tier's may be recycled before the write), copied
             # asynchronously; the writer thread waits for the copy's event.
             record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
@@ -794,16 +802,20 @@ class TieredKVCache(TierMoves):
             bt = self.layout.block_tokens
             if branch:
                 self._counters["snapshots_branch"] += 1
-            self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt])
+            self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt],
+                                    req.block_hashes[:num_blocks])
         else:
             req._pending.append((num_blocks, snap_id, h))
 
-    def _register_snapshot(self, snap_id: int, h: bytes, block_tokens: list[int]) -> None:
-        """Publish a private snapshot under ``h`` (unless one exists), persist it, drop our ref."""
+    def _register_snapshot(self, snap_id: int, h: bytes, block_tokens: list[int],
+                           before: list[bytes] | None = None) -> None:
+        """Publish a private snapshot under ``h`` (unless one exists), persist it (when the
+        disk admission filter lets it: ``before``, the hashes of the blocks it follows), drop
+        our ref."""
         ids = self.snapshots.ids
         if ids.cache(snap_id, h):
             self._counters["snapshots_registered"] += 1
-            if self.disk is not None:
+            if self.disk is not None and self.disk.admission.at_write("snapshot", h, before):
                 parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
                 digest = digest_token_bytes(checked_token_bytes(block_tokens))
                 self.disk.submit(record_key("snapshot", h), parent, digest,

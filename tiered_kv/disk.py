@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from .layout import KVLayout
+from .policy.admission import AdmissionFilter, AdmissionPolicy, admission_policy
 from .storage.os.threads import started_pool
 
 __all__ = ["DiskTier", "DiskTierClosedError"]
@@ -62,11 +63,15 @@ class DiskTier:
             dict per level.
         writer: who writes (a :class:`~tiered_kv.storage.StoreWriter`), recorded by a
             store created here.
+        admission: the disk admission filter (:mod:`tiered_kv.policy.admission`):
+            ``"all"`` (every record written through, the default), ``"second-hit"``,
+            ``"seen-twice"`` or ``"hits:N"``. The cache asks :attr:`admission` before it submits a record
+            and again when a memory tier serves one; rejects are counted in :meth:`stats`.
     """
 
     def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
                  store_options: dict[str, Any] | None = None, read_threads: int = 2,
-                 writer: Any | None = None) -> None:
+                 writer: Any | None = None, admission: str | AdmissionPolicy = "all") -> None:
         from .storage import BlockStore, open_store
         from .storage.os.at_exit import close_at_exit
 
@@ -82,6 +87,8 @@ class DiskTier:
                                       f"the store holds {store.layout_fingerprint}")
         self.store = store
         self.layout = layout
+        #: which records reach this tier (the cache asks it at seal / publish and on hits)
+        self.admission = AdmissionFilter(admission_policy(admission))
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending <= 0:
             raise ValueError(f"max_pending: expected a positive int, got {max_pending!r}")
         self.max_pending = max_pending
@@ -300,6 +307,7 @@ class DiskTier:
             "disk_writes": self.writes, "disk_write_errors": self.write_errors,
             "disk_write_bytes": self.write_bytes, "disk_reads": self.reads, "disk_read_hits": self.read_hits,
             "disk_read_bytes": self.read_bytes, "disk_pending_writes": sum(not f.done() for f in self._pending),
+            "admission_rejects": self.admission.rejects, "admission_admitted": self.admission.admitted,
             **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))},
         }
 

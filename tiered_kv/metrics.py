@@ -40,6 +40,9 @@ tiered_kv_stranding_evictions_total counter blocks evicted while a block cached 
                                             their path stayed in the tier (stranded it there)
 tiered_kv_snapshots_published_total counter snapshots published, label ``where``: branch (where
                                             a prompt left the cached prefix tree), other
+tiered_kv_disk_admission_rejects_total counter records the disk admission filter held back
+                                            when sealed / published (not written then)
+tiered_kv_disk_admitted_total      counter  records the filter wrote later, on a memory-tier hit
 =================================  =======  ==================================================
 """
 
@@ -153,6 +156,10 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
     stranding = Metric("tiered_kv_stranding_evictions_total", "counter",
                        "Blocks evicted while a block cached after them on their path stayed in the tier.")
     published = Metric("tiered_kv_snapshots_published_total", "counter", "State snapshots published, by where.")
+    rejects = Metric("tiered_kv_disk_admission_rejects_total", "counter",
+                     "Records the disk admission filter held back when sealed or published.")
+    admitted = Metric("tiered_kv_disk_admitted_total", "counter",
+                      "Records the disk admission filter wrote later, on a memory-tier hit.")
 
     snap_bytes.add(g.gpu_snapshot_bytes, tier="gpu")
     for reason in ("no_snapshot", "not_cached", "tail"):
@@ -201,11 +208,13 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
         werr.add(s["disk_write_errors"], tier="disk")
         moved.add(s["disk_write_bytes"], direction="disk_write")
         moved.add(s["disk_read_bytes"], direction="disk_read")
+        rejects.add(s.get("admission_rejects", 0))
+        admitted.add(s.get("admission_admitted", 0))
     reqs.add(s["requests_opened"], event="opened")
     reqs.add(s["requests_closed"], event="closed")
     toks.add(s["prompt_tokens"], kind="prompt")
     toks.add(s["cached_tokens"], kind="cached")
     live.add(s["live_requests"])
     families = [held, cap, hits, misses, evict, corrupt, auth, werr, moved, lat, reqs, toks, live, snap_bytes,
-                miss_tokens, stranding, published]
+                miss_tokens, stranding, published, rejects, admitted]
     return MetricsSnapshot([m for m in families if m.samples])

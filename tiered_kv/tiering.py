@@ -107,6 +107,8 @@ class TierMoves:
                     self._drop_snapshot_read(snap)
                 raise
             if len(got) == n and self._restore_snapshot(slot, hashes[n - 1], tokens, n, snap):
+                if self.disk is not None and not self.disk.admission.policy.write_through:
+                    self._admit_on_hit(tokens, hashes[:n], got)
                 return got, n
             if snap is not None and len(got) < n:  # (when used, the restore took care of it)
                 self._drop_snapshot_read(snap)
@@ -222,6 +224,54 @@ class TierMoves:
             got.append(b)
         return got
 
+    def _admit_on_hit(self, tokens: np.ndarray, hashes: list[bytes], bids: list[int]) -> None:
+        """The disk admission filter's second chance: a resume was served the prefix
+        ``hashes`` (GPU blocks ``bids``, referenced) and the snapshot at its end; each
+        record served by a memory tier counts a hit, and those the filter admits now are
+        written to disk (:mod:`tiered_kv.policy.admission`).
+
+        A snapshot admitted takes along every block before it not known to be on disk,
+        queued ahead of it: the disk never holds an admitted snapshot whose blocks the
+        filter held back."""
+        assert self.disk is not None
+        adm = self.disk.admission
+        bt = self.layout.block_tokens
+        n = len(hashes)
+        snap = adm.hit("snapshot", hashes[-1])
+        for i, (h, b) in enumerate(zip(hashes, bids)):
+            if adm.hit("block", h):
+                pass
+            elif snap and not adm.known_on_disk("block", h):
+                adm.admit("block", h)
+            else:
+                continue
+            parent = hashes[i - 1] if i else self.hasher.root
+            self._submit_block_copy(b, h, parent, token_digest(tokens[i * bt:(i + 1) * bt]))
+        if not snap:
+            return
+        h = hashes[-1]
+        sid = self.snapshots.ids.lookup(h)
+        data = (self.snapshots.data[sid].to("cpu", copy=True) if sid is not None else
+                self.host.lookup_snapshot(h) if self.host is not None else None)
+        if data is None:  # (served from the staging buffer, i.e. from disk: already there)
+            return
+        self.disk.submit(record_key("snapshot", h), self.hasher.root, token_digest(tokens[(n - 1) * bt:n * bt]),
+                         data.clone() if sid is None else data)
+
+    def _submit_block_copy(self, b: int, h: bytes, parent: bytes, digest: bytes) -> None:
+        """Queue a disk write of cached GPU block ``b`` (hash ``h``): copied into a
+        private record (a pool block may be reused before the write), as at seal."""
+        assert self.disk is not None
+        hid = self._host_of_block.get(b)
+        if hid is not None:  # HiSparse: the full record (CSA part too) is the host's mirror
+            assert self.host is not None
+            self._wait_host_mirrors()  # type: ignore[attr-defined]
+            self.disk.submit(record_key("block", h), parent, digest, self.host.records[hid].clone())
+            return
+        record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
+        handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), record)
+        self.disk.submit(record_key("block", h), parent, digest, record[0], handle.wait_event)
+
     def _load_from_host(self, tokens: np.ndarray, hashes: list[bytes], lo: int, hi: int) -> list[int]:
         """Blocks ``hashes[lo:hi]`` (all in the host tier) into new GPU blocks."""
         host = self.host
@@ -273,7 +323,10 @@ class TierMoves:
         if self.disk is None:
             return []
         self._resume_dest = choose_destination(self, self._resume_dest)
-        return DiskResume(self, self._resume_dest, tokens, hashes, lo, hi).run()
+        loaded = DiskResume(self, self._resume_dest, tokens, hashes, lo, hi).run()
+        for h in hashes[lo:lo + len(loaded)]:  # (the admission filter never writes them again)
+            self.disk.admission.on_disk("block", h)
+        return loaded
 
     def _keep_host_refs(self, hids: list[int], bids: list[int]) -> None:
         """After a load from host records: with HiSparse each GPU block keeps its record's
@@ -404,6 +457,8 @@ class TierMoves:
             return False
         self._counters["snapshots_from_disk"] += 1
         self._counters["snapshot_hits"] += 1
+        assert self.disk is not None
+        self.disk.admission.on_disk("snapshot", read.h)
         if read.sid is None:
             self.states.restore(slot, read.buf)
             return True

@@ -82,6 +82,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--snapshot-policy", action="append", metavar="NAME[:N]",
                    help="snapshot policy (default interval:8, the cache's own); repeat to compare")
     p.add_argument("--eviction", action="append", metavar="NAME", help="eviction policy (default lru); repeat to compare")
+    p.add_argument("--admission", action="append", metavar="NAME[:N]",
+                   help="disk admission filter: all (default), second-hit, hits:N; repeat to compare")
     p.add_argument("--scale", type=_common.positive_int, metavar="N",
                    help="force the stand-in layout's scale (default: the largest exact one)")
     p.add_argument("--verify-every", type=int, default=16, metavar="N",
@@ -165,9 +167,10 @@ def _configs(args: argparse.Namespace) -> list[Any]:
     out = []
     for snap in args.snapshot_policy or ["interval:8"]:
         for ev in args.eviction or ["lru"]:
-            out.append(dataclasses.replace(base, snapshot_policy=snap, eviction_policy=ev))
+            for adm in args.admission or ["all"]:
+                out.append(dataclasses.replace(base, snapshot_policy=snap, eviction_policy=ev, admission_policy=adm))
     if len(out) > 1 and (args.sweep or args.nodes):
-        raise ValueError("--sweep / --nodes: give one --snapshot-policy and one --eviction")
+        raise ValueError("--sweep / --nodes: give one --snapshot-policy, one --eviction and one --admission")
     return out
 
 
@@ -218,8 +221,9 @@ def _print(args: argparse.Namespace, reports: list[Any], as_json: dict[str, Any]
 
 
 def _policy_table(reports: list[Any]) -> str:
-    lines = [f"{'snapshot policy':<20} {'eviction':<10} {'hit rate':>9} {'every boundary':>15} {'of it':>7} "
-             f"{'max':>8} {'snap/block bytes: memory':>25} {'all tiers':>10} {'stranded':>10}"]
+    lines = [f"{'snapshot policy':<20} {'eviction':<10} {'admission':<10} {'hit rate':>9} {'every boundary':>15} "
+             f"{'of it':>7} {'max':>8} {'snap/block bytes: memory':>25} {'all tiers':>10} {'stranded':>10} "
+             f"{'disk written':>13} {'disk read':>10} {'rejects':>8}"]
     for r in reports:
         t, res = r.total, r.resident()
 
@@ -230,11 +234,22 @@ def _policy_table(reports: list[Any]) -> str:
 
         stranded = sum(sum(v.values()) for v in r.stranded().values())
         of_it = t.hits / t.resident_tokens if t.resident_tokens else 0.0
-        lines.append(f"{r.config.snapshot().label:<20} {r.config.eviction().label:<10} "
+        written, read = _disk_bytes(r)
+        rejects = sum(int(n.stats.get("admission_rejects", 0)) for n in r.nodes)
+        lines.append(f"{r.config.snapshot().label:<20} {r.config.eviction().label:<10} {r.config.admission().label:<10} "
                      f"{100 * t.rate(t.hits):8.2f}% {100 * t.rate(t.resident_tokens):14.2f}% {100 * of_it:6.1f}% "
                      f"{100 * t.rate(t.max_tokens):7.2f}% {ratio(('gpu', 'host')):>25.3f} {ratio(None):>10.3f} "
-                     f"{format_bytes(stranded):>10}")
+                     f"{format_bytes(stranded):>10} {written:>13} {read:>10} {rejects:>8}")
     return "\n".join(lines)
+
+
+def _disk_bytes(r: Any) -> tuple[str, str]:
+    """Model bytes written to and read from the node's store (disk, or shared without
+    one), blocks and snapshots together: ``-`` without a store."""
+    moved = r.moved()
+    written = [sum(v.values()) for k, v in moved.items() if k in ("gpu->disk", "gpu->shared")]
+    read = [sum(v.values()) for k, v in moved.items() if k in ("disk->memory", "shared->memory")]
+    return (format_bytes(sum(written)) if written else "-", format_bytes(sum(read)) if read else "-")
 
 
 def _parse_sweep(text: str) -> tuple[str, list[Any]]:

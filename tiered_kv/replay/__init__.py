@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from .config import Capacity, ReplayConfig, TierPlan, parse_tokens, plan_tiers
 from .costs import CostModel
-from .policies import EVICTION_POLICIES, SNAPSHOT_POLICIES, Policy, eviction_policy, snapshot_policy
+from .policies import (ADMISSION_POLICIES, EVICTION_POLICIES, SNAPSHOT_POLICIES, Policy, admission_policy,
+                       eviction_policy, snapshot_policy)
 from .report import ReplayReport
 from .run import replay
 from .standin import StandIn, stand_in
@@ -25,7 +26,7 @@ from .tally import REASONS, Tally
 from .tokens import TokenMaker
 from .trace import BUNDLED, Trace, TraceRequest, load_trace
 
-__all__ = ["BUNDLED", "Capacity", "CostModel", "EVICTION_POLICIES", "Policy", "REASONS", "ReplayConfig",
+__all__ = ["ADMISSION_POLICIES", "BUNDLED", "Capacity", "CostModel", "EVICTION_POLICIES", "Policy", "REASONS", "ReplayConfig",
            "ReplayReport", "SNAPSHOT_POLICIES", "StandIn", "Tally", "TierPlan", "TokenMaker", "Trace",
-           "TraceRequest", "eviction_policy", "load_trace", "parse_tokens", "plan_tiers", "replay",
+           "TraceRequest", "admission_policy", "eviction_policy", "load_trace", "parse_tokens", "plan_tiers", "replay",
            "snapshot_policy", "stand_in"]

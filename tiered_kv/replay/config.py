@@ -25,7 +25,7 @@ from typing import Any
 from ..layout import KVLayout
 from ..presets import get_preset
 from .costs import CostModel
-from .policies import Policy, eviction_policy, snapshot_policy
+from .policies import Policy, admission_policy, eviction_policy, snapshot_policy
 from .standin import StandIn, stand_in
 
 __all__ = ["Capacity", "ReplayConfig", "TierPlan", "parse_tokens", "plan_tiers"]
@@ -112,6 +112,8 @@ class ReplayConfig:
     snapshot_fraction: float = 0.25
     snapshot_policy: str = "interval:8"
     eviction_policy: str = "lru"
+    #: the disk admission filter (``all``: every record written through, the cache's own)
+    admission_policy: str = "all"
     #: force the stand-in's scale (None: the largest exact one)
     scale: int | None = None
     #: read back and check every n-th request that hits (and the first hit from each tier); 0: never
@@ -153,12 +155,16 @@ class ReplayConfig:
             raise ValueError(f"verify_every: expected a non-negative int, got {self.verify_every!r}")
         self.snapshot()  # validates the policy names
         self.eviction()
+        self.admission()
 
     def snapshot(self) -> Policy:
         return snapshot_policy(self.snapshot_policy)
 
     def eviction(self) -> Policy:
         return eviction_policy(self.eviction_policy)
+
+    def admission(self) -> Policy:
+        return admission_policy(self.admission_policy)
 
     @property
     def tiers_label(self) -> str:

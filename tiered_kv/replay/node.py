@@ -114,7 +114,8 @@ class Node:
         L = self.plan.standin.layout
         self._tmp: Path | None = None
         store, options = self._store_spec(config, shared_url, run_id or uuid.uuid4().hex[:12])
-        policy = {**config.snapshot().cache_options, **config.eviction().cache_options}
+        policy = {**config.snapshot().cache_options, **config.eviction().cache_options,
+                  **config.admission().cache_options}
         self.cache = TieredKVCache(L, num_blocks=self.plan.gpu_blocks, num_state_slots=1,
                                    num_snapshots=self.plan.gpu_snapshots, host_bytes=self.plan.host_bytes,
                                    host_snapshot_fraction=config.snapshot_fraction, store=store,
@@ -316,9 +317,11 @@ class Node:
 
     def _evicted_from(self, h: bytes) -> Tier:
         """The farthest tier block ``h`` had reached (all of them pass the GPU; with a disk
-        every sealed block is written through, unless that write failed, and uploaded to a
-        shared level behind it)."""
-        if self._deepest >= Tier.DISK and h not in self._disk_failed:
+        every sealed block is written through, unless that write failed or the admission
+        filter has not let it through, and uploaded to a shared level behind it)."""
+        adm = self.cache.disk.admission if self.cache.disk is not None else None
+        if (self._deepest >= Tier.DISK and h not in self._disk_failed
+                and (adm is None or adm.policy.write_through or adm.known_on_disk("block", h))):
             return self._deepest
         if self._reached_host is not None and h in self._reached_host:
             return Tier.HOST

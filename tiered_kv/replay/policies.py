@@ -22,6 +22,13 @@ Eviction policies:
   apart, snapshot), independently of the others.
 * ``leaf-lru``: leaves first, and a block's snapshot goes with it
   (:mod:`tiered_kv.policy.eviction`).
+
+Disk admission filters (``--admission NAME``, :mod:`tiered_kv.policy.admission`):
+
+* ``all``: the cache's own: every sealed block and published snapshot is written through.
+* ``second-hit``: a record reaches the disk once a memory tier has served it.
+* ``hits:N``: after N such hits.
+* ``seen-twice``: ``second-hit``, or when a record is computed a second time.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EVICTION_POLICIES", "SNAPSHOT_POLICIES", "Policy", "eviction_policy", "snapshot_policy"]
+__all__ = ["ADMISSION_POLICIES", "EVICTION_POLICIES", "SNAPSHOT_POLICIES", "Policy", "admission_policy", "eviction_policy", "snapshot_policy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +87,39 @@ def _leaf_lru(arg: int | None) -> Policy:
                   cache_options={"eviction": "leaf-lru"})
 
 
+def _all(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"admission policy all: expected no argument, got {arg}")
+    return Policy(label="all", description="every record written through to disk")
+
+
+def _second_hit(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"admission policy second-hit: expected no argument (hits:N for more), got {arg}")
+    return Policy(label="second-hit", description="a record reaches the disk once a memory tier served it",
+                  cache_options={"admission": "second-hit"})
+
+
+def _seen_twice(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"admission policy seen-twice: expected no argument, got {arg}")
+    return Policy(label="seen-twice", description="second-hit, or a record computed a second time",
+                  cache_options={"admission": "seen-twice"})
+
+
+def _hits(arg: int | None) -> Policy:
+    if arg is None or arg < 1:
+        raise ValueError(f"admission policy hits:N: expected N >= 1, got {arg}")
+    return Policy(label=f"hits:{arg}", description=f"a record reaches the disk after {arg} memory-tier hits",
+                  cache_options={"admission": f"hits:{arg}"})
+
+
 #: name -> factory(optional integer argument)
 SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {
     "interval": _interval, "branch": _branch, "branch+interval": _branch_interval}
 EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru, "leaf-lru": _leaf_lru}
+ADMISSION_POLICIES: dict[str, Callable[[int | None], Policy]] = {
+    "all": _all, "second-hit": _second_hit, "seen-twice": _seen_twice, "hits": _hits}
 
 
 def snapshot_policy(spec: str) -> Policy:
@@ -94,6 +130,11 @@ def snapshot_policy(spec: str) -> Policy:
 def eviction_policy(spec: str) -> Policy:
     """``NAME[:N]`` -> the eviction :class:`Policy`."""
     return _parse(spec, EVICTION_POLICIES, "eviction policy")
+
+
+def admission_policy(spec: str) -> Policy:
+    """``all``, ``second-hit`` or ``hits:N`` -> the disk admission :class:`Policy`."""
+    return _parse(spec, ADMISSION_POLICIES, "admission policy")
 
 
 def _parse(spec: str, table: dict[str, Callable[[int | None], Policy]], what: str) -> Policy:

@@ -88,7 +88,8 @@ class ReplayReport:
             "capacity": {"hbm": c.hbm.describe(), "host": c.host.describe() if c.host else None,
                          "disk": c.disk.describe() if c.disk else None, "shared": c.shared_url is not None},
             "snapshot_fraction": c.snapshot_fraction,
-            "policies": {"snapshot": c.snapshot().label, "eviction": c.eviction().label},
+            "policies": {"snapshot": c.snapshot().label, "eviction": c.eviction().label,
+                         "admission": c.admission().label},
             "standin": {"scale": plan.standin.scale, "exact": plan.standin.exact,
                         "block_bytes": plan.standin.layout.block_bytes,
                         "snapshot_bytes": plan.standin.layout.snapshot_bytes,
@@ -127,7 +128,8 @@ def format_report(r: ReplayReport) -> str:
     plan = r.nodes[0].plan
     lines = [f"tiered-kv replay: {r.trace}, {r.num_requests:,} requests, {r.prompt_tokens:,} prompt tokens, "
              f"{r.block_tokens}-token blocks",
-             f"tiers {c.tiers_label}; snapshot policy {c.snapshot().label}; eviction {c.eviction().label}"
+             f"tiers {c.tiers_label}; snapshot policy {c.snapshot().label}; eviction {c.eviction().label}; "
+             f"admission {c.admission().label}"
              + (f"; {len(r.nodes)} nodes, route {r.route}" if r.route else "")]
     lines += ["  " + x for x in plan.describe()]
     lines.append(f"  replayed in {r.wall_s:.1f} s ({r.num_requests / max(r.wall_s, 1e-9):.1f} requests/s)")

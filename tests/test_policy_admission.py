@@ -1,0 +1,178 @@
+"""The disk admission filter (tiered_kv.policy.admission): what reaches the disk, exactly.
+
+A record held back is not on disk (a later miss, recomputed), never wrong bytes; a
+snapshot is admitted only with every block before it. The oracle: a fresh cache on the
+store a filtered run left resumes from disk with the full-recompute logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered_kv import TieredKVCache
+from tiered_kv.policy import AdmissionFilter, AdmissionPolicy, admission_policy
+from tiered_kv.storage import RecordKind
+
+from _util import random_tokens
+
+TOL = 1e-4
+
+
+def _serve(model, cache: TieredKVCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    req = cache.open(tokens)
+    P = req.num_cached_tokens
+    logits = model.forward(cache, req, tokens[P:])
+    cache.close(req)
+    return P, logits
+
+
+def _on_disk(cache: TieredKVCache) -> tuple[set[bytes], set[bytes]]:
+    assert cache.disk is not None
+    keys = list(cache.disk.store)
+    return ({k.block_hash for k in keys if k.kind is RecordKind.BLOCK},
+            {k.block_hash for k in keys if k.kind is RecordKind.SNAPSHOT})
+
+
+def test_names_parse_to_policies() -> None:
+    assert admission_policy("all") == AdmissionPolicy(hits=0) and admission_policy("all").write_through
+    assert admission_policy("second-hit").hits == 1 and admission_policy("second-hit").label == "second-hit"
+    assert admission_policy("hits:3").label == "hits:3"
+    for bad in ("hits:0", "hits:x", "hits", "first-hit"):
+        with pytest.raises(ValueError, match="admission"):
+            admission_policy(bad)
+    with pytest.raises(TypeError, match="admission"):
+        admission_policy(1)  # type: ignore[arg-type]
+
+
+def test_filter_counts_rejects_and_admits_after_n_hits_once() -> None:
+    f = AdmissionFilter(admission_policy("hits:2"), max_tracked=4)
+    assert not f.at_write("block", b"a") and f.rejects == 1
+    assert not f.hit("block", b"a")  # one hit of two
+    assert f.hit("block", b"a") and f.known_on_disk("block", b"a") and f.admitted == 1
+    assert not f.hit("block", b"a")  # on disk now: never again
+    f.on_disk("snapshot", b"a")  # read from disk: known there, kinds apart
+    assert not f.hit("snapshot", b"a") and not f.known_on_disk("block", b"b")
+    for i in range(8):  # bounded: the oldest "on disk" is forgotten (at worst written once more)
+        f.on_disk("block", bytes([i]))
+    assert not f.known_on_disk("block", b"a") and f.known_on_disk("block", bytes([7]))
+    twice = AdmissionFilter(admission_policy("seen-twice"))
+    assert not twice.at_write("block", b"x") and twice.at_write("block", b"x")  # computed again: written
+    assert not twice.at_write("block", b"x")  # (on disk: never twice)
+    assert not twice.at_write("snapshot", b"y", [b"x", b"z"]) and not twice.at_write("snapshot", b"y", [b"x", b"z"])
+    twice.on_disk("block", b"z")  # every block before it on disk now: the snapshot may follow
+    assert twice.at_write("snapshot", b"y", [b"x", b"z"]) and twice.rejects == 4
+    everything = AdmissionFilter(admission_policy("all"))
+    assert everything.at_write("block", b"a") and everything.rejects == 0 and not everything.hit("block", b"a")
+
+
+def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path: Path, tiny_layout,
+                                                                          tiny_model) -> None:
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 's'}"
+    once = random_tokens(3 * bt + 9, seed=21)  # sealed, never hit: held back
+    twice = random_tokens(5 * bt + 7, seed=22)
+    opts: dict = {"num_blocks": 32, "num_state_slots": 1, "store": url, "admission": "second-hit"}
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        _serve(tiny_model, cache, once)
+        _serve(tiny_model, cache, twice)
+        cache.flush()
+        s = cache.stats()
+        assert s["disk_writes"] == 0 and s["admission_rejects"] > 0
+        rejects = s["admission_rejects"]
+        P, _ = _serve(tiny_model, cache, twice + [3])  # a GPU hit: the prefix and its snapshot go to disk
+        assert P == 5 * bt
+        cache.flush()
+        s = cache.stats()
+        assert s["admission_admitted"] == 6 and s["disk_writes"] == 6  # 5 blocks + the snapshot at 5
+        assert s["admission_rejects"] == rejects  # nothing new sealed or published: no new reject
+        m = cache.metrics()
+        assert m.get("tiered_kv_disk_admission_rejects_total") == s["admission_rejects"]
+        assert "tiered_kv_disk_admission_rejects_total " in m.to_prometheus()
+        blocks, snaps = _on_disk(cache)
+        hashes = cache.hasher.block_hashes(twice[:5 * bt])
+        assert blocks == set(hashes) and snaps == {hashes[-1]}
+        assert not set(cache.hasher.block_hashes(once[:3 * bt])) & blocks
+    with TieredKVCache(tiny_layout, **opts) as cache:  # a fresh process: only the disk
+        longer = twice + [3, 4, 5]
+        P, got = _serve(tiny_model, cache, longer)
+        assert P == 5 * bt and cache.stats()["blocks_from_disk"] == 5
+        assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
+        P, got = _serve(tiny_model, cache, once)  # never admitted: a miss, recomputed
+        assert P == 0 and (got - tiny_model.naive_logits(once)).abs().max().item() < TOL
+        # read from disk: known there, not written again when hit from the GPU next
+        before = cache.stats()["disk_writes"]
+        _serve(tiny_model, cache, longer)
+        cache.flush()
+        assert cache.stats()["disk_writes"] == before
+
+
+@pytest.mark.parametrize("admission", ["hits:2", "seen-twice"])
+def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """hits:2 (and seen-twice: written when computed again) on a prefix tree whose prompts share starts of different lengths: blocks
+    are hit more often than the snapshots past them, and a snapshot admitted takes every
+    block before it along; served through a small GPU pool and the host tier (hits from
+    both). Then a fresh cache resumes every prompt from disk exactly."""
+    import random
+
+    bt = tiny_layout.block_tokens
+    rng = random.Random(5)
+    roots = [random_tokens(4 * bt, seed=50 + i) for i in range(2)]
+    prompts = [rng.choice(roots)[:rng.randint(1, 4) * bt] + random_tokens(rng.randint(1, 2) * bt + 3, seed=60 + i)
+               for i in range(8)]
+    url = f"lmdb://{tmp_path / 's'}"
+    opts: dict = {"num_blocks": 10, "num_state_slots": 1, "num_snapshots": 3, "store": url, "admission": admission,
+                  "snapshot_policy": "interval:1", "host_bytes": 8 * tiny_layout.block_bytes
+                  + 4 * tiny_layout.snapshot_bytes, "host_snapshot_fraction": 0.4}
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        for _ in range(3):
+            for t in prompts:
+                _serve(tiny_model, cache, t)
+        cache.flush()
+        s = cache.stats()
+        assert s["blocks_from_host"] > 0 and s["admission_admitted"] > 0 and s["admission_rejects"] > 0
+        blocks, snaps = _on_disk(cache)
+        assert snaps
+        for t in prompts:
+            hashes = cache.hasher.block_hashes(t[:len(t) - len(t) % bt])
+            for k, h in enumerate(hashes):
+                if h in snaps:
+                    assert set(hashes[:k + 1]) <= blocks, f"snapshot at block {k + 1} lacks a block before it"
+    opts.update(host_bytes=None)
+    del opts["host_snapshot_fraction"]
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        resumed = 0
+        for t in prompts:
+            P, got = _serve(tiny_model, cache, t + [7])
+            resumed += P
+            assert (got - tiny_model.naive_logits(t + [7])[P:]).abs().max().item() < TOL
+        assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0
+
+
+def test_admission_is_validated_without_a_disk(tiny_layout) -> None:
+    with pytest.raises(ValueError, match="admission"):
+        TieredKVCache(tiny_layout, num_blocks=4, num_state_slots=1, admission="sometimes")
+
+
+def test_replay_counts_rejects_and_writes_fewer_disk_bytes() -> None:
+    from tiered_kv.replay import Capacity, ReplayConfig, load_trace, replay
+
+    trace = load_trace("bundled:conversation", limit=120)
+    base = ReplayConfig(hbm=Capacity.of_tokens(400_000), host=Capacity.of_tokens(1_000_000),
+                        disk=Capacity.of_tokens(2_000_000), verify_every=4)
+    runs = {}
+    for name in ("all", "second-hit"):
+        import dataclasses
+
+        report = replay(trace, dataclasses.replace(base, admission_policy=name))
+        report.total.check()
+        s = report.nodes[0].stats
+        runs[name] = (report, s)
+    (a, sa), (b, sb) = runs["all"], runs["second-hit"]
+    assert sa["admission_rejects"] == 0 and sb["admission_rejects"] > 0 and sb["admission_admitted"] > 0
+    assert sb["disk_write_bytes"] < sa["disk_write_bytes"]
+    assert b.moved()["gpu->disk"]["blocks"] < a.moved()["gpu->disk"]["blocks"]
+    assert b.to_dict()["policies"]["admission"] == "second-hit"
+    assert b.total.verified_blocks > 0  # the hits it served were read back byte for byte
