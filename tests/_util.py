@@ -33,6 +33,16 @@ def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def serve_once(model, cache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    """Open, compute the rest of ``tokens`` in one chunk, close: (tokens resumed, logits of
+    the rest), what the policy tests compare with a full recompute."""
+    req = cache.open(tokens)
+    P = req.num_cached_tokens
+    logits = model.forward(cache, req, tokens[P:])
+    cache.close(req)
+    return P, logits
+
+
 # ------------------------------------------------------------------ raw LMDB-store access
 def lmdb_raw_read(path: Path, kb: bytes) -> bytes:
     """The stored record of key bytes ``kb`` in the LMDB store at ``path`` (closed), read

@@ -10,23 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tiered_kv import TieredKVCache
 from tiered_kv.policy import AdmissionFilter, AdmissionPolicy, admission_policy
 from tiered_kv.storage import RecordKind
 
-from _util import random_tokens
+from _util import random_tokens, serve_once
 
 TOL = 1e-4
 
-
-def _serve(model, cache: TieredKVCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
-    req = cache.open(tokens)
-    P = req.num_cached_tokens
-    logits = model.forward(cache, req, tokens[P:])
-    cache.close(req)
-    return P, logits
 
 
 def _on_disk(cache: TieredKVCache) -> tuple[set[bytes], set[bytes]]:
@@ -76,13 +68,13 @@ def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path
     twice = random_tokens(5 * bt + 7, seed=22)
     opts: dict = {"num_blocks": 32, "num_state_slots": 1, "store": url, "admission": "second-hit"}
     with TieredKVCache(tiny_layout, **opts) as cache:
-        _serve(tiny_model, cache, once)
-        _serve(tiny_model, cache, twice)
+        serve_once(tiny_model, cache, once)
+        serve_once(tiny_model, cache, twice)
         cache.flush()
         s = cache.stats()
         assert s["disk_writes"] == 0 and s["admission_rejects"] > 0
         rejects = s["admission_rejects"]
-        P, _ = _serve(tiny_model, cache, twice + [3])  # a GPU hit: the prefix and its snapshot go to disk
+        P, _ = serve_once(tiny_model, cache, twice + [3])  # a GPU hit: the prefix and its snapshot go to disk
         assert P == 5 * bt
         cache.flush()
         s = cache.stats()
@@ -97,14 +89,14 @@ def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path
         assert not set(cache.hasher.block_hashes(once[:3 * bt])) & blocks
     with TieredKVCache(tiny_layout, **opts) as cache:  # a fresh process: only the disk
         longer = twice + [3, 4, 5]
-        P, got = _serve(tiny_model, cache, longer)
+        P, got = serve_once(tiny_model, cache, longer)
         assert P == 5 * bt and cache.stats()["blocks_from_disk"] == 5
         assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
-        P, got = _serve(tiny_model, cache, once)  # never admitted: a miss, recomputed
+        P, got = serve_once(tiny_model, cache, once)  # never admitted: a miss, recomputed
         assert P == 0 and (got - tiny_model.naive_logits(once)).abs().max().item() < TOL
         # read from disk: known there, not written again when hit from the GPU next
         before = cache.stats()["disk_writes"]
-        _serve(tiny_model, cache, longer)
+        serve_once(tiny_model, cache, longer)
         cache.flush()
         assert cache.stats()["disk_writes"] == before
 
@@ -129,7 +121,7 @@ def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Pat
     with TieredKVCache(tiny_layout, **opts) as cache:
         for _ in range(3):
             for t in prompts:
-                _serve(tiny_model, cache, t)
+                serve_once(tiny_model, cache, t)
         cache.flush()
         s = cache.stats()
         assert s["blocks_from_host"] > 0 and s["admission_admitted"] > 0 and s["admission_rejects"] > 0
@@ -145,7 +137,7 @@ def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Pat
     with TieredKVCache(tiny_layout, **opts) as cache:
         resumed = 0
         for t in prompts:
-            P, got = _serve(tiny_model, cache, t + [7])
+            P, got = serve_once(tiny_model, cache, t + [7])
             resumed += P
             assert (got - tiny_model.naive_logits(t + [7])[P:]).abs().max().item() < TOL
         assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0

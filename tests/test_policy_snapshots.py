@@ -10,23 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tiered_kv import TieredKVCache
 from tiered_kv.policy import PromptEnds, SnapshotPolicy, snapshot_policy
 
-from _util import random_tokens
+from _util import random_tokens, serve_once
 
 TOL = 1e-4
 
-
-def _serve(model, cache: TieredKVCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
-    """Open, compute the rest in one chunk, close: (tokens resumed, logits of the rest)."""
-    req = cache.open(tokens)
-    P = req.num_cached_tokens
-    logits = model.forward(cache, req, tokens[P:])
-    cache.close(req)
-    return P, logits
 
 
 def _paths(bt: int) -> tuple[list[int], list[int], list[int]]:
@@ -62,8 +53,8 @@ def test_interval_policy_is_unchanged(tiny_layout, tiny_model) -> None:
     base, branch, third = _paths(bt)
     cache = TieredKVCache(tiny_layout, num_blocks=32, num_state_slots=1)  # interval:8, the default
     for t in (base, branch):
-        _serve(tiny_model, cache, t)
-    P, _ = _serve(tiny_model, cache, third)
+        serve_once(tiny_model, cache, t)
+    P, _ = serve_once(tiny_model, cache, third)
     assert P == 0 and cache.stats()["snapshots_branch"] == 0  # no snapshot at boundary 3
 
 
@@ -72,23 +63,23 @@ def test_branch_point_is_published_and_resumed(tiny_layout, tiny_model) -> None:
     base, branch, third = _paths(bt)
     cache = TieredKVCache(tiny_layout, num_blocks=32, num_state_slots=1, num_snapshots=8,
                           snapshot_policy="branch")
-    assert _serve(tiny_model, cache, base)[0] == 0
+    assert serve_once(tiny_model, cache, base)[0] == 0
     s = cache.stats()
     assert s["snapshots_registered"] == 1 and s["snapshots_branch"] == 0  # the prompt's last boundary only
-    assert _serve(tiny_model, cache, branch)[0] == 0  # no snapshot at 3 yet: computes, publishes it passing
+    assert serve_once(tiny_model, cache, branch)[0] == 0  # no snapshot at 3 yet: computes, publishes it passing
     assert cache.stats()["snapshots_branch"] == 1
-    P, got = _serve(tiny_model, cache, third)
+    P, got = serve_once(tiny_model, cache, third)
     assert P == 3 * bt
     assert (got - tiny_model.naive_logits(third)[P:]).abs().max().item() < TOL
     # a prompt extending the path past its last snapshot leaves it at the path's end
     longer = base + random_tokens(3 * bt, seed=4)
-    assert _serve(tiny_model, cache, longer)[0] == 6 * bt
+    assert serve_once(tiny_model, cache, longer)[0] == 6 * bt
 
 
 def _fill(model, cache: TieredKVCache, n: int, bt: int) -> None:
     """Unrelated prompts that push the GPU's blocks and snapshots down to the host."""
     for i in range(n):
-        _serve(model, cache, random_tokens(5 * bt + 1, seed=100 + i))
+        serve_once(model, cache, random_tokens(5 * bt + 1, seed=100 + i))
 
 
 #: the tier serving the snapshot ("hbm": the GPU tier; a "gpu" id would mark the test as needing CUDA)
@@ -114,13 +105,13 @@ def test_resume_from_a_branch_point_gives_the_full_recompute_logits(tier: str, t
         opts["store"] = [near, far]
     with TieredKVCache(tiny_layout, **opts) as cache:
         for t in (base, branch):
-            _serve(tiny_model, cache, t)
+            serve_once(tiny_model, cache, t)
         assert cache.stats()["snapshots_branch"] == 1
         if tier == "host":
             _fill(tiny_model, cache, 3, bt)
         if tier in ("hbm", "host"):
             before = cache.stats()
-            P, got = _serve(tiny_model, cache, third)
+            P, got = serve_once(tiny_model, cache, third)
             after = cache.stats()
         else:
             cache.flush(uploads=True, timeout_s=60)
@@ -129,7 +120,7 @@ def test_resume_from_a_branch_point_gives_the_full_recompute_logits(tier: str, t
             opts["store"] = [f"lmdb://{tmp_path / 'near2'}", far]
         with TieredKVCache(tiny_layout, **opts) as cache:
             before = cache.stats()
-            P, got = _serve(tiny_model, cache, third)
+            P, got = serve_once(tiny_model, cache, third)
             after = cache.stats()
     moved = {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after[k], int)}
     assert P == 3 * bt  # resumed exactly at the branch point
