@@ -308,6 +308,7 @@ class DiskTier:
             "disk_write_bytes": self.write_bytes, "disk_reads": self.reads, "disk_read_hits": self.read_hits,
             "disk_read_bytes": self.read_bytes, "disk_pending_writes": sum(not f.done() for f in self._pending),
             "admission_rejects": self.admission.rejects, "admission_admitted": self.admission.admitted,
+            "admission_expired": self.admission.expired,
             **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))},
         }
 
