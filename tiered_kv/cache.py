@@ -110,8 +110,9 @@ class TieredKVCache(TierMoves):
         admission: the disk tier's admission filter (:mod:`tiered_kv.policy.admission`):
             ``"all"`` (the default: every sealed block and published snapshot is written
             through), ``"second-hit"`` (a record reaches the disk once a memory tier has
-            served it), ``"seen-twice"`` (that, or when it is computed a second time) or
-            ``"hits:N"``. Rejects: ``stats()["admission_rejects"]``.
+            served it), ``"seen-twice"`` (that, or when it is computed a second time),
+            ``"hits:N"`` or ``"survived:N"`` (second-hit, or once it has lived N requests
+            in a memory tier). Rejects: ``stats()["admission_rejects"]``.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
