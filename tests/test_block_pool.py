@@ -908,3 +908,64 @@ def test_leaf_first_uncache_and_evict_hash_release_the_parent() -> None:
     pool.uncache(a)
     assert pool.num_cached == 0 and pool.num_free == 3
     pool.check_invariants()
+
+
+# ------------------------------------------------ small / main / ghost queues (leaf-s3fifo)
+def test_s3fifo_used_once_leaves_before_reused_and_leaves_first_holds_in_both_queues() -> None:
+    # 10 blocks, small queue target 2: a path a -> b reused (main), then one-off leaves x, y, z
+    pool = BlockPool(10, leaf_first=True, small_fraction=0.2)
+    a, b = _cached(pool, b"a", None), _cached(pool, b"b", b"a")
+    pool.free(b)
+    pool.free(a)
+    for blk in (a, b):  # a lookup takes the path again: reused
+        pool.incref(blk)
+    pool.free(b)
+    pool.free(a)
+    x, y, z = _cached(pool, b"x", None), _cached(pool, b"y", None), _cached(pool, b"z", None)
+    for blk in (x, y, z):
+        pool.free(blk)
+    assert pool.evictable() == [x, y, z, b, a] and pool.in_main(a) and pool.in_main(b) and not pool.in_main(x)
+    evicted: list[bytes] = []
+    pool.on_evict = lambda _b, h: evicted.append(h)
+    # the small queue holds 3 >= 2: x, then y; at 1 < 2 the main queue: a is parked (b is
+    # cached after it), b goes, a returns to the main queue's head and goes; then z
+    assert [pool.evict_lru() for _ in range(5)] == [x, y, b, a, z]
+    assert evicted == [b"x", b"y", b"b", b"a", b"z"] and pool.stranding_evictions == 0
+    pool.check_invariants()
+
+
+def test_s3fifo_a_ghost_computed_again_goes_to_the_main_queue() -> None:
+    pool = BlockPool(4, leaf_first=True, small_fraction=0.25)
+    x = _cached(pool, b"x", None)
+    pool.free(x)
+    assert pool.evict_lru() == x  # used once: out of the small queue, remembered as a ghost
+    again = _cached(pool, b"x", None)  # computed again soon after: reused
+    fresh = _cached(pool, b"n", None)
+    pool.free(again)
+    pool.free(fresh)
+    assert pool.in_main(again) and not pool.in_main(fresh)
+    assert pool.evict_lru() == fresh  # the small queue (1 >= target 1) goes first
+    marked = _cached(pool, b"m", None)  # cached as loaded from a lower tier: reused
+    pool.uncache(marked)
+    pool.free(marked)
+    loaded = pool.allocate()
+    assert loaded is not None and pool.cache(loaded, b"m", None, reused=True)
+    pool.free(loaded)
+    assert pool.in_main(loaded)
+    pool.check_invariants()
+
+
+def test_s3fifo_tells_a_lower_tier_whether_the_evicted_block_was_reused() -> None:
+    pool = BlockPool(2, leaf_first=True, small_fraction=0.5)
+    seen: list[tuple[bytes, bool]] = []
+    pool.on_evict = lambda _b, h: seen.append((h, pool.evicted_hot))
+    a = _cached(pool, b"a", None)
+    pool.free(a)
+    pool.incref(a)
+    pool.free(a)
+    o = _cached(pool, b"o", None)
+    pool.free(o)
+    assert pool.evict_lru() == o and pool.evict_lru() == a
+    assert seen == [(b"o", False), (b"a", True)] and not pool.evicted_hot
+    with pytest.raises(ValueError, match="small_fraction"):
+        BlockPool(2, small_fraction=1.0)

@@ -21,7 +21,8 @@ def fill(model, cache, tokens, n=None):
 
 
 def test_open_on_empty_cache_and_prefix_reuse(tiny_layout, tiny_model) -> None:
-    cache = TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=2)
+    # interval:8 (the original policy) publishes the prompt's last two boundaries
+    cache = TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=2, snapshot_policy="interval:8")
     tokens = random_tokens(400)
     req = cache.open(tokens)
     assert req.num_cached_tokens == 0 and req.num_tokens == 0 and req.block_ids == []

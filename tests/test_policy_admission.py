@@ -101,7 +101,7 @@ def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path
         assert cache.stats()["disk_writes"] == before
 
 
-@pytest.mark.parametrize("admission", ["hits:2", "seen-twice"])
+@pytest.mark.parametrize("admission", ["hits:2", "seen-twice", "survived:3"])
 def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Path, tiny_layout, tiny_model) -> None:
     """hits:2 (and seen-twice: written when computed again) on a prefix tree whose prompts share starts of different lengths: blocks
     are hit more often than the snapshots past them, and a snapshot admitted takes every
@@ -168,3 +168,93 @@ def test_replay_counts_rejects_and_writes_fewer_disk_bytes() -> None:
     assert b.moved()["gpu->disk"]["blocks"] < a.moved()["gpu->disk"]["blocks"]
     assert b.to_dict()["policies"]["admission"] == "second-hit"
     assert b.total.verified_blocks > 0  # the hits it served were read back byte for byte
+
+
+def test_survived_filter_defers_records_and_hands_them_back_when_due() -> None:
+    f = AdmissionFilter(admission_policy("survived:2"), max_tracked=3)
+    assert f.policy.label == "survived:2" and f.policy.hits == 1
+    assert not f.at_write("block", b"a") and f.rejects == 1
+    f.defer("block", b"a", b"root", b"da")
+    f.defer("snapshot", b"s", b"root", b"ds", [b"a"])
+    assert f.tick() == [] and f.clock == 1  # lived 1 request of 2
+    due = f.tick()
+    assert [(d.kind, d.h, d.parent, d.digest, d.before) for d in due] == [
+        ("block", b"a", b"root", b"da", None), ("snapshot", b"s", b"root", b"ds", (b"a",))]
+    f.defer("block", b"b", b"root", b"db")
+    assert f.hit("block", b"b")  # hit first: admitted (second-hit) and known on disk ...
+    assert f.tick() == [] and f.tick() == []  # ... so not handed back when due
+    for i in range(5):  # bounded: the oldest deferred are forgotten (never written)
+        f.defer("block", bytes([i]), b"root", b"d")
+    assert len(f._deferred) == 3
+    for bad in ("survived:0", "survived", "survived:x"):
+        with pytest.raises(ValueError, match="admission"):
+            admission_policy(bad)
+    with pytest.raises(ValueError, match="survive needs hits"):
+        AdmissionPolicy(hits=0, survive=3)
+
+
+def test_survived_writes_what_lives_n_requests_and_a_fresh_cache_resumes_exactly(tmp_path: Path, tiny_layout,
+                                                                                 tiny_model) -> None:
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 's'}"
+    a = random_tokens(3 * bt + 5, seed=31)
+    b = random_tokens(2 * bt + 5, seed=32)
+    opts: dict = {"num_blocks": 32, "num_state_slots": 1, "store": url, "admission": "survived:2"}
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        serve_once(tiny_model, cache, a)
+        cache.flush()
+        assert cache.stats()["disk_writes"] == 0  # lived 1 request of 2
+        serve_once(tiny_model, cache, b)  # a's 3 blocks and its snapshot survived 2 requests in the GPU
+        cache.flush()
+        s = cache.stats()
+        assert s["disk_writes"] == 4 and s["admission_admitted"] == 4 and s["admission_expired"] == 0
+        blocks, snaps = _on_disk(cache)
+        ha = cache.hasher.block_hashes(a[:3 * bt])
+        assert blocks == set(ha) and snaps == {ha[-1]}
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        P, got = serve_once(tiny_model, cache, a + [9])
+        assert P == 3 * bt and cache.stats()["blocks_from_disk"] == 3
+        assert (got - tiny_model.naive_logits(a + [9])[P:]).abs().max().item() < TOL
+        P, got = serve_once(tiny_model, cache, b)  # held back, then the process ended: a miss
+        assert P == 0 and (got - tiny_model.naive_logits(b)).abs().max().item() < TOL
+
+
+def test_survived_never_writes_what_was_evicted_sooner(tmp_path: Path, tiny_layout, tiny_model) -> None:
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 's'}"
+    opts: dict = {"num_blocks": 4, "num_state_slots": 1, "store": url, "admission": "survived:2"}
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        first = random_tokens(3 * bt + 5, seed=41)
+        serve_once(tiny_model, cache, first)
+        serve_once(tiny_model, cache, random_tokens(3 * bt + 5, seed=42))  # evicts first's blocks
+        cache.flush()
+        s = cache.stats()
+        assert s["admission_expired"] >= 3 and s["admission_admitted"] == 0
+        blocks, snaps = _on_disk(cache)
+        assert not blocks & set(cache.hasher.block_hashes(first[:3 * bt])) and not snaps
+
+
+def test_hisparse_write_on_hit_takes_the_full_record_from_the_host_mirror(tmp_path: Path, tiny_layout,
+                                                                          tiny_model) -> None:
+    """With HiSparse a GPU block holds no CSA part: the block admitted on a hit is written
+    from its host mirror (the whole record). A fresh cache without HiSparse resumes it from
+    the disk with the full-recompute logits."""
+    from tiered_kv.hisparse import HiSparseConfig
+
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 's'}"
+    tokens = random_tokens(3 * bt + 11, seed=51)
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url, admission="second-hit",
+                       host_bytes=1 << 20, hisparse=HiSparseConfig(device_buffer_entries=16)) as cache:
+        serve_once(tiny_model, cache, tokens)
+        cache.flush()
+        assert cache.stats()["disk_writes"] == 0
+        P, got = serve_once(tiny_model, cache, tokens + [4])  # a GPU hit: written from the host mirror
+        assert P == 3 * bt and (got - tiny_model.naive_logits(tokens + [4])[P:]).abs().max().item() < TOL
+        cache.flush()
+        assert cache.stats()["admission_admitted"] == 4 and cache.stats()["disk_writes"] == 4
+    with TieredKVCache(tiny_layout, num_blocks=16, num_state_slots=1, store=url) as cache:
+        longer = tokens + [4, 5]
+        P, got = serve_once(tiny_model, cache, longer)
+        assert P == 3 * bt and cache.stats()["blocks_from_disk"] == 3
+        assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL

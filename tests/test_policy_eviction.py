@@ -20,8 +20,60 @@ TOL = 1e-4
 
 def test_names_parse() -> None:
     assert eviction_policy("leaf-lru").leaf_first and not eviction_policy("lru").leaf_first
-    with pytest.raises(ValueError, match="expected one of leaf-lru, lru"):
-        eviction_policy("arc")
+    s3 = eviction_policy("leaf-s3fifo")
+    assert s3.leaf_first and s3.coherent_snapshots and s3.small_fraction == 0.1
+    assert eviction_policy("leaf-s3fifo:25").small_fraction == 0.25 and eviction_policy("leaf-s3fifo:25").label == "leaf-s3fifo:25"
+    for bad in ("arc", "leaf-s3fifo:0", "leaf-s3fifo:100", "leaf-s3fifo:x", "lru:3"):
+        with pytest.raises(ValueError, match="eviction"):
+            eviction_policy(bad)
+
+
+def test_the_defaults_are_branch_points_and_leaves_first(tiny_layout) -> None:
+    """Issue 22: the cache's defaults, declared once (tiered_kv.policy) and used by the
+    cache, the replay's config and its CLI; ``snapshot_interval`` alone keeps its meaning."""
+    from tiered_kv.policy import DEFAULT_EVICTION, DEFAULT_SNAPSHOT_POLICY
+    from tiered_kv.replay import Capacity, ReplayConfig
+
+    assert (DEFAULT_SNAPSHOT_POLICY, DEFAULT_EVICTION) == ("branch+interval:32", "leaf-lru")
+    cache = TieredKVCache(tiny_layout, num_blocks=4, num_state_slots=1, host_bytes=1 << 20)
+    assert cache.snapshot_policy.label == "branch+interval:32" and cache.snapshot_interval == 32
+    assert cache.eviction.label == "leaf-lru" and cache.blocks.leaf_first and cache.host.blocks.leaf_first
+    assert TieredKVCache(tiny_layout, num_blocks=4, num_state_slots=1, snapshot_interval=8).snapshot_policy.label == "interval:8"
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(100_000))
+    assert (cfg.snapshot().label, cfg.eviction().label) == ("branch+interval:32", "leaf-lru")
+
+
+def test_default_policies_resume_exactly_on_every_tier(tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """Exactness with the defaults: a prefix tree through a small GPU pool, the host tier
+    and the disk, each request's logits against a full recompute; then a fresh cache
+    resumes every prompt from the disk alone, exactly."""
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 'disk'}"
+    opts: dict = {"num_blocks": 9, "num_state_slots": 1, "num_snapshots": 4, "store": url,
+                  "host_bytes": 12 * tiny_layout.block_bytes + 4 * tiny_layout.snapshot_bytes,
+                  "host_snapshot_fraction": 0.4}
+    prompts = _prompts(bt, 12, seed=17)
+    seen: set[str] = set()
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        for tokens in prompts:
+            req = cache.open(tokens)
+            P = req.num_cached_tokens
+            got = tiny_model.forward(cache, req, tokens[P:])
+            cache.close(req)
+            assert (got - tiny_model.naive_logits(tokens)[P:]).abs().max().item() < TOL
+        s = cache.stats()
+        seen |= {t for t, k in (("host", "blocks_from_host"), ("branch", "snapshots_branch")) if s[k]}
+    with TieredKVCache(tiny_layout, num_blocks=14, num_state_slots=1, store=url) as cache:
+        resumed = 0
+        for tokens in prompts:
+            req = cache.open(tokens + [3])
+            P = req.num_cached_tokens
+            resumed += P
+            got = tiny_model.forward(cache, req, (tokens + [3])[P:])
+            cache.close(req)
+            assert (got - tiny_model.naive_logits(tokens + [3])[P:]).abs().max().item() < TOL
+        assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0
+    assert seen == {"host", "branch"}  # the host tier served, and branch-point snapshots were published
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +107,7 @@ def _prompts(bt: int, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-POLICIES = list(itertools.product(["interval:2", "branch+interval:2"], ["lru", "leaf-lru"]))
+POLICIES = list(itertools.product(["interval:2", "branch+interval:2"], ["lru", "leaf-lru", "leaf-s3fifo:25"]))
 
 
 @pytest.mark.parametrize("tiers", ["gpu", "host", "disk"], ids=["hbm", "hbm+host", "hbm+host+disk"])

@@ -2,7 +2,8 @@
 
 The crash (kill -9 after ``flush()``), the fault tests (a corrupt disk record, a full
 store) and the exactness oracle (reference-model logits against a full recompute) run
-under each pair of (snapshot policy, eviction policy) in :data:`POLICIES`. And a policy
+under each pair of (snapshot policy, eviction policy) in :data:`POLICIES`, and the
+crash and the corrupt record under each disk admission filter (:data:`FILTERS`). And a policy
 that is wrong about its own state (a leaf-first pool's child counts forgotten or made
 up) evicts in another order, so some requests miss and recompute, but no request is
 served wrong bytes: the prefix lookup walks the path and verifies, the order only
@@ -32,10 +33,11 @@ POLICIES = list(itertools.product(["interval:8", "branch+interval:32"], ["lru", 
 IDS = [f"{s}-{e}" for s, e in POLICIES]
 
 
-def _worker(url: str, phase: str, snapshots: str, eviction: str, *, rc: int = 0) -> dict:
+def _worker(url: str, phase: str, snapshots: str, eviction: str, *, rc: int = 0, admission: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE)}
-    out = subprocess.run([sys.executable, str(HERE / "_disk_worker.py"), url, phase, "300", snapshots, eviction],
-                         capture_output=True, text=True, env=env, timeout=300)
+    extra = [] if admission is None else [admission]
+    out = subprocess.run([sys.executable, str(HERE / "_disk_worker.py"), url, phase, "300", snapshots, eviction,
+                          *extra], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == rc, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -107,6 +109,53 @@ def test_full_store_keeps_serving_exactly_under_every_policy(tmp_path: Path, sna
         assert (got - tiny_model.naive_logits(tokens + [5])[P:]).abs().max().item() < TOL
 
 
+#: the disk admission filters, under the cache's default policies
+FILTERS = ["second-hit", "seen-twice", "survived:1"]
+
+
+@pytest.mark.parametrize("admission", FILTERS)
+def test_killed_after_flush_under_a_filter_loses_nothing_admitted(tmp_path: Path, admission: str) -> None:
+    """Under each filter the prefix served twice (a hit; survived:1: it lived a request)
+    is admitted; a process killed right after ``flush()`` lost none of it: the next one
+    resumes it from the disk with the full-recompute logits."""
+    url = f"lmdb://{tmp_path / 'store'}"
+    a = _worker(url, "kill", "branch+interval:32", "leaf-lru", rc=-signal.SIGKILL, admission=admission)
+    assert a["disk_writes"] == 3 and a["admission_admitted"] == 3 and a["disk_write_errors"] == 0  # 2 blocks + snapshot
+    b = _worker(url, "b", "branch+interval:32", "leaf-lru")
+    assert b["cached"] == 256 and b["blocks_from_disk"] == 2 and b["snapshots_from_disk"] == 1
+    assert b["err"] < TOL
+
+
+@pytest.mark.parametrize("admission", FILTERS)
+def test_corrupt_admitted_block_is_a_counted_miss_under_a_filter(tmp_path: Path, admission: str, tiny_layout,
+                                                                 tiny_model) -> None:
+    url = f"lmdb://{tmp_path / 's'}"
+    opts = {"num_blocks": 8, "num_state_slots": 1, "store": url, "admission": admission}
+    tokens = random_tokens(300, seed=18)
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        for _ in range(2):  # the second time a hit: admitted by every filter
+            req = cache.open(tokens)
+            tiny_model.forward(cache, req, tokens[req.num_cached_tokens:])
+            cache.close(req)
+        cache.flush()
+        assert cache.stats()["admission_admitted"] == 3
+        hashes = cache.hasher.block_hashes(tokens)
+    key = RecordKey.block(hashes[1]).to_bytes()
+    rec = bytearray(lmdb_raw_read(tmp_path / "s", key))
+    rec[len(rec) // 3] ^= 0x01
+    lmdb_raw_write(tmp_path / "s", key, bytes(rec))
+    longer = tokens + [1, 2]
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        req = cache.open(longer)
+        P = req.num_cached_tokens
+        assert P < 256  # block 1 is unusable: never resumed past it
+        got = tiny_model.forward(cache, req, longer[P:])
+        cache.close(req)
+        assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
+        s = cache.stats()
+        assert s["disk_read_failures"] >= 1 and s["store_corrupt"] == 1
+
+
 def _tree(bt: int, n: int, seed: int) -> list[list[int]]:
     """Prompts on a small prefix tree: 3 roots of 4 blocks, cut at 2-4 blocks, each
     followed by 1-3 blocks and a partial block of its own."""
@@ -118,10 +167,11 @@ def _tree(bt: int, n: int, seed: int) -> list[list[int]]:
             + random_tokens(rng.randint(1, 3) * bt + rng.randint(1, bt - 1), seed=seed * 1000 + i) for i in range(n)]
 
 
+@pytest.mark.parametrize("eviction", ["leaf-lru", "leaf-s3fifo:25"])
 @pytest.mark.parametrize("wrong", ["forgotten", "made-up"])
 @pytest.mark.parametrize("tiers", ["gpu", "host"], ids=["hbm", "hbm+host"])
-def test_a_policy_wrong_about_its_state_misses_never_serves_wrong_bytes(wrong: str, tiers: str, tiny_layout,
-                                                                       tiny_model) -> None:
+def test_a_policy_wrong_about_its_state_misses_never_serves_wrong_bytes(wrong: str, tiers: str, eviction: str,
+                                                                       tiny_layout, tiny_model) -> None:
     """A ``leaf-lru`` pool whose child counts are wrong: ``forgotten`` (every parked or
     interior block's count dropped, so it is evicted while its children stay: they are
     stranded) or ``made-up`` (every leaf counted as having children, so it is parked and
@@ -130,7 +180,7 @@ def test_a_policy_wrong_about_its_state_misses_never_serves_wrong_bytes(wrong: s
     logits; the pool's own check names the broken bookkeeping."""
     bt = tiny_layout.block_tokens
     opts: dict = {"num_blocks": 14, "num_state_slots": 1, "num_snapshots": 4, "snapshot_policy": "branch+interval:2",
-                  "eviction": "leaf-lru"}
+                  "eviction": eviction}
     if tiers == "host":
         opts["host_bytes"] = 12 * tiny_layout.block_bytes + 4 * tiny_layout.snapshot_bytes
         opts["host_snapshot_fraction"] = 0.4

@@ -51,7 +51,7 @@ def test_prompt_ends_keep_the_boundary_before_only_for_a_prompt_ending_on_one() 
 def test_interval_policy_is_unchanged(tiny_layout, tiny_model) -> None:
     bt = tiny_layout.block_tokens
     base, branch, third = _paths(bt)
-    cache = TieredKVCache(tiny_layout, num_blocks=32, num_state_slots=1)  # interval:8, the default
+    cache = TieredKVCache(tiny_layout, num_blocks=32, num_state_slots=1, snapshot_policy="interval:8")  # the original
     for t in (base, branch):
         serve_once(tiny_model, cache, t)
     P, _ = serve_once(tiny_model, cache, third)

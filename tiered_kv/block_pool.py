@@ -39,6 +39,19 @@ counted in ``stranding_evictions``::
       ^ the head: evicted if childless, else parked -------------->  child to leave}
       +---------------- a parked block whose last child left -------+
 
+**Small, main and ghost queues** (``small_fraction=f``, the ``leaf-s3fifo`` policy; after
+S3-FIFO, Yang et al., SOSP 2023): a block released that was never reused waits in the
+*small* queue (the LRU above); a block that was reused (a lookup took it again, it was
+loaded from a lower tier, or cached under a hash evicted lately from the small queue: a
+*ghost*) goes to the *main* queue when released. While the small queue holds at least
+``f * num_blocks`` blocks (or the main one is empty) eviction takes from it, else from
+the main queue, so blocks used once leave soon and make way for none of those reused.
+Blocks evicted from the small queue are remembered by hash (``num_blocks`` at most):
+computed again, they go to the main queue. Both queues are in release order and leaves
+first applies to both (the parked blocks are shared; one unparked returns to the head of
+its own queue). S3-FIFO's queues are FIFOs with lazy promotion; here a release is what
+enqueues, which is the order a refcounted pool sees.
+
 Failures follow the package's rule: running out of blocks returns ``None``, bad input
 (an out-of-range id, a double free, caching an unreferenced block) raises ``ValueError``
 naming what was expected, and :meth:`BlockPool.check_invariants` raises
@@ -66,9 +79,14 @@ class BlockPool:
     walk the pool. Not thread-safe: one owner (the scheduler) drives it.
     """
 
-    def __init__(self, num_blocks: int, *, on_evict: EvictCallback | None = None, leaf_first: bool = False) -> None:
+    def __init__(self, num_blocks: int, *, on_evict: EvictCallback | None = None, leaf_first: bool = False,
+                 small_fraction: float | None = None) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        if small_fraction is not None and (isinstance(small_fraction, bool)
+                                           or not isinstance(small_fraction, (int, float))
+                                           or not 0.0 < small_fraction < 1.0):
+            raise ValueError(f"small_fraction: expected None or a float in (0, 1), got {small_fraction!r}")
         self.num_blocks: int = num_blocks
         #: Cached blocks evicted so far, by :meth:`allocate` or :meth:`evict_lru`.
         self.evictions: int = 0
@@ -100,6 +118,17 @@ class BlockPool:
         #: Inside ``on_evict``: the parent hash the evicted block was cached with (None
         #: outside a callback, or none given), so a lower tier can keep the path.
         self.evicted_parent: bytes | None = None
+        #: Small / main / ghost queues (see above); None: one LRU.
+        self.small_fraction: float | None = None if small_fraction is None else float(small_fraction)
+        self._small_target = 0 if small_fraction is None else max(1, round(small_fraction * num_blocks))
+        # evictable blocks that were reused (small_fraction: the main queue), oldest first
+        self._main: OrderedDict[int, None] = OrderedDict()
+        # per block: reused since it was cached (a lookup took it again, loaded, or a ghost)
+        self._hot: list[bool] = [False] * num_blocks
+        # hashes evicted from the small queue, oldest first (at most num_blocks)
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        #: Inside ``on_evict``: whether the evicted block had been reused (for a lower tier).
+        self.evicted_hot: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -116,12 +145,12 @@ class BlockPool:
     @property
     def num_evictable(self) -> int:
         """Cached blocks with refcount 0 (reusable by hash, or evictable for space)."""
-        return len(self._evictable) + len(self._parked)
+        return len(self._evictable) + len(self._main) + len(self._parked)
 
     @property
     def num_available(self) -> int:
         """How many :meth:`allocate` calls can succeed from now: free plus evictable."""
-        return len(self._free) + len(self._evictable) + len(self._parked)
+        return len(self._free) + len(self._evictable) + len(self._main) + len(self._parked)
 
     @property
     def num_used(self) -> int:
@@ -142,7 +171,7 @@ class BlockPool:
         """
         if self._free:
             block_id = self._free.popleft()
-        elif self._evictable or self._parked:
+        elif self._evictable or self._main or self._parked:
             block_id = self._evict_oldest()
         else:
             return None
@@ -179,7 +208,8 @@ class BlockPool:
     def incref(self, block_id: int) -> None:
         """Take another reference to a referenced block or to a cached, unreferenced one.
 
-        A cached block at refcount 0 leaves the evictable LRU (a prefix-cache hit).
+        A cached block at refcount 0 leaves the evictable LRU (a prefix-cache hit); a
+        cached block taken again counts as reused (the main queue, with ``small_fraction``).
         A free uncached block holds no data worth sharing, so taking it is an error:
         use :meth:`allocate`.
         """
@@ -190,9 +220,10 @@ class BlockPool:
                 raise ValueError(
                     f"incref: expected a referenced or cached block, block {block_id} is free"
                 )
-            if self._evictable.pop(block_id, 0) is not None:  # (else parked)
-                del self._parked[block_id]
+            self._unlink(block_id)
             self._num_used += 1
+        if self._hashes[block_id] is not None:
+            self._hot[block_id] = True
         self._refcounts[block_id] = refcount + 1
 
     def free(self, block_id: int) -> None:
@@ -211,11 +242,13 @@ class BlockPool:
             self._num_used -= 1
             if self._hashes[block_id] is None:
                 self._free.append(block_id)
+            elif self._hot[block_id] and self.small_fraction is not None:
+                self._main[block_id] = None
             else:
                 self._evictable[block_id] = None
 
     # ------------------------------------------------------------------ cache
-    def cache(self, block_id: int, block_hash: bytes, parent: bytes | None = None) -> bool:
+    def cache(self, block_id: int, block_hash: bytes, parent: bytes | None = None, *, reused: bool = False) -> bool:
         """Register the referenced block ``block_id`` as holding the data of ``block_hash``.
 
         Returns ``False`` and changes nothing when ``block_hash`` already maps to another
@@ -224,6 +257,8 @@ class BlockPool:
         block before it on its path (None: the path's first block, or unknown), which a
         ``leaf_first`` pool keeps from being evicted while this block is cached (every
         pool counts an eviction that strands a cached child: ``stranding_evictions``).
+        ``reused``: the block is a reuse (loaded from a lower tier, or evicted from one
+        that had seen it reused), so it goes to the main queue (``small_fraction``).
         """
         self._check_id("cache", block_id)
         self._check_hash("cache", block_hash)
@@ -241,6 +276,9 @@ class BlockPool:
             return False
         self._hashes[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
+        if self.small_fraction is not None and self._ghost.pop(block_hash, 0) is None:
+            reused = True  # evicted from the small queue lately and wanted again
+        self._hot[block_id] = bool(reused)
         if parent is not None:
             if not isinstance(parent, bytes):
                 raise ValueError(f"cache: expected parent as bytes or None, got {type(parent).__name__}")
@@ -270,9 +308,9 @@ class BlockPool:
             raise ValueError(f"uncache: expected a cached block, block {block_id} is not cached")
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
+        self._hot[block_id] = False
         if self._refcounts[block_id] == 0:
-            if self._evictable.pop(block_id, 0) is not None:
-                del self._parked[block_id]
+            self._unlink(block_id)
             self._free.append(block_id)
         self._drop_child(block_id)
 
@@ -292,20 +330,21 @@ class BlockPool:
         block_id = self._hash_to_block.get(block_hash)
         if block_id is None or self._refcounts[block_id]:
             return False
-        if self._evictable.pop(block_id, 0) is not None:
-            del self._parked[block_id]
+        self._unlink(block_id)
         if self._children.get(block_hash):
             self.stranding_evictions += 1
         del self._hash_to_block[block_hash]
         self._hashes[block_id] = None
         self.evictions += 1
         self.evicted_parent = self._parents[block_id]
+        self.evicted_hot, self._hot[block_id] = self._hot[block_id], False
         self._drop_child(block_id)
         try:
             if self.on_evict is not None:
                 self.on_evict(block_id, block_hash)
         finally:
             self.evicted_parent = None
+            self.evicted_hot = False
             self._free.append(block_id)
         return True
 
@@ -314,7 +353,7 @@ class BlockPool:
 
         Returns its id, or ``None`` when no cached block is unreferenced.
         """
-        if not self._evictable and not self._parked:
+        if not self._evictable and not self._main and not self._parked:
             return None
         block_id = self._evict_oldest()
         self._free.append(block_id)
@@ -334,8 +373,13 @@ class BlockPool:
     def evictable(self) -> list[int]:
         """Evictable block ids: the LRU, the next one to be evicted first (of a ``leaf_first``
         pool: the next one to reach its head; a block with cached children there is parked),
-        then the parked blocks, oldest first."""
-        return [*self._evictable, *self._parked]
+        then the main queue's (``small_fraction``), then the parked blocks, oldest first."""
+        return [*self._evictable, *self._main, *self._parked]
+
+    def in_main(self, block_id: int) -> bool:
+        """Whether evictable ``block_id`` waits in the main queue (``small_fraction``)."""
+        self._check_id("in_main", block_id)
+        return block_id in self._main
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping is inconsistent.
@@ -359,7 +403,17 @@ class BlockPool:
         evictable = set(self._evictable)
         if set(self._parked) & evictable:
             raise AssertionError(f"blocks {sorted(set(self._parked) & evictable)} are both parked and in the LRU")
-        evictable |= set(self._parked)
+        if set(self._main) & (evictable | set(self._parked)):
+            raise AssertionError(f"blocks {sorted(set(self._main) & (evictable | set(self._parked)))} are in the "
+                                 f"main queue and elsewhere")
+        if self._main and self.small_fraction is None:
+            raise AssertionError(f"blocks {list(self._main)} are in a main queue of a one-queue pool")
+        not_hot = [b for b in self._main if not self._hot[b]]
+        if not_hot:
+            raise AssertionError(f"main-queue blocks {not_hot} were never reused")
+        if len(self._ghost) > self.num_blocks:
+            raise AssertionError(f"the ghost queue holds {len(self._ghost)} hashes, more than {self.num_blocks}")
+        evictable |= set(self._parked) | set(self._main)
         referenced = {b for b, refcount in enumerate(self._refcounts) if refcount > 0}
         for name, group in (("free list", free), ("evictable LRU", evictable)):
             outside = [b for b in group if not 0 <= b < n]
@@ -434,7 +488,7 @@ class BlockPool:
         if self.leaf_first:
             block_id = self._oldest_leaf()
         else:
-            block_id, _ = self._evictable.popitem(last=False)
+            block_id, _ = self._queue_to_evict().popitem(last=False)
         block_hash = self._hashes[block_id]
         if block_hash is None:
             raise AssertionError(f"evictable block {block_id} has no hash")
@@ -444,6 +498,11 @@ class BlockPool:
         self._hashes[block_id] = None
         self.evictions += 1
         self.evicted_parent = self._parents[block_id]
+        self.evicted_hot, self._hot[block_id] = self._hot[block_id], False
+        if self.small_fraction is not None and not self.evicted_hot:  # (out of the small queue): a ghost
+            self._ghost[block_hash] = None
+            if len(self._ghost) > self.num_blocks:
+                self._ghost.popitem(last=False)
         self._drop_child(block_id)
         if self.on_evict is not None:
             try:
@@ -453,20 +512,40 @@ class BlockPool:
                 raise
             finally:
                 self.evicted_parent = None
+                self.evicted_hot = False
         self.evicted_parent = None
+        self.evicted_hot = False
         return block_id
+
+    def _queue_to_evict(self) -> OrderedDict[int, None]:
+        """The queue eviction takes from: the small one (``_evictable``) while it holds at
+        least its target or the main one is empty; else the main one."""
+        if not self._main or (self._evictable and len(self._evictable) >= self._small_target):
+            return self._evictable
+        return self._main
+
+    def _unlink(self, block_id: int) -> None:
+        """Take evictable ``block_id`` out of whichever queue holds it (LRU, main, parked)."""
+        if self._evictable.pop(block_id, 0) is None:
+            return
+        if self._main.pop(block_id, 0) is None:
+            return
+        del self._parked[block_id]
 
     def _oldest_leaf(self) -> int:
         """Take the evictable block to evict out of the LRU (or the parked set): the LRU's
-        oldest childless block, parking those with children on the way."""
-        evictable, children, hashes = self._evictable, self._children, self._hashes
-        while evictable:
-            block_id = next(iter(evictable))
-            h = hashes[block_id]
-            del evictable[block_id]
-            if h is None or not children.get(h):
-                return block_id
-            self._parked[block_id] = None
+        oldest childless block, parking those with children on the way (with
+        ``small_fraction``: of the queue to evict from, then of the other one)."""
+        children, hashes = self._children, self._hashes
+        first = self._queue_to_evict()
+        for queue in (first, self._main if first is self._evictable else self._evictable):
+            while queue:
+                block_id = next(iter(queue))
+                h = hashes[block_id]
+                del queue[block_id]
+                if h is None or not children.get(h):
+                    return block_id
+                self._parked[block_id] = None
         self.stranding_evictions += 1  # every evictable block has a cached child (all referenced)
         block_id, _ = self._parked.popitem(last=False)
         return block_id
@@ -489,5 +568,6 @@ class BlockPool:
         pid = self._hash_to_block.get(p)
         if pid is not None and pid in self._parked:
             del self._parked[pid]
-            self._evictable[pid] = None
-            self._evictable.move_to_end(pid, last=False)
+            queue = self._main if self._hot[pid] and self.small_fraction is not None else self._evictable
+            queue[pid] = None
+            queue.move_to_end(pid, last=False)

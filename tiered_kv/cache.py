@@ -16,14 +16,15 @@ Lifecycle of a request (docs/architecture.md §5)::
                                          # (evictable, LRU) with a snapshot at the last
                                          # resume point
 
-Snapshot policy: at every block boundary the request snapshots its State into a private
-snapshot slot and keeps the latest two; every ``snapshot_interval`` blocks the snapshot
-is registered at once (shared with other requests); at close the private ones are
-registered. So a closed prefix is resumable at its last block boundary (and the one
-before, for the same prompt sent again: one token is always recomputed), and long
-prompts are resumable every ``snapshot_interval`` blocks. Other placements
-(``snapshot_policy="branch"``: where a prompt leaves the cached prefix tree) are in
-:mod:`tiered_kv.policy.snapshots`.
+Snapshot policy (:mod:`tiered_kv.policy.snapshots`): at block boundaries the request
+snapshots its State into a private snapshot slot and keeps the latest two; at the
+boundaries the policy names the snapshot is registered at once (shared with other
+requests); at close the private ones of the prompt's end are registered. The default,
+``branch+interval:32``, registers where the prompt leaves the cached prefix tree (so the
+next request on either branch resumes exactly there), every 32 blocks and at the
+prompt's end (with the boundary before it when the request ends on one: one token is
+always recomputed). ``snapshot_interval=N`` alone selects the original policy,
+``interval:N``: every N blocks and the prompt's last two boundaries.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
 from .policy.admission import AdmissionPolicy, admission_policy
-from .policy.eviction import EvictionPolicy, eviction_policy
-from .policy.snapshots import SnapshotPolicy
+from .policy.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policy
+from .policy.snapshots import DEFAULT_SNAPSHOT_POLICY, SnapshotPolicy
 from .policy.snapshots import snapshot_policy as policy_by_name
 from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
 from .request import Request, as_token_list
@@ -73,7 +74,9 @@ class TieredKVCache(TierMoves):
         num_state_slots: concurrent requests (each ``layout.state_bytes``).
         num_snapshots: snapshot slots (each ``layout.snapshot_bytes``); at least
             ``num_state_slots + 1``; default ``4 * num_state_slots``.
-        snapshot_interval: register a shared snapshot every this many blocks.
+        snapshot_interval: given without ``snapshot_policy``: the ``interval:N`` policy,
+            a shared snapshot every this many blocks (and at the prompt's last two
+            boundaries). None (default): the default policy, ``branch+interval:32``.
         model_id, salt: the prefix-hash namespace (model id + layout fingerprint + tenant
             salt); requests of different salts never share blocks.
         host_bytes: enable the host tier with this many bytes of (pinned) CPU memory: it
@@ -94,26 +97,31 @@ class TieredKVCache(TierMoves):
             the oldest (:class:`~tiered_kv.disk.DiskTier`'s ``max_pending``; also the most
             records written in one batch).
         snapshot_policy: where requests publish State snapshots, by name or as a
-            :class:`~tiered_kv.policy.SnapshotPolicy`: ``"interval:N"`` (the default,
-            with N = ``snapshot_interval``), ``"branch"`` (where a prompt leaves the cached
-            prefix tree, and at its end) or ``"branch+interval:N"``.
+            :class:`~tiered_kv.policy.SnapshotPolicy`: ``"branch+interval:N"`` (where a
+            prompt leaves the cached prefix tree, at its end and every N blocks; the
+            default is ``branch+interval:32``), ``"branch"`` or ``"interval:N"`` (the
+            original policy). None: ``interval:snapshot_interval`` when that is given,
+            else the default.
         eviction: the memory tiers' eviction policy (:mod:`tiered_kv.policy.eviction`):
-            ``"lru"`` (the default) or ``"leaf-lru"`` (leaves first, snapshots with their
-            blocks: evicts nothing a cached block after it still needs).
+            ``"leaf-lru"`` (the default: leaves first, snapshots with their blocks:
+            evicts nothing a cached block after it still needs), ``"leaf-s3fifo"``
+            (leaves first, S3-FIFO's small / main / ghost queues) or ``"lru"`` (the
+            original: each pool its least recently released entry).
         admission: the disk tier's admission filter (:mod:`tiered_kv.policy.admission`):
             ``"all"`` (the default: every sealed block and published snapshot is written
             through), ``"second-hit"`` (a record reaches the disk once a memory tier has
-            served it), ``"seen-twice"`` (that, or when it is computed a second time) or
-            ``"hits:N"``. Rejects: ``stats()["admission_rejects"]``.
+            served it), ``"seen-twice"`` (that, or when it is computed a second time),
+            ``"hits:N"`` or ``"survived:N"`` (second-hit, or once it has lived N requests
+            in a memory tier). Rejects: ``stats()["admission_rejects"]``.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
-                 num_state_slots: int = 8, num_snapshots: int | None = None, snapshot_interval: int = 8,
+                 num_state_slots: int = 8, num_snapshots: int | None = None, snapshot_interval: int | None = None,
                  model_id: str | None = None, salt: str | bytes = b"", host_bytes: int | None = None,
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
                  store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
                  disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None,
-                 eviction: str | EvictionPolicy = "lru", admission: str | AdmissionPolicy = "all") -> None:
+                 eviction: str | EvictionPolicy = DEFAULT_EVICTION, admission: str | AdmissionPolicy = "all") -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -123,11 +131,16 @@ class TieredKVCache(TierMoves):
         if num_snapshots is None:
             num_snapshots = 4 * num_state_slots
         num_snapshots = as_int("num_snapshots", num_snapshots, minimum=num_state_slots + 1)
-        self.snapshot_interval = as_int("snapshot_interval", snapshot_interval, minimum=1)
-        #: where requests publish snapshots (:mod:`tiered_kv.policy.snapshots`); default:
-        #: every ``snapshot_interval`` blocks and the prompt's last two boundaries
-        self.snapshot_policy: SnapshotPolicy = (SnapshotPolicy.intervals(self.snapshot_interval)
-                                                if snapshot_policy is None else policy_by_name(snapshot_policy))
+        if snapshot_interval is not None:
+            snapshot_interval = as_int("snapshot_interval", snapshot_interval, minimum=1)
+        #: where requests publish snapshots (:mod:`tiered_kv.policy.snapshots`): the policy
+        #: given; else ``interval:snapshot_interval`` when that is given; else the default
+        self.snapshot_policy: SnapshotPolicy = (
+            policy_by_name(snapshot_policy) if snapshot_policy is not None
+            else SnapshotPolicy.intervals(snapshot_interval) if snapshot_interval is not None
+            else policy_by_name(DEFAULT_SNAPSHOT_POLICY))
+        #: the policy's interval (None: it publishes no interval snapshots)
+        self.snapshot_interval: int | None = self.snapshot_policy.interval
         if hisparse is not None and host_bytes is None:
             raise ValueError("hisparse: expected host_bytes too (the CSA mirror lives in the host tier)")
         if hisparse is not None and not isinstance(hisparse, HiSparseConfig):
@@ -135,7 +148,8 @@ class TieredKVCache(TierMoves):
         self.hasher = PrefixHasher(layout, model_id=model_id, salt=salt)
         self.copies = CopyEngine(self.device)
         self.eviction: EvictionPolicy = eviction_policy(eviction)
-        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict, leaf_first=self.eviction.leaf_first)
+        self.blocks = BlockPool(num_blocks, on_evict=self._on_block_evict, leaf_first=self.eviction.leaf_first,
+                                small_fraction=self.eviction.small_fraction)
         self.classical = ClassicalPool(layout, num_blocks, self.device,
                                        csa_blocks=num_state_slots if hisparse is not None else None)
         self.states = StatePool(layout, num_state_slots, self.device)
@@ -145,7 +159,8 @@ class TieredKVCache(TierMoves):
         self.snapshots = SnapshotPool(layout, num_snapshots, self.device)
         self.snapshots.ids.on_evict = self._on_snapshot_evict
         self.host = (HostTier(layout, host_bytes, self.device, snapshot_fraction=host_snapshot_fraction,
-                              leaf_first=self.eviction.leaf_first) if host_bytes is not None else None)
+                              leaf_first=self.eviction.leaf_first, small_fraction=self.eviction.small_fraction)
+                     if host_bytes is not None else None)
         if self.host is not None and self.eviction.coherent_snapshots:
             self.host.blocks.on_evict = self._on_host_block_evict
             if self.host.snapshots is not None:
@@ -359,6 +374,8 @@ class TieredKVCache(TierMoves):
         req.closed = True
         del self._requests[req.request_id]
         self._counters["requests_closed"] += 1
+        if self.disk is not None and self.disk.admission.policy.survive is not None:
+            self._write_survivors()
 
     def flush(self, *, uploads: bool = False, timeout_s: float | None = None) -> bool:
         """Wait for every pending copy and disk write submitted so far.
@@ -720,6 +737,8 @@ class TieredKVCache(TierMoves):
                 handle.make_stream_wait()
             self.disk.submit(record_key("block", h), parent, digest_token_bytes(data), record[0],
                              handle.wait_event)
+        elif self.disk is not None:  # held back: survived:N writes it later if it lives on
+            self.disk.admission.defer("block", h, parent, digest_token_bytes(data))
         self._snapshot_at_boundary(req, h, k + 1)
 
     def _mirror_to_host(self, req: Request, b: int, h: bytes) -> tuple[torch.Tensor, ...]:
@@ -820,6 +839,9 @@ class TieredKVCache(TierMoves):
                 digest = digest_token_bytes(checked_token_bytes(block_tokens))
                 self.disk.submit(record_key("snapshot", h), parent, digest,
                                  self.snapshots.data[snap_id].to("cpu", copy=True))
+            elif self.disk is not None:  # held back: survived:N writes it later if it lives on
+                self.disk.admission.defer("snapshot", h, self.hasher.root,
+                                          digest_token_bytes(checked_token_bytes(block_tokens)), before)
         ids.free(snap_id)
 
     # ----------------------------------------------------------------- stats

@@ -65,7 +65,7 @@ class DiskTier:
             store created here.
         admission: the disk admission filter (:mod:`tiered_kv.policy.admission`):
             ``"all"`` (every record written through, the default), ``"second-hit"``,
-            ``"seen-twice"`` or ``"hits:N"``. The cache asks :attr:`admission` before it submits a record
+            ``"seen-twice"``, ``"hits:N"`` or ``"survived:N"``. The cache asks :attr:`admission` before it submits a record
             and again when a memory tier serves one; rejects are counted in :meth:`stats`.
     """
 
@@ -308,6 +308,7 @@ class DiskTier:
             "disk_write_bytes": self.write_bytes, "disk_reads": self.reads, "disk_read_hits": self.read_hits,
             "disk_read_bytes": self.read_bytes, "disk_pending_writes": sum(not f.done() for f in self._pending),
             "admission_rejects": self.admission.rejects, "admission_admitted": self.admission.admitted,
+            "admission_expired": self.admission.expired,
             **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))},
         }
 

@@ -39,10 +39,13 @@ class HostTier:
         device: the GPU tier's device (memory is pinned for a CUDA device).
         snapshot_fraction: share of ``host_bytes`` given to snapshots.
         leaf_first: the record pool evicts leaves first (the ``leaf-lru`` policy).
+        small_fraction: the record pool's small queue (the ``leaf-s3fifo`` policy; None:
+            one LRU).
     """
 
     def __init__(self, layout: KVLayout, host_bytes: int, device: torch.device, *,
-                 snapshot_fraction: float = 0.25, leaf_first: bool = False) -> None:
+                 snapshot_fraction: float = 0.25, leaf_first: bool = False,
+                 small_fraction: float | None = None) -> None:
         if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
             raise ValueError(f"host_bytes: expected a positive int, got {host_bytes!r}")
         if not 0.0 <= snapshot_fraction < 1.0:
@@ -57,7 +60,7 @@ class HostTier:
         self.pinned = pin_memory_supported(device)
         #: ``[num_host_blocks, block_bytes]`` uint8
         self.records = empty_host((num_blocks, layout.block_bytes), pinned=self.pinned)
-        self.blocks = BlockPool(num_blocks, leaf_first=leaf_first)
+        self.blocks = BlockPool(num_blocks, leaf_first=leaf_first, small_fraction=small_fraction)
         #: ``[num_host_snapshots, snapshot_bytes]`` uint8 (may have 0 rows)
         self.snapshot_data = empty_host((num_snaps, layout.snapshot_bytes), pinned=self.pinned)
         self.snapshots: BlockPool | None = BlockPool(num_snaps) if num_snaps else None

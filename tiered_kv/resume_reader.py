@@ -392,7 +392,7 @@ class HostRecords(Destination):
         assert moves.host is not None
         hids, bids = batch.hids[:good], batch.bids[:good]
         for hid, h, parent in zip(hids, batch.hashes, batch.parents()):
-            moves.host.blocks.cache(hid, h, parent)  # verified: promoted to the host tier
+            moves.host.blocks.cache(hid, h, parent, reused=True)  # verified: promoted to the host tier
         if self.copy_on_readers:  # already copied on the reader thread
             moves._keep_host_refs(hids, bids)
         else:
@@ -518,7 +518,7 @@ class DiskResume:
         self.dest.land(batch, good)
         bids = batch.bids[:good]
         for b, h, parent in zip(bids, batch.hashes, batch.parents()):
-            moves.blocks.cache(b, h, parent)
+            moves.blocks.cache(b, h, parent, reused=True)
         self.loaded += bids
         moves._counters["blocks_from_disk"] += good
         if good < len(batch.bids):

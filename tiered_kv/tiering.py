@@ -258,9 +258,50 @@ class TierMoves:
         self.disk.submit(record_key("snapshot", h), self.hasher.root, token_digest(tokens[(n - 1) * bt:n * bt]),
                          data.clone() if sid is None else data)
 
-    def _submit_block_copy(self, b: int, h: bytes, parent: bytes, digest: bytes) -> None:
+    def _write_survivors(self) -> None:
+        """``survived:N`` (:mod:`tiered_kv.policy.admission`), after each close: the records
+        held back N requests ago that a memory tier still holds are written now (a
+        snapshot only when every block before it is known on disk); the others expired."""
+        assert self.disk is not None
+        adm = self.disk.admission
+        for d in adm.tick():
+            data: torch.Tensor | None = None
+            if d.kind == "block":
+                b = self.blocks.lookup(d.h)
+                if b is not None:
+                    adm.admit("block", d.h)
+                    self._submit_block_copy(b, d.h, d.parent, d.digest, order=True)
+                    continue
+                hid = self.host.blocks.lookup(d.h) if self.host is not None else None
+                if hid is not None:
+                    self._wait_host_copies()
+                    data = self.host.records[hid].clone()  # type: ignore[union-attr]
+            elif all(adm.known_on_disk("block", x) for x in d.before or ()):
+                sid = self.snapshots.ids.lookup(d.h)
+                if sid is not None:
+                    data = self.snapshots.data[sid].to("cpu", copy=True)
+                elif self.host is not None and self.host.snapshots is not None:
+                    hs = self.host.snapshots.lookup(d.h)
+                    data = None if hs is None else self.host.snapshot_data[hs].clone()
+            if data is None:
+                adm.expired += 1
+                continue
+            adm.admit(d.kind, d.h)
+            self.disk.submit(record_key(d.kind, d.h), d.parent, d.digest, data)
+
+    def _wait_host_copies(self) -> None:
+        """Before host code reads a host record: the offloads into it and the HiSparse
+        mirror copies have landed (a no-op on CPU)."""
+        if self._last_offload is not None:
+            self._last_offload.wait()
+        if self.hisparse is not None:
+            self._wait_host_mirrors()  # type: ignore[attr-defined]
+
+    def _submit_block_copy(self, b: int, h: bytes, parent: bytes, digest: bytes, *, order: bool = False) -> None:
         """Queue a disk write of cached GPU block ``b`` (hash ``h``): copied into a
-        private record (a pool block may be reused before the write), as at seal."""
+        private record (a pool block may be reused before the write), as at seal.
+        ``order``: later work on the current stream waits for the copy (``b`` is not
+        referenced and may be reused at once)."""
         assert self.disk is not None
         hid = self._host_of_block.get(b)
         if hid is not None:  # HiSparse: the full record (CSA part too) is the host's mirror
@@ -270,6 +311,8 @@ class TierMoves:
             return
         record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
         handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), record)
+        if order:
+            handle.make_stream_wait()
         self.disk.submit(record_key("block", h), parent, digest, record[0], handle.wait_event)
 
     def _load_from_host(self, tokens: np.ndarray, hashes: list[bytes], lo: int, hi: int) -> list[int]:
@@ -287,7 +330,7 @@ class TierMoves:
             self._drop_host_ref(hid)
         self._load_host_records(hids[:len(bids)], bids)
         for i, b in enumerate(bids, lo):
-            self.blocks.cache(b, hashes[i], hashes[i - 1] if i else self.hasher.root)
+            self.blocks.cache(b, hashes[i], hashes[i - 1] if i else self.hasher.root, reused=True)
         self._counters["blocks_from_host"] += len(bids)
         return bids
 
@@ -513,7 +556,7 @@ class TierMoves:
         handle = self.copies.offload_blocks(self.classical.parts, torch.tensor([b]), self.host.records[hid:hid + 1])
         handle.make_stream_wait()  # the block is overwritten only after the copy read it
         self._last_offload = handle
-        self.host.blocks.cache(hid, h, parent)
+        self.host.blocks.cache(hid, h, parent, reused=self.blocks.evicted_hot)
         self.host.blocks.free(hid)
         self._counters["blocks_offloaded"] += 1
 

@@ -38,6 +38,8 @@ import sys
 from typing import Any
 
 from ..planner import format_bytes
+from ..policy.eviction import DEFAULT_EVICTION
+from ..policy.snapshots import DEFAULT_SNAPSHOT_POLICY
 from ..presets import PRESETS
 from . import _common
 from ._common import Progress
@@ -80,10 +82,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--snapshot-fraction", type=float, default=0.25, metavar="F",
                    help="share of each memory tier given to snapshots (default %(default)s, the host tier's)")
     p.add_argument("--snapshot-policy", action="append", metavar="NAME[:N]",
-                   help="snapshot policy (default interval:8, the cache's own); repeat to compare")
-    p.add_argument("--eviction", action="append", metavar="NAME", help="eviction policy (default lru); repeat to compare")
+                   help=f"snapshot policy (default {DEFAULT_SNAPSHOT_POLICY}, the cache's own); repeat to compare")
+    p.add_argument("--eviction", action="append", metavar="NAME",
+                   help=f"eviction policy (default {DEFAULT_EVICTION}, the cache's own): lru, leaf-lru, "
+                        f"leaf-s3fifo[:SMALL%%]; repeat to compare")
     p.add_argument("--admission", action="append", metavar="NAME[:N]",
-                   help="disk admission filter: all (default), second-hit, hits:N; repeat to compare")
+                   help="disk admission filter: all (default), second-hit, hits:N, seen-twice, survived:N; "
+                        "repeat to compare")
     p.add_argument("--scale", type=_common.positive_int, metavar="N",
                    help="force the stand-in layout's scale (default: the largest exact one)")
     p.add_argument("--verify-every", type=int, default=16, metavar="N",
@@ -165,8 +170,8 @@ def _configs(args: argparse.Namespace) -> list[Any]:
                         snapshot_fraction=args.snapshot_fraction, scale=args.scale, verify_every=args.verify_every,
                         salt=args.salt, cost=cost, workdir=args.workdir)
     out = []
-    for snap in args.snapshot_policy or ["interval:8"]:
-        for ev in args.eviction or ["lru"]:
+    for snap in args.snapshot_policy or [DEFAULT_SNAPSHOT_POLICY]:
+        for ev in args.eviction or [DEFAULT_EVICTION]:
             for adm in args.admission or ["all"]:
                 out.append(dataclasses.replace(base, snapshot_policy=snap, eviction_policy=ev, admission_policy=adm))
     if len(out) > 1 and (args.sweep or args.nodes):
@@ -201,8 +206,10 @@ def _run_single(args: argparse.Namespace, trace: Any, configs: list[Any]) -> int
         from ..replay.plot import plot_report
 
         plot_report(reports[0], args.png)
+    named = bool(args.snapshot_policy or args.eviction or args.admission)  # a policy asked for: its row too
     return _print(args, reports, reports[0].to_dict() if len(reports) == 1 else
-                  {"policies": [r.to_dict() for r in reports]}, _policy_table(reports) if len(reports) > 1 else None)
+                  {"policies": [r.to_dict() for r in reports]},
+                  _policy_table(reports) if len(reports) > 1 or named else None)
 
 
 def _print(args: argparse.Namespace, reports: list[Any], as_json: dict[str, Any], table: str | None) -> int:
@@ -221,7 +228,7 @@ def _print(args: argparse.Namespace, reports: list[Any], as_json: dict[str, Any]
 
 
 def _policy_table(reports: list[Any]) -> str:
-    lines = [f"{'snapshot policy':<20} {'eviction':<10} {'admission':<10} {'hit rate':>9} {'every boundary':>15} "
+    lines = [f"{'snapshot policy':<20} {'eviction':<12} {'admission':<12} {'hit rate':>9} {'every boundary':>15} "
              f"{'of it':>7} {'max':>8} {'snap/block bytes: memory':>25} {'all tiers':>10} {'stranded':>10} "
              f"{'disk written':>13} {'disk read':>10} {'rejects':>8}"]
     for r in reports:
@@ -236,7 +243,7 @@ def _policy_table(reports: list[Any]) -> str:
         of_it = t.hits / t.resident_tokens if t.resident_tokens else 0.0
         written, read = _disk_bytes(r)
         rejects = sum(int(n.stats.get("admission_rejects", 0)) for n in r.nodes)
-        lines.append(f"{r.config.snapshot().label:<20} {r.config.eviction().label:<10} {r.config.admission().label:<10} "
+        lines.append(f"{r.config.snapshot().label:<20} {r.config.eviction().label:<12} {r.config.admission().label:<12} "
                      f"{100 * t.rate(t.hits):8.2f}% {100 * t.rate(t.resident_tokens):14.2f}% {100 * of_it:6.1f}% "
                      f"{100 * t.rate(t.max_tokens):7.2f}% {ratio(('gpu', 'host')):>25.3f} {ratio(None):>10.3f} "
                      f"{format_bytes(stranded):>10} {written:>13} {read:>10} {rejects:>8}")

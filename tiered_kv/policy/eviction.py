@@ -13,7 +13,13 @@ strands the snapshot. ::
                and a block evicted from a tier takes the tier's snapshot at its end along
                (from the GPU both move to the host tier; from the host tier both go); a
                snapshot dropped from the last tier that holds it (no tier below keeps a
-               copy) takes along the blocks that led only to it
+               copy) takes along the blocks that led only to it (the default)
+    leaf-s3fifo[:P]  leaf-lru's rules over S3-FIFO's queues (Yang et al., SOSP 2023): a
+               block used once waits in a small queue (P % of the pool, default 10) and
+               leaves first; a block reused (taken again by a lookup, loaded from a
+               lower tier, evicted from one that saw it reused, or computed again soon
+               after it left the small queue: a ghost) waits in the main queue
+               (:class:`~tiered_kv.block_pool.BlockPool` ``small_fraction``)
 
 The cache releases a request's blocks last block first, so in the GPU pool the least
 recently released block is nearly always a leaf already; the host tier, filled by
@@ -24,7 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "eviction_policy"]
+__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "EvictionPolicy", "eviction_policy"]
+
+#: The cache's default eviction (issue 22): leaves first, snapshots with their blocks;
+#: it strands no byte in any replay, where ``lru`` strands 1-7 GiB with the GPU tier alone.
+DEFAULT_EVICTION = "leaf-lru"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +46,15 @@ class EvictionPolicy:
     leaf_first: bool
     #: a block evicted from a tier takes that tier's snapshot at its end along
     coherent_snapshots: bool
+    #: the small queue's share of each block pool (S3-FIFO's queues; None: one LRU)
+    small_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        f = self.small_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < 1.0):
+            raise ValueError(f"eviction policy: expected small_fraction None or in (0, 1), got {f!r}")
+        if f is not None and not self.leaf_first:
+            raise ValueError("eviction policy: S3-FIFO's queues come with leaves first (leaf_first=True)")
 
     @property
     def label(self) -> str:
@@ -45,16 +64,27 @@ class EvictionPolicy:
 EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     "lru": EvictionPolicy(name="lru", leaf_first=False, coherent_snapshots=False),
     "leaf-lru": EvictionPolicy(name="leaf-lru", leaf_first=True, coherent_snapshots=True),
+    "leaf-s3fifo": EvictionPolicy(name="leaf-s3fifo", leaf_first=True, coherent_snapshots=True, small_fraction=0.1),
 }
 
 
 def eviction_policy(spec: str | EvictionPolicy) -> EvictionPolicy:
-    """``lru`` or ``leaf-lru`` -> the :class:`EvictionPolicy`."""
+    """``lru``, ``leaf-lru``, ``leaf-s3fifo`` or ``leaf-s3fifo:P`` (small queue P % of each
+    pool, 1-99) -> the :class:`EvictionPolicy`."""
     if isinstance(spec, EvictionPolicy):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"eviction: expected a str like 'lru' or 'leaf-lru', got {type(spec).__name__}")
-    try:
+    if spec in EVICTION_POLICIES:
         return EVICTION_POLICIES[spec]
-    except KeyError:
-        raise ValueError(f"eviction: expected one of {', '.join(sorted(EVICTION_POLICIES))}, got {spec!r}") from None
+    name, sep, arg = spec.partition(":")
+    if name == "leaf-s3fifo" and sep:
+        try:
+            pct = int(arg)
+        except ValueError:
+            raise ValueError(f"eviction {spec!r}: expected an integer percent after ':', got {arg!r}") from None
+        if not 1 <= pct <= 99:
+            raise ValueError(f"eviction {spec!r}: expected a small-queue percent in 1..99, got {pct}")
+        return EvictionPolicy(name=spec, leaf_first=True, coherent_snapshots=True, small_fraction=pct / 100)
+    raise ValueError(f"eviction: expected one of {', '.join(sorted(EVICTION_POLICIES))} "
+                     f"(or leaf-s3fifo:P), got {spec!r}")

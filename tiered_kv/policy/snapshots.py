@@ -29,7 +29,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["PromptEnds", "SnapshotPolicy", "snapshot_policy"]
+__all__ = ["DEFAULT_SNAPSHOT_POLICY", "PromptEnds", "SnapshotPolicy", "snapshot_policy"]
+
+#: The cache's default placement (issue 22): snapshots where a prompt leaves the cached
+#: prefix tree, at its end and every 32 blocks. On both bundled Mooncake traces it keeps
+#: >= 95 % of the every-boundary hit rate with snapshot bytes <= 15 % of the Classical
+#: bytes (docs/policies.md); ``interval:8``, the original default, spends 0.29-0.36.
+DEFAULT_SNAPSHOT_POLICY = "branch+interval:32"
 
 
 class PromptEnds(enum.Enum):

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layout import KVLayout
+from ..policy.eviction import DEFAULT_EVICTION
+from ..policy.snapshots import DEFAULT_SNAPSHOT_POLICY
 from ..presets import get_preset
 from .costs import CostModel
 from .policies import Policy, admission_policy, eviction_policy, snapshot_policy
@@ -110,8 +112,9 @@ class ReplayConfig:
     shared_url: str | None = None
     #: share of each memory tier's bytes given to snapshots (the host tier's own default)
     snapshot_fraction: float = 0.25
-    snapshot_policy: str = "interval:8"
-    eviction_policy: str = "lru"
+    #: the cache's defaults (:mod:`tiered_kv.policy`)
+    snapshot_policy: str = DEFAULT_SNAPSHOT_POLICY
+    eviction_policy: str = DEFAULT_EVICTION
     #: the disk admission filter (``all``: every record written through, the cache's own)
     admission_policy: str = "all"
     #: force the stand-in's scale (None: the largest exact one)

@@ -1,27 +1,28 @@
 """Cache policies a replay can run, by name, so that runs can be compared by name.
 
 A policy here is what the replay asks of :class:`~tiered_kv.cache.TieredKVCache`: the
-keyword options that select it. Today the cache has one snapshot policy and one eviction
-policy; a new policy is one entry in :data:`SNAPSHOT_POLICIES` or :data:`EVICTION_POLICIES`
+keyword options that select it. A new policy is one entry in :data:`SNAPSHOT_POLICIES` or :data:`EVICTION_POLICIES`
 (a name, an optional integer argument, the cache options), and ``tiered-kv replay
 --snapshot-policy NAME[:ARG]`` / ``--eviction NAME`` selects it; a repeated option runs
 each and prints them side by side.
 
 Snapshot policies:
 
-* ``interval:N`` (default ``interval:8``): the cache's own: a snapshot at each prompt's
-  last two block boundaries (registered when the request closes) and one every ``N``
-  blocks (``snapshot_interval``).
-* ``branch``: where the prompt leaves the cached prefix tree, and at its last boundary
+* ``branch+interval:N`` (default ``branch+interval:32``, the cache's own): where the
+  prompt leaves the cached prefix tree, at its last boundary and every ``N`` blocks
   (:mod:`tiered_kv.policy.snapshots`).
-* ``branch+interval:N``: both, and every ``N`` blocks.
+* ``branch``: the same without intervals.
+* ``interval:N`` (``interval`` alone: ``interval:8``): the cache's original policy: a
+  snapshot at each prompt's last two block boundaries (registered when the request
+  closes) and one every ``N`` blocks (``snapshot_interval``).
 
 Eviction policies:
 
-* ``lru``: the cache's own: each tier evicts its least recently released block (and,
-  apart, snapshot), independently of the others.
-* ``leaf-lru``: leaves first, and a block's snapshot goes with it
+* ``leaf-lru`` (the cache's own): leaves first, and a block's snapshot goes with it
   (:mod:`tiered_kv.policy.eviction`).
+* ``leaf-s3fifo[:P]``: the same over S3-FIFO's small (P %, default 10) / main / ghost queues.
+* ``lru``: the original: each tier evicts its least recently released block (and,
+  apart, snapshot), independently of the others.
 
 Disk admission filters (``--admission NAME``, :mod:`tiered_kv.policy.admission`):
 
@@ -29,6 +30,7 @@ Disk admission filters (``--admission NAME``, :mod:`tiered_kv.policy.admission`)
 * ``second-hit``: a record reaches the disk once a memory tier has served it.
 * ``hits:N``: after N such hits.
 * ``seen-twice``: ``second-hit``, or when a record is computed a second time.
+* ``survived:N``: ``second-hit``, or once a record has lived N requests in a memory tier.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _interval(arg: int | None) -> Policy:
         raise ValueError(f"snapshot policy interval:N: expected N >= 1, got {n}")
     return Policy(label=f"interval:{n}",
                   description=f"snapshots at each prompt's last two block boundaries and every {n} blocks",
-                  cache_options={"snapshot_interval": n})
+                  cache_options={"snapshot_policy": f"interval:{n}"})
 
 
 def _branch(arg: int | None) -> Policy:
@@ -77,7 +79,8 @@ def _branch_interval(arg: int | None) -> Policy:
 def _lru(arg: int | None) -> Policy:
     if arg is not None:
         raise ValueError(f"eviction policy lru: expected no argument, got {arg}")
-    return Policy(label="lru", description="least recently released first, per tier")
+    return Policy(label="lru", description="least recently released first, per tier",
+                  cache_options={"eviction": "lru"})
 
 
 def _leaf_lru(arg: int | None) -> Policy:
@@ -85,6 +88,14 @@ def _leaf_lru(arg: int | None) -> Policy:
         raise ValueError(f"eviction policy leaf-lru: expected no argument, got {arg}")
     return Policy(label="leaf-lru", description="leaves first per tier, each block's snapshot evicted with it",
                   cache_options={"eviction": "leaf-lru"})
+
+
+def _leaf_s3fifo(arg: int | None) -> Policy:
+    if arg is not None and not 1 <= arg <= 99:
+        raise ValueError(f"eviction policy leaf-s3fifo:P: expected a small-queue percent P in 1..99, got {arg}")
+    label = "leaf-s3fifo" if arg is None else f"leaf-s3fifo:{arg}"
+    return Policy(label=label, description=f"leaves first over S3-FIFO's small ({10 if arg is None else arg} %) / "
+                                           f"main / ghost queues", cache_options={"eviction": label})
 
 
 def _all(arg: int | None) -> Policy:
@@ -107,6 +118,14 @@ def _seen_twice(arg: int | None) -> Policy:
                   cache_options={"admission": "seen-twice"})
 
 
+def _survived(arg: int | None) -> Policy:
+    if arg is None or arg < 1:
+        raise ValueError(f"admission policy survived:N: expected N >= 1 requests, got {arg}")
+    return Policy(label=f"survived:{arg}", description=f"a record reaches the disk once hit, or once it has lived "
+                                                       f"{arg} requests in a memory tier",
+                  cache_options={"admission": f"survived:{arg}"})
+
+
 def _hits(arg: int | None) -> Policy:
     if arg is None or arg < 1:
         raise ValueError(f"admission policy hits:N: expected N >= 1, got {arg}")
@@ -117,9 +136,10 @@ def _hits(arg: int | None) -> Policy:
 #: name -> factory(optional integer argument)
 SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {
     "interval": _interval, "branch": _branch, "branch+interval": _branch_interval}
-EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {"lru": _lru, "leaf-lru": _leaf_lru}
+EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {
+    "lru": _lru, "leaf-lru": _leaf_lru, "leaf-s3fifo": _leaf_s3fifo}
 ADMISSION_POLICIES: dict[str, Callable[[int | None], Policy]] = {
-    "all": _all, "second-hit": _second_hit, "seen-twice": _seen_twice, "hits": _hits}
+    "all": _all, "second-hit": _second_hit, "seen-twice": _seen_twice, "hits": _hits, "survived": _survived}
 
 
 def snapshot_policy(spec: str) -> Policy:
