@@ -120,6 +120,7 @@ class ColdExtent:
             if engine.direct_io is not False:  # None: try it (EINVAL turns it off)
                 try:
                     self._read_direct(ext, first, end, then)
+                    engine.paths["direct"] += len(ext)
                     return
                 except DirectUnsupported:
                     engine.direct_io = False
@@ -132,6 +133,7 @@ class ColdExtent:
             # EIO, the segment was unlinked by gc (only records no longer indexed lived
             # there), or no descriptor to spare (EMFILE): what was not read is a miss
             return
+        engine.paths["buffered"] += len(ext)
         engine.read_hashed(ext, then)
 
     def _read_direct(self, ext: list[ReadTask], first: int, end: int, then: Then) -> None:
@@ -139,6 +141,11 @@ class ColdExtent:
         buf = self.engine.bounce(hi - lo)
         with self.engine.files.use(ext[0].loc.segment, direct=True) as fd:
             got = preadv_all(fd, [buf[:hi - lo]], lo)
+        copy = fastread.verify_copy_many
+        if copy is not None and all(t.expect is not None for t in ext):  # checked and copied natively
+            apply_statuses(ext, copy(buf[:got], [(t.loc.offset - lo, [t.header, *t.payload, t.tail], t.expect)
+                                                 for t in ext]))
+            return
         for t in ext:
             a = t.loc.offset - lo
             if a + t.loc.length > got:

@@ -145,6 +145,8 @@ class Engine(Protocol):
     files: OpenSegments
     io_threads: int
     direct_io: bool | None
+    #: records read per path (``hot``, ``direct``, ``buffered``): a trace, not a guarantee
+    paths: dict[str, int]
 
     @property
     def hot_threads(self) -> int: ...

@@ -40,6 +40,7 @@ from ..os import fastread, libc
 from ..os import threads as os_threads
 from ..os.libc import ALIGN, aligned_buffer
 from .open_files import DirectUnsupported, OpenFd, OpenSegments
+from .read_ahead import ReadAhead
 from .read_strategies import ColdExtent, PageCacheHashed, PageCacheVerified, RowsDirect, RowsPageCache
 from .read_tasks import MAX_EXTENT, MIN_SHARD, ReadTask, apply_statuses, cut_shards, drain, extents, run_jobs
 from .schema import Location
@@ -72,6 +73,12 @@ class ReadEngine:
         self.cold = ColdExtent(self)
         self.rows = RowsPageCache(self)
         self.rows_direct = RowsDirect(self)
+        #: sequential read-ahead (:mod:`.read_ahead`): the disk asked for what a stream of
+        #: reads in segment order reads next, while the caller is between calls
+        self.ahead = ReadAhead(files)
+        #: records read per path since the engine was made (what bench/disk.py traces):
+        #: ``hot`` from the page cache, ``direct`` with O_DIRECT, ``buffered`` cold but buffered
+        self.paths = {"hot": 0, "direct": 0, "buffered": 0}
 
     @property
     def hot_threads(self) -> int:
@@ -123,7 +130,13 @@ class ReadEngine:
         every task has ``expect``, in one call for them all. Cold extents are read on the
         I/O threads meanwhile."""
         self._sweep()
+        self._read(tasks, then)
+        self.note(tasks, cold=False)
+
+    def _read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> bool:
+        """:meth:`read` without telling the read-ahead; returns whether any record was cold."""
         hot, cold = self._hot_and_cold(tasks)
+        self.paths["hot"] += len(hot)
         jobs: list[Callable[[], None]] = [functools.partial(self.cold.read, ext, then) for ext in cold]
         if hot and fastread.read_verify_many is not None and all(t.expect is not None for t in hot):
             jobs.insert(0, functools.partial(self.verified.read, hot))  # one native call: threads of its own
@@ -131,6 +144,24 @@ class ReadEngine:
             work = functools.partial(drain, shards, lambda shard: self.hashed.read(shard, then))
             jobs = [work] * min(self.hot_threads, len(shards)) + jobs
         run_jobs(jobs, self.pool() if len(jobs) > 1 and self.io_threads > 1 else None)
+        return bool(cold)
+
+    def note(self, tasks: Sequence[ReadTask], *, cold: bool) -> None:
+        """Tell the read-ahead the span of each segment ``tasks`` read (``cold``: some of
+        them came from the disk). Nothing to do for a hot read outside every stream."""
+        if not tasks or not (cold or self.ahead.active):
+            return
+        spans: dict[int, list[int]] = {}
+        for t in tasks:
+            loc = t.loc
+            got = spans.get(loc.segment)
+            if got is None:
+                spans[loc.segment] = [loc.offset, loc.end, loc.length]
+            else:
+                got[0] = min(got[0], loc.offset)
+                got[1] = max(got[1], loc.end)
+                got[2] += loc.length
+        self.ahead.note([(seg, a, b, n) for seg, (a, b, n) in spans.items()], cold)
 
     def batch_read(self, capacity: int, nbytes: int, then: Callable[[ReadTask], None] | None = None) -> BatchRead:
         """A read of up to ``capacity`` tasks (about ``nbytes`` of payload) handed over one
@@ -161,9 +192,11 @@ class ReadEngine:
                     if whole is None or whole[0] >= whole[1]:  # (unknown: read buffered)
                         hot.extend(group)
                         continue
+                    covers = self.ahead.covers
                     for a, b in extents([t.loc for t in group]):
                         ext = group[a:b]
-                        if self.cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
+                        first, end = ext[0].loc.offset, ext[-1].loc.end
+                        if covers(seg, first, end) or self.cached(fd, first, end - first):
                             hot.extend(ext)
                         else:
                             cold.append(ext)
@@ -254,9 +287,11 @@ class BatchRead:
         self._fds: dict[int, OpenFd] = {}
         self._missing: set[int] = set()   # segments that could not be opened
         self._later: list[ReadTask] = []  # read in finish(), through ReadEngine.read
+        self._all: list[ReadTask] = []    # every task added (for the read-ahead)
 
     def add(self, task: ReadTask) -> None:
         self._left -= 1
+        self._all.append(task)
         make = fastread.VerifyBatch
         if make is None or task.expect is None:
             self._later.append(task)
@@ -284,7 +319,9 @@ class BatchRead:
         cache lacked to ``_later``) and let go of its descriptors."""
         try:
             if self._native is not None:
-                self._later += apply_statuses(self._sent, self._native.finish())
+                uncached = apply_statuses(self._sent, self._native.finish())
+                self._engine.paths["hot"] += len(self._sent) - len(uncached)
+                self._later += uncached
         finally:
             self._native, self._sent = None, []
             for entry in self._fds.values():
@@ -294,9 +331,12 @@ class BatchRead:
     def finish(self) -> None:
         """Wait for every task added: read, and checked natively or by ``then``."""
         self._flush()
+        cold = False
         if self._later:
             later, self._later = self._later, []
-            self._engine.read(later, self._then)
+            cold = self._engine._read(later, self._then)
+        self._engine.note(self._all, cold=cold)
+        self._all = []
 
 
 def _offset(t: ReadTask) -> int:

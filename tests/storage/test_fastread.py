@@ -37,6 +37,8 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(fastread, "read_verify_many",
                         fastread.native_read_verify_many if request.param == "native" else None)
     monkeypatch.setattr(fastread, "VerifyBatch", fastread.native_VerifyBatch if request.param == "native" else None)
+    monkeypatch.setattr(fastread, "verify_copy_many",
+                        fastread.native_verify_copy_many if request.param == "native" else None)
     return fn
 
 
@@ -316,6 +318,39 @@ def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> N
         status = fastread.native_read_verify_many([(fd, 10_000, [np.empty(144, np.uint8), np.empty(16, np.uint8)],
                                              bytes(96))])
         assert status == [fastread.SHORT]  # past the end of the file
+    finally:
+        os.close(fd)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(pos=st.one_of(st.none(), st.integers(0, 5000 + 160 - 1)), pieces=st.integers(1, 4))
+def test_verify_copy_many_gives_read_verify_many_verdicts(tmp_path_factory, pos: int | None, pieces: int) -> None:
+    """A record already in memory (a cold read's bounce buffer), copied out and checked by
+    verify_copy_many: the verdict read_verify_many gives the same bytes from a file, and,
+    verified, the same bytes in every part (header, payload pieces, checksum)."""
+    from tiered_kv.storage.format.record import PartsVerifier
+
+    fd, clean = _one_record(tmp_path_factory.mktemp("r"), pos)
+    try:
+        n, key = len(clean), make_key(7)
+        src = np.frombuffer(os.pread(fd, n + 100, 0), np.uint8)
+        expect = PartsVerifier(FP).expectation(key, n, clean[-16:], digest_for(key))
+        cuts = [(n - 160) * j // pieces for j in range(pieces + 1)]
+
+        def parts() -> list[np.ndarray]:
+            return [np.zeros(HEADER_BYTES, np.uint8), *(np.zeros(b - a, np.uint8) for a, b in zip(cuts, cuts[1:])),
+                    np.zeros(CHECKSUM_BYTES, np.uint8)]
+
+        mine, theirs = parts(), parts()
+        [got] = fastread.native_verify_copy_many(src, [(100, mine, expect)])
+        [want] = fastread.native_read_verify_many([(fd, 100, theirs, expect)])
+        assert got == want == (fastread.VERIFIED if pos is None else fastread.FAILED)
+        if pos is None:
+            assert np.concatenate(mine).tobytes() == clean
+        assert fastread.native_verify_copy_many(src[:n + 99], [(100, parts(), expect)]) == [fastread.SHORT]
+        with pytest.raises(TypeError, match="expected \\(at, bufs, expect\\)"):
+            fastread.native_verify_copy_many(src, [(100, parts())])
     finally:
         os.close(fd)
 
