@@ -9,8 +9,11 @@ group to a strategy (:mod:`.read_strategies`, one small object each)::
 
     records the page cache holds      PageCacheVerified   one native call, its own threads
                                       PageCacheHashed     preadv + xxh3 per record (Python path)
-    runs of records it does not hold  ColdExtent          O_DIRECT into a bounce buffer, or
-                                                          POSIX_FADV_WILLNEED then buffered
+    runs of records it does not hold  ColdExtent          buffered, read ahead by the kernel
+                                                          (large requests, across calls), or
+                                                          O_DIRECT into a bounce buffer, checked
+                                                          and copied natively (direct_io=True,
+                                                          or a small kernel read-ahead window)
     rows the page cache holds         RowsPageCache       native read_verify_rows, in chunks
     rows it does not hold             RowsDirect          O_DIRECT extents, native verify_rows
     records handed over one by one    BatchRead           native VerifyBatch: helper threads
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 import threading
 import time
 from collections import deque
@@ -40,15 +44,26 @@ from ..os import fastread, libc
 from ..os import threads as os_threads
 from ..os.libc import ALIGN, aligned_buffer
 from .open_files import DirectUnsupported, OpenFd, OpenSegments
-from .read_ahead import ReadAhead
 from .read_strategies import ColdExtent, PageCacheHashed, PageCacheVerified, RowsDirect, RowsPageCache
 from .read_tasks import MAX_EXTENT, MIN_SHARD, ReadTask, apply_statuses, cut_shards, drain, extents, run_jobs
 from .schema import Location
 
-__all__ = ["BatchRead", "ReadEngine", "ReadTask"]
+__all__ = ["KERNEL_READ_AHEAD_MIN", "BatchRead", "ReadEngine", "ReadTask"]
 
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
+#: Cold runs are read through the page cache where the kernel reads ahead at least this
+#: much (``read_ahead_kb``; twice it with POSIX_FADV_SEQUENTIAL): then its read-ahead keeps
+#: the device busy across calls with large requests. With the usual 128 KiB window they are
+#: read with O_DIRECT, 1 MiB extents several at once.
+KERNEL_READ_AHEAD_MIN = 2 << 20
+
+
+def _reads_ahead(folder: Path) -> bool:
+    while not folder.exists() and folder.parent != folder:  # (a store being made: its filesystem)
+        folder = folder.parent
+    got = libc.read_ahead_bytes(folder)
+    return got is not None and got >= KERNEL_READ_AHEAD_MIN
 
 
 # ------------------------------------------------------------------ the engine
@@ -73,9 +88,10 @@ class ReadEngine:
         self.cold = ColdExtent(self)
         self.rows = RowsPageCache(self)
         self.rows_direct = RowsDirect(self)
-        #: sequential read-ahead (:mod:`.read_ahead`): the disk asked for what a stream of
-        #: reads in segment order reads next, while the caller is between calls
-        self.ahead = ReadAhead(files)
+        #: cold runs read with O_DIRECT: where ``direct_io=True`` was asked for, or (None)
+        #: where the kernel reads ahead less than :data:`KERNEL_READ_AHEAD_MIN`; else
+        #: through the page cache, read ahead by the kernel (see :class:`ColdExtent`)
+        self.cold_direct = direct_io is True or (direct_io is None and not _reads_ahead(files.folder))
         #: records read per path since the engine was made (what bench/disk.py traces):
         #: ``hot`` from the page cache, ``direct`` with O_DIRECT, ``buffered`` cold but buffered
         self.paths = {"hot": 0, "direct": 0, "buffered": 0}
@@ -130,11 +146,6 @@ class ReadEngine:
         every task has ``expect``, in one call for them all. Cold extents are read on the
         I/O threads meanwhile."""
         self._sweep()
-        self._read(tasks, then)
-        self.note(tasks, cold=False)
-
-    def _read(self, tasks: list[ReadTask], then: Callable[[ReadTask], None] | None) -> bool:
-        """:meth:`read` without telling the read-ahead; returns whether any record was cold."""
         hot, cold = self._hot_and_cold(tasks)
         self.paths["hot"] += len(hot)
         jobs: list[Callable[[], None]] = [functools.partial(self.cold.read, ext, then) for ext in cold]
@@ -144,24 +155,6 @@ class ReadEngine:
             work = functools.partial(drain, shards, lambda shard: self.hashed.read(shard, then))
             jobs = [work] * min(self.hot_threads, len(shards)) + jobs
         run_jobs(jobs, self.pool() if len(jobs) > 1 and self.io_threads > 1 else None)
-        return bool(cold)
-
-    def note(self, tasks: Sequence[ReadTask], *, cold: bool) -> None:
-        """Tell the read-ahead the span of each segment ``tasks`` read (``cold``: some of
-        them came from the disk). Nothing to do for a hot read outside every stream."""
-        if not tasks or not (cold or self.ahead.active):
-            return
-        spans: dict[int, list[int]] = {}
-        for t in tasks:
-            loc = t.loc
-            got = spans.get(loc.segment)
-            if got is None:
-                spans[loc.segment] = [loc.offset, loc.end, loc.length]
-            else:
-                got[0] = min(got[0], loc.offset)
-                got[1] = max(got[1], loc.end)
-                got[2] += loc.length
-        self.ahead.note([(seg, a, b, n) for seg, (a, b, n) in spans.items()], cold)
 
     def batch_read(self, capacity: int, nbytes: int, then: Callable[[ReadTask], None] | None = None) -> BatchRead:
         """A read of up to ``capacity`` tasks (about ``nbytes`` of payload) handed over one
@@ -192,11 +185,9 @@ class ReadEngine:
                     if whole is None or whole[0] >= whole[1]:  # (unknown: read buffered)
                         hot.extend(group)
                         continue
-                    covers = self.ahead.covers
                     for a, b in extents([t.loc for t in group]):
                         ext = group[a:b]
-                        first, end = ext[0].loc.offset, ext[-1].loc.end
-                        if covers(seg, first, end) or self.cached(fd, first, end - first):
+                        if self.cached(fd, ext[0].loc.offset, ext[-1].loc.end - ext[0].loc.offset):
                             hot.extend(ext)
                         else:
                             cold.append(ext)
@@ -287,11 +278,9 @@ class BatchRead:
         self._fds: dict[int, OpenFd] = {}
         self._missing: set[int] = set()   # segments that could not be opened
         self._later: list[ReadTask] = []  # read in finish(), through ReadEngine.read
-        self._all: list[ReadTask] = []    # every task added (for the read-ahead)
 
     def add(self, task: ReadTask) -> None:
         self._left -= 1
-        self._all.append(task)
         make = fastread.VerifyBatch
         if make is None or task.expect is None:
             self._later.append(task)
@@ -331,12 +320,9 @@ class BatchRead:
     def finish(self) -> None:
         """Wait for every task added: read, and checked natively or by ``then``."""
         self._flush()
-        cold = False
         if self._later:
             later, self._later = self._later, []
-            cold = self._engine._read(later, self._then)
-        self._engine.note(self._all, cold=cold)
-        self._all = []
+            self._engine.read(later, self._then)
 
 
 def _offset(t: ReadTask) -> int:

@@ -556,7 +556,6 @@ class SegmentFiles:
             for w in list(self._writing.values()):
                 w.pending.clear()  # (the store drained its writers first)
                 self._retire(w)
-        self.reads.ahead.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -14,7 +14,8 @@ import os
 
 import numpy as np
 
-__all__ = ["ALIGN", "align_down", "align_up", "aligned_buffer", "allocate_blocks", "cached_pages", "punch_hole"]
+__all__ = ["ALIGN", "align_down", "align_up", "aligned_buffer", "allocate_blocks", "cached_pages", "punch_hole",
+           "read_ahead_bytes"]
 
 #: Alignment of ``O_DIRECT`` transfers (and of the batches of a segment file).
 ALIGN = 4096
@@ -100,3 +101,21 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     """A page-aligned ``[nbytes] uint8`` array (anonymous mmap), for O_DIRECT transfers."""
     mm = mmap.mmap(-1, max(ALIGN, align_up(nbytes)))
     return np.frombuffer(mm, np.uint8)
+
+
+def read_ahead_bytes(path: str | os.PathLike[str]) -> int | None:
+    """The kernel's read-ahead window of the block device holding ``path`` (its queue's
+    ``read_ahead_kb``, or the whole disk's for a partition), in bytes; None where sysfs
+    does not say (not a block device: tmpfs, overlay, a network filesystem)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for where in (f"{base}/queue/read_ahead_kb", f"{base}/../queue/read_ahead_kb"):
+        try:
+            with open(where) as f:
+                return int(f.read().strip()) << 10
+        except (OSError, ValueError):
+            continue
+    return None

@@ -224,8 +224,8 @@ def test_hot_get_many_spreads_over_threads(impl, monkeypatch: pytest.MonkeyPatch
         assert len(submitted) == 3  # 6 MB in 5 shards: the caller and 3 pool threads drain them
 
 
-@pytest.mark.parametrize("direct_io", [False, True])
-def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direct_io: bool) -> None:
+@pytest.mark.parametrize("direct_io", [False, True, None])
+def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direct_io: bool | None) -> None:
     """Hits, scatter-list outs, a corrupt record (a miss, counted) and an absent key come
     out the same through the native and the Python read_and_hash, hot and cold."""
     keys = [make_key(i) for i in range(6)]
@@ -238,10 +238,10 @@ def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direc
     pos = raw.find(payload_for(keys[4], 300_000)[:64].tobytes())
     raw[pos + 1000] ^= 0xFF  # corrupt record 4's payload
     seg.write_bytes(bytes(raw))
-    if direct_io:
-        fd = os.open(seg, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    fd = os.open(seg, os.O_RDONLY)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: read from the disk
+    os.close(fd)
     with LmdbStore(path, layout_fingerprint=FP, direct_io=direct_io) as store:
         outs: list[object] = [np.empty(n, np.uint8) for n in sizes]
         first = np.empty(60_000, np.uint8)
@@ -564,3 +564,26 @@ def test_concurrent_get_many_share_the_helpers(impl, monkeypatch: pytest.MonkeyP
 
         with ThreadPoolExecutor(3) as pool:
             assert all(pool.map(read, range(9)))
+
+
+@pytest.mark.parametrize(("direct_io", "window", "direct"), [
+    (None, 8 << 20, False), (None, 2 << 20, False), (None, 128 << 10, True), (None, None, True),
+    (True, 8 << 20, True), (False, 128 << 10, False)])
+def test_cold_runs_read_through_the_page_cache_where_the_kernel_reads_ahead(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, direct_io: bool | None, window: int | None,
+        direct: bool) -> None:
+    """By default cold runs go through the page cache where the kernel reads ahead at least
+    KERNEL_READ_AHEAD_MIN (its read-ahead keeps the disk busy across calls, in large
+    requests), with O_DIRECT where it reads ahead less or cannot say; direct_io=True / False
+    decide it whatever the window."""
+    from tiered_kv.storage.lmdb import reads
+
+    monkeypatch.setattr(reads.libc, "read_ahead_bytes", lambda path: window)
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, direct_io=direct_io) as store:
+        assert store._segments.reads.cold_direct is direct
+
+
+def test_read_ahead_bytes_reads_the_devices_window(tmp_path: Path) -> None:
+    got = libc.read_ahead_bytes(tmp_path)
+    assert got is None or (got >= 0 and got % 1024 == 0)
+    assert libc.read_ahead_bytes(tmp_path / "not-there") is None
