@@ -587,3 +587,74 @@ def test_read_ahead_bytes_reads_the_devices_window(tmp_path: Path) -> None:
     got = libc.read_ahead_bytes(tmp_path)
     assert got is None or (got >= 0 and got % 1024 == 0)
     assert libc.read_ahead_bytes(tmp_path / "not-there") is None
+
+
+# ------------------------------------------------------------------ reads of payloads that authenticate themselves
+@pytest.mark.parametrize("native", [True, False])
+def test_get_many_unhashed_checks_all_but_the_payload_hash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           native: bool) -> None:
+    """get_many_unhashed (for sealed envelopes, whose GCM tag the caller checks) checks the
+    header and the stored checksum against the index, and only skips the payload's xxh3:
+    a flipped payload bit comes back (the tag will catch it), a flipped header bit or a
+    stored checksum that is not the index's is a miss, counted corrupt; get_many still
+    catches the payload bit."""
+    if native and fastread.native_VerifyBatch is None:
+        pytest.skip("native helper not built")
+    if not native:
+        monkeypatch.setattr(fastread, "read_verify_many", None)
+        monkeypatch.setattr(fastread, "VerifyBatch", None)
+        monkeypatch.setattr(fastread, "verify_copy_many", None)
+        monkeypatch.setattr(fastread, "read_and_hash", fastread.python_read_and_hash)
+    keys = [make_key(i) for i in range(4)]
+    n = 20_000
+    path = tmp_path / "s"
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
+        store.put_many([item_for(k, n) for k in keys])
+    seg = next((path / "segments").iterdir())
+    raw = bytearray(seg.read_bytes())
+    pos = [raw.find(payload_for(k, n)[:64].tobytes()) for k in keys]
+    raw[pos[1] + 777] ^= 0x01                   # record 1: a payload bit
+    raw[pos[2] - HEADER_BYTES + 20] ^= 0x01     # record 2: a fingerprint bit of its header
+    raw[pos[3] + n + 3] ^= 0x01                 # record 3: its stored checksum
+    seg.write_bytes(bytes(raw))
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
+        outs = [np.zeros(n, np.uint8) for _ in keys]
+        metas = store.get_many_unhashed(keys, outs)
+        assert [m is not None for m in metas] == [True, True, False, False]
+        np.testing.assert_array_equal(outs[0], payload_for(keys[0], n))
+        assert metas[0].token_digest == digest_for(keys[0]) and metas[0].payload_bytes == n
+        assert store.stats()["corrupt"] == 2
+        assert store.get_many(keys[:2], [np.zeros(n, np.uint8) for _ in range(2)])[1] is None  # hashed: caught
+        assert store.stats()["corrupt"] == 3
+
+
+@needs_native
+def test_unhashed_expectation_skips_only_the_hash_natively(tmp_path: Path) -> None:
+    """An expectation ending in EXPECT_UNHASHED: read_verify_many, VerifyBatch and
+    verify_copy_many accept a record whose payload differs from its checksum, and reject
+    what they reject otherwise (here a wrong token digest); a bad trailing byte is refused."""
+    from tiered_kv.storage.format.record import EXPECT_UNHASHED, PartsVerifier
+
+    fd, clean = _one_record(tmp_path, 500)   # a payload bit flipped at byte 500
+    try:
+        key, n = make_key(7), len(clean)
+        v = PartsVerifier(FP)
+        src = np.frombuffer(os.pread(fd, n + 100, 0), np.uint8)
+
+        def parts() -> list[np.ndarray]:
+            return [np.zeros(HEADER_BYTES, np.uint8), np.zeros(n - 160, np.uint8), np.zeros(CHECKSUM_BYTES, np.uint8)]
+
+        for digest, want in ((digest_for(key), fastread.VERIFIED), (bytes(32), fastread.FAILED)):
+            unhashed = v.expectation(key, n, clean[-16:], digest, hashed=False)
+            assert unhashed[-1] == EXPECT_UNHASHED
+            assert fastread.native_read_verify_many([(fd, 100, parts(), unhashed)]) == [want]
+            batch = fastread.native_VerifyBatch(1)
+            batch.add(fd, 100, parts(), unhashed)
+            assert batch.finish() == [want]
+            assert fastread.native_verify_copy_many(src, [(100, parts(), unhashed)]) == [want]
+            hashed = v.expectation(key, n, clean[-16:], digest)
+            assert fastread.native_read_verify_many([(fd, 100, parts(), hashed)]) == [fastread.FAILED]
+        with pytest.raises(ValueError, match="expect must be"):
+            fastread.native_read_verify_many([(fd, 100, parts(), v.expectation(key, n, clean[-16:]) + b"\x01")])
+    finally:
+        os.close(fd)
