@@ -37,6 +37,14 @@ say which of the peer's calls they make and what its writes guarantee.
                      which less than 99 % of the files is still cached (cachestat; other jobs
                      on a shared machine drop the page cache) is measured again, up to 5 times
 
+Printed after the medians: every round's write and cold-read figure per contender; for each
+cold pass what the block device did (/sys/dev/block/M:m/stat: KiB per request after merging,
+mean queue depth, the fraction of the pass a request was in flight), for the peers too;
+which path the LMDB store's records took (page cache after the kernel's read-ahead, cold
+buffered, O_DIRECT); and issue 25's same-run targets (cold >= 1.0x vLLM and >= 0.95x the
+ceiling, every cold round >= 0.9x vLLM's slowest; write >= 0.95x the ceiling and >= 1.3x
+vLLM). docs/disk-reads.md explains the swing these traces show.
+
     python bench/disk.py --quick     # 128 blocks, 2 rounds; writes bench/results/disk.json
     python bench/disk.py             # 512 blocks, 5 rounds; also bench/results/disk.png
 """
