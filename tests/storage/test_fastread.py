@@ -658,3 +658,16 @@ def test_unhashed_expectation_skips_only_the_hash_natively(tmp_path: Path) -> No
             fastread.native_read_verify_many([(fd, 100, parts(), v.expectation(key, n, clean[-16:]) + b"\x01")])
     finally:
         os.close(fd)
+
+
+def test_aligned_buffers_of_a_huge_page_or_more_start_on_one() -> None:
+    """O_DIRECT bounce and staging buffers: page-aligned, their size rounded up to pages,
+    and, from half a huge page up, 2 MiB-aligned and asked for transparent huge pages (so
+    that a transfer is not cut into ~1 MiB requests of 4 KiB pages)."""
+    small = libc.aligned_buffer(100)
+    assert small.nbytes == 4096 and small.ctypes.data % 4096 == 0
+    big = libc.aligned_buffer((1 << 20) + 8192)
+    assert big.nbytes == (1 << 20) + 8192 and big.flags.writeable
+    assert big.ctypes.data % (libc.HUGE_PAGE if hasattr(__import__("mmap"), "MADV_HUGEPAGE") else 4096) == 0
+    big[:] = 7
+    assert int(big.sum()) == 7 * big.nbytes
