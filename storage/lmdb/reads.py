@@ -52,14 +52,6 @@ __all__ = ["KERNEL_READ_AHEAD_MIN", "BatchRead", "ReadEngine", "ReadTask"]
 
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
-#: A batch read (:class:`BatchRead`) is shared with helper threads only where the process
-#: may run on at least this many CPUs. On two, the helper takes the CPU the caller prepares
-#: the next records on (and the one other jobs of the machine run on): measured on this
-#: 2-CPU machine (bench/hot_read.py --quick, pairs interleaved, load ~2), verified hot reads
-#: at 0.85-0.90x a parallel readv into fresh memory alone against 0.70-0.77x with a helper,
-#: 0.86-0.88x against 0.51-0.82x with one core kept busy (--busy); a parallel readv itself
-#: is no faster on two threads than on one here (memory-bound copies).
-BATCH_HELPER_CPUS = 3
 #: Cold runs are read through the page cache where the kernel reads ahead at least this
 #: much (``read_ahead_kb``; twice it with POSIX_FADV_SEQUENTIAL): then its read-ahead keeps
 #: the device busy across calls with large requests. With the usual 128 KiB window they are
@@ -171,8 +163,7 @@ class ReadEngine:
         the page cache holds is read and checked by helper threads as soon as it is added
         (see :class:`BatchRead`)."""
         self._sweep()
-        helped = nbytes >= 2 * MIN_SHARD and os_threads.usable_cpus() >= BATCH_HELPER_CPUS
-        return BatchRead(self, capacity, self.hot_threads if helped else 1, then)
+        return BatchRead(self, capacity, self.hot_threads if nbytes >= 2 * MIN_SHARD else 1, then)
 
     def _hot_and_cold(self, tasks: list[ReadTask]) -> tuple[list[ReadTask], list[list[ReadTask]]]:
         """The records of ``tasks`` the page cache holds (file order), and the extents

@@ -503,7 +503,7 @@ def test_get_many_batch_path_counts_broken_records_as_misses(impl, monkeypatch: 
     payload byte, a wrong length in a header, an index entry with a wrong length and a torn
     tail are each a counted corrupt miss, and removed; every other record, read into one
     buffer or a scatter list, is whole. The same answers either implementation."""
-    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 4)  # (helpers: from BATCH_HELPER_CPUS on)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 2)
     keys = [make_key(i) for i in range(8)]
     path = tmp_path / "s"
     with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
@@ -550,7 +550,7 @@ def test_concurrent_get_many_share_the_helpers(impl, monkeypatch: pytest.MonkeyP
     alone) all get every record whole."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 4)  # (helpers: from BATCH_HELPER_CPUS on)
+    monkeypatch.setattr(os_threads, "usable_cpus", lambda: 2)
     keys = [make_key(i) for i in range(16)]
     with LmdbStore(tmp_path / "s", layout_fingerprint=FP, direct_io=False) as store:
         store.put_many([item_for(k, 400_000) for k in keys])
@@ -671,19 +671,3 @@ def test_aligned_buffers_of_a_huge_page_or_more_start_on_one() -> None:
     assert big.ctypes.data % (libc.HUGE_PAGE if hasattr(__import__("mmap"), "MADV_HUGEPAGE") else 4096) == 0
     big[:] = 7
     assert int(big.sum()) == 7 * big.nbytes
-
-
-@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (3, 3), (4, 4)])
-def test_batch_reads_take_helpers_only_from_batch_helper_cpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                              cpus: int, threads: int) -> None:
-    """On two CPUs a batch read runs on the caller alone (a helper would take the CPU the
-    caller prepares the next records on); from BATCH_HELPER_CPUS on it is shared with
-    helpers, one per CPU up to the I/O threads. Small batches always run alone."""
-    from tiered_kv.storage.lmdb import reads
-
-    monkeypatch.setattr(os_threads, "usable_cpus", lambda: cpus)
-    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, io_threads=4, direct_io=False) as store:
-        engine = store._segments.reads
-        assert reads.BATCH_HELPER_CPUS == 3
-        assert engine.batch_read(16, 8 * MIN_SHARD)._threads == threads
-        assert engine.batch_read(16, MIN_SHARD)._threads == 1
