@@ -37,6 +37,14 @@ say which of the peer's calls they make and what its writes guarantee.
                      which less than 99 % of the files is still cached (cachestat; other jobs
                      on a shared machine drop the page cache) is measured again, up to 5 times
 
+Printed after the medians: every round's write and cold-read figure per contender; for each
+cold pass what the block device did (/sys/dev/block/M:m/stat: KiB per request after merging,
+mean queue depth, the fraction of the pass a request was in flight), for the peers too;
+which path the LMDB store's records took (page cache after the kernel's read-ahead, cold
+buffered, O_DIRECT); and issue 25's same-run targets (cold >= 1.0x vLLM and >= 0.95x the
+ceiling, every cold round >= 0.9x vLLM's slowest; write >= 0.95x the ceiling and >= 1.3x
+vLLM). docs/disk-reads.md explains the swing these traces show.
+
     python bench/disk.py --quick     # 128 blocks, 2 rounds; writes bench/results/disk.json
     python bench/disk.py             # 512 blocks, 5 rounds; also bench/results/disk.png
 """
@@ -233,6 +241,16 @@ class Ceiling:
 
 
 # ------------------------------------------------------------------ stores
+def read_paths(store: BlockStore) -> dict[str, Any]:
+    """Which path the records of a pass took (the LMDB store's read engine: ``hot`` from
+    the page cache, ``direct`` O_DIRECT, ``buffered`` cold through the page cache, read
+    ahead by the kernel) and whether cold runs use O_DIRECT; empty for a store without them."""
+    engine = getattr(getattr(store, "_segments", None), "reads", None)
+    if engine is None:
+        return {}
+    return {**engine.paths, "cold_direct": engine.cold_direct}
+
+
 def store_run(name: str, w: Workload, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the store's round, the round of plain parallel reads of its files)."""
     path = workdir / name
@@ -249,6 +267,8 @@ def store_run(name: str, w: Workload, workdir: Path) -> tuple[dict[str, Any], di
     finally:
         store.close()
 
+    traces: list[dict[str, Any]] = []  # per pass: which path each record took (LMDB)
+
     def read_all() -> float:
         w.dest.fill(0)
         store = open_store(path, max_bytes)  # a fresh handle per pass
@@ -260,12 +280,16 @@ def store_run(name: str, w: Workload, workdir: Path) -> tuple[dict[str, Any], di
                         raise RuntimeError(f"{name}: a stored record was a miss")
 
             seconds = timed(get_all)
+            traces.append(read_paths(store))
         finally:
             store.close()
         check_equal(w.dest, w.payloads, name)
         return seconds
 
-    figures = round_figures(w.total, write_s, cold_pass(path, read_all), hot_pass(path, read_all))
+    cold = cold_pass(path, read_all)
+    cold_paths = traces[-1] if traces else {}
+    figures = round_figures(w.total, write_s, cold, hot_pass(path, read_all))
+    figures["cold_paths"] = cold_paths
     files = files_run(path)
     shutil.rmtree(path)
     return figures, files
@@ -297,7 +321,7 @@ def files_run(path: Path) -> dict[str, Any]:
 
     cold, hot = cold_pass(path, read_all), hot_pass(path, read_all)
     return {"write_gbps": None, "cold_read_gbps": total / cold[0] / 1e9, "hot_read_gbps": total / hot[0] / 1e9,
-            "cold_cached_before": cold[1], "hot_passes": hot[1], "bytes": total}
+            "cold_cached_before": cold[1], "hot_passes": hot[1], "bytes": total, "cold_disk": cold[2]}
 
 
 # ------------------------------------------------------------------ one run
@@ -367,6 +391,7 @@ def results(w: Workload, repeats: int, workdir: Path, runs: dict[str, list[dict[
         "rows": rows,
         "ratios": {b: ratios(rows, b) for b in BACKENDS},
         "targets": targets(rows),
+        "cold_targets": cold_targets(rows),
     }
 
 
@@ -388,6 +413,34 @@ def ratios(rows: dict[str, dict[str, Any]], ours: str) -> dict[str, dict[str, fl
 
 #: issue 15's hot-read targets for the LMDB store: x LMCache's hot read, x its files' pread
 TARGETS = {"lmcache_disk": 1.0, "lmdb_files": 0.8}
+
+
+def cold_targets(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Issue 25's targets for the LMDB store, same run: cold read >= 1.0x vLLM's FS tier and
+    >= 0.95x the ceiling (medians), every cold round >= 0.9x vLLM's slowest round; write
+    >= 0.95x the ceiling and >= 1.3x vLLM."""
+    ours = rows["lmdb"]
+    out: dict[str, dict[str, Any]] = {}
+
+    def judge(name: str, got: float | None, target: float) -> None:
+        out[name] = {"target": target, "ratio": got,
+                     "verdict": "not measured" if got is None else ("meets" if got >= target else "misses")}
+
+    ceiling, vllm = rows["ceiling"], rows.get("vllm_fs")
+    have_vllm = vllm is not None and "not_run" not in vllm
+    m = ours["median"]
+    judge("cold / ceiling", m["cold_read_gbps"] / ceiling["median"]["cold_read_gbps"], 0.95)
+    judge("write / ceiling", m["write_gbps"] / ceiling["median"]["write_gbps"], 0.95)
+    if have_vllm:
+        assert vllm is not None
+        judge("cold / vLLM", m["cold_read_gbps"] / vllm["median"]["cold_read_gbps"], 1.0)
+        judge("write / vLLM", m["write_gbps"] / vllm["median"]["write_gbps"], 1.3)
+        slowest = min(r["cold_read_gbps"] for r in vllm["runs"])
+        judge("slowest cold round / vLLM's slowest", min(r["cold_read_gbps"] for r in ours["runs"]) / slowest, 0.9)
+    else:
+        for name, target in (("cold / vLLM", 1.0), ("write / vLLM", 1.3), ("slowest cold round / vLLM's slowest", 0.9)):
+            judge(name, None, target)
+    return out
 
 
 def targets(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -434,9 +487,45 @@ def table(res: dict[str, Any]) -> str:
                    if t["ratio"] is not None else f"not measured (>= {t['target']})")
                 for k, t in res["targets"].items()]
     lines.append("LMDB hot-read targets (issue 15): " + "; ".join(verdicts))
+    lines.append("LMDB cold-read and write targets (issue 25, same run): " + "; ".join(
+        f"{k} " + ("not measured" if t["ratio"] is None else f"{t['ratio']:.2f}") + f" ({t['verdict']} >= {t['target']})"
+        for k, t in res["cold_targets"].items()))
+    lines += rounds_table(res)
     lines += [f"note, {row['label']}: {row['note']}" for row in res["rows"].values()
               if row.get("note") and "not_run" not in row]
     return "\n".join(lines)
+
+
+def rounds_table(res: dict[str, Any]) -> list[str]:
+    """Every round, not only the median: write and cold read GB/s per contender, then what
+    the disk did in each cold pass (KiB per request after merging, mean queue depth, the
+    fraction of the pass a request was in flight) and which path the LMDB store's records
+    took (h: found in the page cache, read ahead by the kernel during the pass; d: O_DIRECT;
+    b: cold, through the page cache)."""
+    rows = {k: r for k, r in res["rows"].items() if "not_run" not in r}
+    n = len(next(iter(rows.values()))["runs"])
+    head = "".join(f"{f'r{i + 1}':>7}" for i in range(n))
+    lines = [f"{'per round, GB/s':<44}{head}   (write | cold)"]
+    for name, row in rows.items():
+        runs = row["runs"]
+        w = "".join(_cell(r["write_gbps"], 7) for r in runs)
+        c = "".join(_cell(r["cold_read_gbps"], 7) for r in runs)
+        lines.append(f"  {row['label'][:40]:<42}{w}   | {c}")
+    lines.append(f"{'cold passes: KiB/request, queue depth, busy':<44}")
+    for name, row in rows.items():
+        cells = []
+        for r in row["runs"]:
+            d = r.get("cold_disk")
+            cells.append("-" if not d else f"{d['kib_per_request']:.0f}/{d['queue_depth']:.1f}/{d['busy']:.2f}")
+        lines.append(f"  {row['label'][:40]:<42}" + "  ".join(f"{c:>13}" for c in cells))
+    lmdb = rows.get("lmdb")
+    if lmdb and lmdb["runs"][0].get("cold_paths"):
+        cells = [f"{p.get('hot', 0)}h/{p.get('direct', 0)}d/{p.get('buffered', 0)}b"
+                 for p in (r["cold_paths"] for r in lmdb["runs"])]
+        lines.append(f"  {'LMDB cold records per path (h/d/b)':<42}" + "  ".join(f"{c:>13}" for c in cells)
+                     + ("   (cold runs: O_DIRECT)" if lmdb["runs"][0]["cold_paths"].get("cold_direct")
+                        else "   (cold runs: page cache, kernel read-ahead)"))
+    return lines
 
 
 def plot(res: dict[str, Any], path: Path) -> None:

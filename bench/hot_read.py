@@ -42,6 +42,8 @@ shared machine depends on what else runs. Targets (issue 15): store >= 1.0x LMCa
 
     python bench/hot_read.py --quick     # 128 records, 3 rounds: bench/results/hot_read.json
     python bench/hot_read.py             # 512 records, 5 rounds; also hot_read.png
+    python bench/hot_read.py --busy      # the same with one core kept busy by a Python loop
+                                         # (bench/results/hot_read_busy.json / .png)
 """
 
 from __future__ import annotations
@@ -214,6 +216,28 @@ def lmcache_run(python: Path, n: int, nbytes: int, rounds: int, batch: int, work
     return {"ran": True, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
+# ------------------------------------------------------------------ one core kept busy
+class Busy:
+    """One core kept busy by a Python loop in a child process (``--busy``), as another
+    job of a shared machine would: started before the timed rounds, stopped after them.
+    CPU time is per process, so this process's CPU s/GB is not charged for it."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", "import sys\nsys.stdout.write('go\\n')\n"
+                                       "sys.stdout.flush()\nwhile True:\n    pass\n"], stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        self._proc.stdout.readline()  # (it runs)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
 # ------------------------------------------------------------------ driver
 def write_store(path: Path, data: list[np.ndarray], batch: int) -> float:
     from tiered_kv.storage import LmdbStore, PutItem, RecordKey
@@ -243,6 +267,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if not np.array_equal(dest[i * nbytes:(i + 1) * nbytes], data[i]):
                 raise RuntimeError(f"record {i} read back wrong")
 
+    busy = Busy() if args.busy else None
     readers_by_name = {"store": readers.store_get_many, "readv_parallel": readers.readv_parallel,
                        "readv_one": readers.readv_one}
     runs = [(name, kind) for kind in DESTINATIONS for name in readers_by_name]
@@ -251,6 +276,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         for name, read in readers_by_name.items():  # untimed: first-use costs (thread pools, fd caches)
             timed_pass(read, total, "fresh", check)
+        if busy is not None:
+            busy.start()
         for _ in range(args.rounds):  # interleaved: drifts of a shared machine hit every reader alike
             for _try in range(HOT_TRIES):
                 warm(path)
@@ -265,6 +292,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         native = fastread.VerifyBatch is not None
     finally:
+        if busy is not None:
+            busy.stop()
         readers.close()
     med = {name: gbps(total, statistics.median(ts)) for name, ts in times.items()}
     lmc: dict[str, Any]
@@ -276,7 +305,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     res: dict[str, Any] = {
         "config": {"records": n, "payload_bytes": nbytes, "total_bytes": total, "batch": args.batch,
                    "rounds": args.rounds, "threads": args.threads, "store_hot_threads": hot_threads,
-                   "store_native": native,
+                   "store_native": native, "busy": bool(args.busy),
+                   "load_before": os.getloadavg()[0],
                    "statistic": "median", "destinations": list(DESTINATIONS)},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "write_gbps": gbps(total, write_s),
@@ -304,7 +334,9 @@ def table(res: dict[str, Any]) -> str:
     lines = [
         f"hot read: {c['records']} records x {c['payload_bytes']:,} B ({c['total_bytes'] / 1e6:.0f} MB), "
         f"median of {c['rounds']}; store batches of {c['batch']}, {c['store_hot_threads']} hot-read threads, "
-        f"{'native' if c.get('store_native') else 'Python'} read path",
+        f"{'native' if c.get('store_native') else 'Python'} read path"
+        + ("; ONE CORE KEPT BUSY by a Python loop (--busy)" if c.get("busy") else "")
+        + f"; load {c.get('load_before', 0):.1f} before",
         f"{'destination:':<34}" + "".join(f"{k + ' GB/s':>13}{'store/this':>11}{'CPU s/GB':>9}" for k in DESTINATIONS),
     ]
     names = {"store": "store get_many (verified)", "readv_parallel": f"readv, {c['threads']} threads (no checks)",
@@ -375,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lmcache-python", type=Path, default=ROOT / ".venv-lmcache" / "bin" / "python",
                     help="python of a venv with lmcache==0.5.6 (default .venv-lmcache/bin/python)")
     ap.add_argument("--dir", type=Path, default=None, help="filesystem to measure (default: a temp dir)")
+    ap.add_argument("--busy", action="store_true",
+                    help="keep one core busy with a Python loop (a child process) while measuring")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     args.records = args.records or (128 if args.quick else 512)
@@ -391,11 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(table(res))
-    (args.out / "hot_read.json").write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {args.out / 'hot_read.json'}")
+    stem = "hot_read_busy" if args.busy else "hot_read"
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {args.out / f'{stem}.json'}")
     if not args.quick:
-        plot(res, args.out / "hot_read.png")
-        print(f"wrote {args.out / 'hot_read.png'}")
+        plot(res, args.out / f"{stem}.png")
+        print(f"wrote {args.out / f'{stem}.png'}")
     return 0
 
 

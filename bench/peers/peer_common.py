@@ -146,12 +146,37 @@ def warm_cache(path: Path) -> None:
                 pass
 
 
-def cold_pass(path: Path, timed_pass: Callable[[], float]) -> tuple[float, float | None]:
+def _disk_stat(path: Path) -> list[int] | None:
+    """The counters of the block device holding ``path`` (/sys/dev/block/M:m/stat: reads,
+    merges, sectors, ticks, ..., in flight, busy ms, weighted ms), or None."""
+    try:
+        st = os.stat(path)
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None
+
+
+def disk_trace(before: list[int] | None, after: list[int] | None, seconds: float) -> dict[str, float] | None:
+    """What the device did during a pass of ``seconds`` (from two :func:`_disk_stat`):
+    read requests, KiB per request (after the block layer merged them), the fraction of
+    the time a request was in flight (busy), the mean queue depth; the whole device's
+    (other processes' reads count too)."""
+    if before is None or after is None or seconds <= 0 or len(before) < 11:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    return {"requests": d[0], "kib_per_request": d[2] * 512 / 1024 / max(1, d[0]),
+            "busy": d[9] / 1000 / seconds, "queue_depth": d[10] / 1000 / seconds}
+
+
+def cold_pass(path: Path, timed_pass: Callable[[], float]) -> tuple[float, float | None, dict[str, float] | None]:
     """(seconds of ``timed_pass`` after the files under ``path`` left the page cache, the
-    fraction still cached when it started)."""
+    fraction still cached when it started, what the disk did meanwhile: :func:`disk_trace`)."""
     drop_cache(path)
     before = cached_fraction(path)
-    return timed_pass(), before
+    d0 = _disk_stat(path)
+    seconds = timed_pass()
+    return seconds, before, disk_trace(d0, _disk_stat(path), seconds)
 
 
 def hot_pass(path: Path, timed_pass: Callable[[], float]) -> tuple[float, int]:
@@ -172,11 +197,13 @@ def hot_pass(path: Path, timed_pass: Callable[[], float]) -> tuple[float, int]:
     return best, HOT_TRIES
 
 
-def round_figures(total_bytes: int, write_s: float, cold: tuple[float, float | None],
+def round_figures(total_bytes: int, write_s: float, cold: tuple[float, float | None, dict[str, float] | None],
                   hot: tuple[float, int]) -> dict[str, Any]:
-    """One round of a contender: GB/s of payload for write, cold and hot read."""
+    """One round of a contender: GB/s of payload for write, cold and hot read (and what
+    the disk did during the cold read)."""
     return {"write_gbps": gbps(total_bytes, write_s), "cold_read_gbps": gbps(total_bytes, cold[0]),
-            "hot_read_gbps": gbps(total_bytes, hot[0]), "cold_cached_before": cold[1], "hot_passes": hot[1]}
+            "hot_read_gbps": gbps(total_bytes, hot[0]), "cold_cached_before": cold[1], "hot_passes": hot[1],
+            "cold_disk": cold[2]}
 
 
 # ------------------------------------------------------------------ driver side

@@ -212,6 +212,18 @@ class BlockStore(abc.ABC):
         the record's metadata, or None for a miss (absent or failed a check).
         """
 
+    def get_many_unhashed(self, keys: Sequence[RecordKey], outs: Sequence[Any]) -> list[RecordMeta | None]:
+        """:meth:`get_many` for payloads that authenticate themselves, such as the envelopes
+        of :class:`~tiered_kv.storage.EncryptedStore`, whose AES-GCM tag covers every byte
+        the record's checksum covers (and the header fields the envelope's metadata comes
+        from): the record is checked as by :meth:`get_many` (structure, fingerprint, key,
+        length, its stored checksum against the index's) but the checksum of its payload
+        need not be computed, so a sealed record is hashed once, by its tag. The caller
+        must authenticate every payload returned before using it.
+
+        Here: :meth:`get_many` (hashed). A backend that can skip the hash overrides it."""
+        return self.get_many(keys, outs)
+
     def get_rows(self, keys: Sequence[RecordKey], rows: RowScatter, *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[bool]:
         """Read record ``keys[k]``'s payload into the pieces ``rows`` gives it (a

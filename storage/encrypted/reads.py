@@ -7,7 +7,7 @@ is opened on the backend's I/O thread as its response arrives, decrypted straigh
 caller's buffer (or the pieces of a scatter list), with no staging copy
 (:class:`~.envelopes.EnvelopeSink`); the record's xxh3 is not computed there, the tag covers
 every byte it covers. On the other backends (LMDB, a local directory) the envelopes of one
-call are read, checksum-verified, in chunks of at most 8 MiB into reusable per-thread
+call are read, checked but not hashed (the tag covers what the checksum covers), in chunks of at most 8 MiB into reusable per-thread
 arenas, and opened on several threads, pipelined (:meth:`EnvelopeReads.read_chunked`).
 """
 
@@ -226,13 +226,34 @@ class EnvelopeReads:
                 if t.key is not None and r.outcome is not Outcome.OK:
                     zero(t.segs)
             raise
+        self.recheck_forged(targets, env_sizes, reads)
         return reads
 
+    def recheck_forged(self, targets: list[Target], env_sizes: list[int], reads: list[Read]) -> None:
+        """The envelopes read unhashed whose tag failed, read again with the backend's
+        checksum: one the backend finds corrupt (bit rot, a torn write: it counts it and
+        drops it, as a hashed read would have) is a plain miss, not a forgery; one whose
+        checksum holds stays FORGED (written without our key). Their outs are already
+        zeroed. Runs only when a tag failed."""
+        for i, r in enumerate(reads):
+            if r.outcome is not Outcome.FORGED:
+                continue
+            env = np.empty(env_sizes[i], np.uint8)
+            try:
+                again = self.inner.get_many([targets[i].name], [env])[0]
+            except ValueError:
+                continue  # (another size now: leave the verdict)
+            if again is None:
+                reads[i] = Read(Outcome.ABSENT, name=targets[i].name)
+
     def inner_get(self, names: list[RecordKey], envs: list[np.ndarray]) -> list[Any]:
-        """The backend's verified reads of the envelopes; ``_WRONG_SIZE`` for a record of
-        another size (the backend raises ValueError for the batch: asked one by one)."""
+        """The backend's reads of the envelopes, checked but for the payload's checksum
+        (:meth:`~tiered_kv.storage.api.store.BlockStore.get_many_unhashed`: each envelope's
+        GCM tag is checked when it is opened, and a failing one leaves the caller's buffer
+        zeroed); ``_WRONG_SIZE`` for a record of another size (the backend raises
+        ValueError for the batch: asked one by one)."""
         try:
-            return self.inner.get_many(names, envs)
+            return self.inner.get_many_unhashed(names, envs)  # (each envelope's tag is its check)
         except ValueError:
             out: list[Any] = []
             for name, env in zip(names, envs):

@@ -55,6 +55,7 @@ __all__ = [
     "HEADER_BYTES",
     "HEADER_FIELDS",
     "HEADER_LAYOUT",
+    "EXPECT_UNHASHED",
     "HEADER_OFFSETS",
     "KEY_BYTES",
     "MAGIC",
@@ -480,7 +481,10 @@ _HASH_AT, _PARENT_AT, _DIGEST_AT, _LENGTH_AT = (HEADER_OFFSETS[name] for name in
 #: in one piece ends (magic to block hash), where the token digest and the payload length
 #: are, and the checksum's size.
 HEADER_LAYOUT = {"HEADER_BYTES": HEADER_BYTES, "ID_BYTES": _PARENT_AT, "DIGEST_AT": _DIGEST_AT,
-                 "LENGTH_AT": _LENGTH_AT, "DIGEST_BYTES": CHECKSUM_BYTES}
+                 "LENGTH_AT": _LENGTH_AT, "DIGEST_BYTES": CHECKSUM_BYTES, "EXPECT_UNHASHED": 0x55}
+#: The byte that ends an :meth:`PartsVerifier.expectation` of a record whose payload
+#: authenticates itself (``hashed=False``: every check but the xxh3, which is not computed).
+EXPECT_UNHASHED = HEADER_LAYOUT["EXPECT_UNHASHED"]
 _LEAD = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS[:4]))  # magic, version, kind, flags
 _PAYLOAD_LENGTH = struct.Struct("<Q")
 
@@ -505,14 +509,17 @@ class PartsVerifier:
         self._lead = {kind: _LEAD.pack(MAGIC, FORMAT_VERSION, kind, 0) for kind in RecordKind}
 
     def verify(self, header: bytes, digest: bytes | None, tail: Any, *, key: RecordKey, record_bytes: int,
-               checksum: bytes | None = None, token_digest: bytes | None = None) -> RecordMeta | None:
+               checksum: bytes | None = None, token_digest: bytes | None = None,
+               hashed: bool = True) -> RecordMeta | None:
         """The record's meta if it verifies, else None (any check failed).
 
         ``header``: its ``HEADER_BYTES`` bytes (bytes: sliced and compared cheaply);
         ``digest``: the canonical xxh3-128 of header + payload as read (see
         :func:`~tiered_kv.storage.os.fastread.read_and_hash`; None: not read whole);
         ``tail``: its stored checksum; ``record_bytes``: its stored size; ``checksum``:
-        what the stored one must also equal (e.g. the index's copy; None: not checked)."""
+        what the stored one must also equal (e.g. the index's copy; None: not checked).
+        ``hashed=False``: for a payload that authenticates itself (a sealed envelope, whose
+        GCM tag the caller checks): ``digest`` is not compared, every other check is made."""
         payload_bytes = record_bytes - HEADER_BYTES - CHECKSUM_BYTES
         if digest is None or payload_bytes < 0 or len(header) != HEADER_BYTES:
             return None
@@ -521,7 +528,7 @@ class PartsVerifier:
                 or header[_LENGTH_AT:] != _PAYLOAD_LENGTH.pack(payload_bytes)):
             return None
         stored = tail.tobytes() if type(tail) is np.ndarray else bytes(tail)
-        if stored != digest or (checksum is not None and stored != checksum):
+        if (hashed and stored != digest) or (checksum is not None and stored != checksum):
             return None
         digest_field = header[_DIGEST_AT:_LENGTH_AT]
         if token_digest is not None and digest_field != token_digest:
@@ -529,14 +536,15 @@ class PartsVerifier:
         return RecordMeta(key, header[_PARENT_AT:_DIGEST_AT], digest_field, self.fingerprint, payload_bytes)
 
     def expectation(self, key: RecordKey, record_bytes: int, checksum: bytes,
-                    token_digest: bytes | None = None) -> bytes:
+                    token_digest: bytes | None = None, *, hashed: bool = True) -> bytes:
         """What :func:`~tiered_kv.storage.os.fastread.read_verify_many` checks a record of
         ``key``, ``record_bytes`` long, against: the header's first 72 bytes (magic,
         version, kind, flags, fingerprint, block hash), its payload length (8 B), the
-        index's ``checksum`` (16 B) and, when given, the ``token_digest`` (32 B)."""
+        index's ``checksum`` (16 B) and, when given, the ``token_digest`` (32 B);
+        ``hashed=False``: then :data:`EXPECT_UNHASHED` (1 B): no xxh3 (see :meth:`verify`)."""
         return b"".join((self._lead[key.kind], self._fp_field, key.block_hash,
                          _PAYLOAD_LENGTH.pack(record_bytes - HEADER_BYTES - CHECKSUM_BYTES), checksum,
-                         token_digest or b""))
+                         token_digest or b"", b"" if hashed else bytes((EXPECT_UNHASHED,))))
 
     def meta(self, header: bytes, key: RecordKey, record_bytes: int) -> RecordMeta:
         """The meta of a record of ``key`` whose ``header`` was verified (natively)."""

@@ -94,6 +94,11 @@ class OpenSegments:
             if direct and e.errno == errno.EINVAL:
                 raise DirectUnsupported() from e
             raise
+        if not direct:  # twice the kernel's read-ahead window for runs read in order (cold reads)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass  # a hint only
         with self._lock:
             entry = self._lru.get(key)
             if entry is not None:  # another thread opened it meanwhile

@@ -105,10 +105,22 @@ class PageCacheHashed:
 
 
 class ColdExtent:
-    """A run of records the page cache does not hold: one ``O_DIRECT`` transfer into the
-    thread's bounce buffer, then each record copied into its parts and hashed there (while
-    it is in the CPU's cache); or, where direct I/O is off, ``POSIX_FADV_WILLNEED`` for
-    the run and a buffered read (:class:`PageCacheHashed`)."""
+    """A run of records the page cache does not hold.
+
+    By default read through the page cache (:class:`PageCacheHashed`): the first buffered
+    read of a run starts the kernel's read-ahead of the file, which then keeps ahead of the
+    reads of the next calls as well (it follows the sequential reads of a restore across
+    ``get_many`` calls) and reads in large folios, so the device gets requests of several
+    MiB. A block device takes at most ``max_segments`` pieces of memory per request (254 on
+    virtio-blk here); the pages ``POSIX_FADV_WILLNEED`` allocates are single 4 KiB pages,
+    so asking ahead with it cuts the reads into requests of at most ~1 MiB, and so do
+    ``O_DIRECT`` transfers into buffers of scattered pages: the rounds of small requests
+    were the slow rounds of bench/disk.py's cold reads (docs/disk-reads.md).
+
+    Where the store was opened with ``direct_io=True``: one ``O_DIRECT`` transfer into the
+    thread's bounce buffer (the page cache is not filled), each record then checked and
+    copied into its parts natively (``verify_copy_many``), or, without the native helper,
+    copied and hashed there."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -116,22 +128,18 @@ class ColdExtent:
     def read(self, ext: list[ReadTask], then: Then) -> None:
         engine = self.engine
         first, end = ext[0].loc.offset, ext[-1].loc.end
-        try:
-            if engine.direct_io is not False:  # None: try it (EINVAL turns it off)
-                try:
-                    self._read_direct(ext, first, end, then)
-                    return
-                except DirectUnsupported:
-                    engine.direct_io = False
-                except FileNotFoundError:
-                    return
-            if len(ext) > 1:
-                with engine.files.use(ext[0].loc.segment, direct=False) as fd:
-                    os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            # EIO, the segment was unlinked by gc (only records no longer indexed lived
-            # there), or no descriptor to spare (EMFILE): what was not read is a miss
-            return
+        if engine.cold_direct and engine.direct_io is not False:
+            try:
+                self._read_direct(ext, first, end, then)
+                engine.paths["direct"] += len(ext)
+                return
+            except DirectUnsupported:
+                engine.direct_io = False
+            except OSError:
+                # EIO, the segment was unlinked by gc (only records no longer indexed lived
+                # there), or no descriptor to spare (EMFILE): what was not read is a miss
+                return
+        engine.paths["buffered"] += len(ext)
         engine.read_hashed(ext, then)
 
     def _read_direct(self, ext: list[ReadTask], first: int, end: int, then: Then) -> None:
@@ -139,6 +147,11 @@ class ColdExtent:
         buf = self.engine.bounce(hi - lo)
         with self.engine.files.use(ext[0].loc.segment, direct=True) as fd:
             got = preadv_all(fd, [buf[:hi - lo]], lo)
+        copy = fastread.verify_copy_many
+        if copy is not None and all(t.expect is not None for t in ext):  # checked and copied natively
+            apply_statuses(ext, copy(buf[:got], [(t.loc.offset - lo, [t.header, *t.payload, t.tail], t.expect)
+                                                 for t in ext]))
+            return
         for t in ext:
             a = t.loc.offset - lo
             if a + t.loc.length > got:

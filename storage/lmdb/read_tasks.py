@@ -145,6 +145,10 @@ class Engine(Protocol):
     files: OpenSegments
     io_threads: int
     direct_io: bool | None
+    #: cold runs read with O_DIRECT (``direct_io=True``), else through the page cache
+    cold_direct: bool
+    #: records read per path (``hot``, ``direct``, ``buffered``): a trace, not a guarantee
+    paths: dict[str, int]
 
     @property
     def hot_threads(self) -> int: ...

@@ -9,8 +9,11 @@ group to a strategy (:mod:`.read_strategies`, one small object each)::
 
     records the page cache holds      PageCacheVerified   one native call, its own threads
                                       PageCacheHashed     preadv + xxh3 per record (Python path)
-    runs of records it does not hold  ColdExtent          O_DIRECT into a bounce buffer, or
-                                                          POSIX_FADV_WILLNEED then buffered
+    runs of records it does not hold  ColdExtent          buffered, read ahead by the kernel
+                                                          (large requests, across calls), or
+                                                          O_DIRECT into a bounce buffer, checked
+                                                          and copied natively (direct_io=True,
+                                                          or a small kernel read-ahead window)
     rows the page cache holds         RowsPageCache       native read_verify_rows, in chunks
     rows it does not hold             RowsDirect          O_DIRECT extents, native verify_rows
     records handed over one by one    BatchRead           native VerifyBatch: helper threads
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 import threading
 import time
 from collections import deque
@@ -44,10 +48,22 @@ from .read_strategies import ColdExtent, PageCacheHashed, PageCacheVerified, Row
 from .read_tasks import MAX_EXTENT, MIN_SHARD, ReadTask, apply_statuses, cut_shards, drain, extents, run_jobs
 from .schema import Location
 
-__all__ = ["BatchRead", "ReadEngine", "ReadTask"]
+__all__ = ["KERNEL_READ_AHEAD_MIN", "BatchRead", "ReadEngine", "ReadTask"]
 
 #: How often a reader closes its cached fds of segments that gc (of any process) unlinked.
 _SWEEP_S = 10.0
+#: Cold runs are read through the page cache where the kernel reads ahead at least this
+#: much (``read_ahead_kb``; twice it with POSIX_FADV_SEQUENTIAL): then its read-ahead keeps
+#: the device busy across calls with large requests. With the usual 128 KiB window they are
+#: read with O_DIRECT, 1 MiB extents several at once.
+KERNEL_READ_AHEAD_MIN = 2 << 20
+
+
+def _reads_ahead(folder: Path) -> bool:
+    while not folder.exists() and folder.parent != folder:  # (a store being made: its filesystem)
+        folder = folder.parent
+    got = libc.read_ahead_bytes(folder)
+    return got is not None and got >= KERNEL_READ_AHEAD_MIN
 
 
 # ------------------------------------------------------------------ the engine
@@ -72,6 +88,13 @@ class ReadEngine:
         self.cold = ColdExtent(self)
         self.rows = RowsPageCache(self)
         self.rows_direct = RowsDirect(self)
+        #: cold runs read with O_DIRECT: where ``direct_io=True`` was asked for, or (None)
+        #: where the kernel reads ahead less than :data:`KERNEL_READ_AHEAD_MIN`; else
+        #: through the page cache, read ahead by the kernel (see :class:`ColdExtent`)
+        self.cold_direct = direct_io is True or (direct_io is None and not _reads_ahead(files.folder))
+        #: records read per path since the engine was made (what bench/disk.py traces):
+        #: ``hot`` from the page cache, ``direct`` with O_DIRECT, ``buffered`` cold but buffered
+        self.paths = {"hot": 0, "direct": 0, "buffered": 0}
 
     @property
     def hot_threads(self) -> int:
@@ -124,6 +147,7 @@ class ReadEngine:
         I/O threads meanwhile."""
         self._sweep()
         hot, cold = self._hot_and_cold(tasks)
+        self.paths["hot"] += len(hot)
         jobs: list[Callable[[], None]] = [functools.partial(self.cold.read, ext, then) for ext in cold]
         if hot and fastread.read_verify_many is not None and all(t.expect is not None for t in hot):
             jobs.insert(0, functools.partial(self.verified.read, hot))  # one native call: threads of its own
@@ -284,7 +308,9 @@ class BatchRead:
         cache lacked to ``_later``) and let go of its descriptors."""
         try:
             if self._native is not None:
-                self._later += apply_statuses(self._sent, self._native.finish())
+                uncached = apply_statuses(self._sent, self._native.finish())
+                self._engine.paths["hot"] += len(self._sent) - len(uncached)
+                self._later += uncached
         finally:
             self._native, self._sent = None, []
             for entry in self._fds.values():

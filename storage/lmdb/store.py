@@ -266,6 +266,14 @@ class LmdbStore(BlockStore):
         keys, dsts, digests = self._check_get_args(keys, outs, token_digests, scatter=True)
         return self._reads.get_many(keys, dsts, digests)
 
+    def get_many_unhashed(self, keys: Sequence[RecordKey], outs: Sequence[Any]) -> list[RecordMeta | None]:
+        """See :meth:`BlockStore.get_many_unhashed`: :meth:`get_many` whose native read
+        checks everything but the payload's xxh3, which it does not compute (the Python
+        read path computes it but does not compare it)."""
+        check_open(self._closed, str(self.path))
+        keys, dsts, digests = self._check_get_args(keys, outs, None, scatter=True)
+        return self._reads.get_many(keys, dsts, digests, hashed=False)
+
     @property
     def supports_row_reads(self) -> bool:  # type: ignore[override]
         """``get_rows`` reads natively where the helper is built (else through get_many)."""

@@ -133,27 +133,29 @@ class StoreReads:
         return n
 
     # ------------------------------------------------------------------ get_many
-    def get_many(self, keys: list[RecordKey], dsts: list[OutSegments], digests: list[bytes | None]
-                 ) -> list[RecordMeta | None]:
-        """:meth:`~tiered_kv.storage.api.store.BlockStore.get_many` of checked arguments."""
+    def get_many(self, keys: list[RecordKey], dsts: list[OutSegments], digests: list[bytes | None], *,
+                 hashed: bool = True) -> list[RecordMeta | None]:
+        """:meth:`~tiered_kv.storage.api.store.BlockStore.get_many` of checked arguments
+        (``hashed=False``: :meth:`~tiered_kv.storage.api.store.BlockStore.get_many_unhashed`)."""
         kbs = [key.to_bytes() for key in keys]
         values = self.lookup(kbs)
         jobs = [(i, keys[i], v, dsts[i], digests[i]) for i, v in enumerate(values) if v is not None]
-        good, failed = self.read_locked(jobs)
+        good, failed = self.read_locked(jobs, hashed=hashed)
         metas: list[RecordMeta | None] = [good.get(i) for i in range(len(keys))]
         self.settle(kbs, values, failed, metas, hits=len(good), misses=len(keys) - len(good))
         return metas
 
-    def read_locked(self, jobs: list[Job]) -> tuple[dict[int, RecordMeta], list[int]]:
+    def read_locked(self, jobs: list[Job], *, hashed: bool = True) -> tuple[dict[int, RecordMeta], list[int]]:
         """:meth:`read_verified` with the store held open meanwhile (closing waits)."""
         with self.index.rw.shared():
             check_open(self.index.closed, str(self.index.path))
-            return self.read_verified(jobs)
+            return self.read_verified(jobs, hashed=hashed)
 
-    def read_verified(self, jobs: list[Job]) -> tuple[dict[int, RecordMeta], list[int]]:
+    def read_verified(self, jobs: list[Job], *, hashed: bool = True) -> tuple[dict[int, RecordMeta], list[int]]:
         """Read and verify records (see :data:`Job`). Returns index -> meta for the good
         ones and the indices that failed (read or check). ValueError: an out buffer of the
-        wrong size for a valid record.
+        wrong size for a valid record. ``hashed=False``: every check but the xxh3 of the
+        payload, which is not computed natively (the caller authenticates the payload).
 
         An index entry whose length does not fit in its segment file (torn, or corrupt:
         e.g. an absurd length) fails without allocating anything of that size."""
@@ -167,14 +169,14 @@ class StoreReads:
         def check(t: ReadTask) -> None:  # in the reading thread, while the record is in the CPU cache
             key, checksum, digest = info[t.index]
             t.result = verifier.verify(t.header.tobytes(), t.digest, t.tail, key=key, record_bytes=t.loc.length,
-                                       checksum=checksum, token_digest=digest)
+                                       checksum=checksum, token_digest=digest, hashed=hashed)
 
         # Each task is handed to the reader as soon as it is made: natively, helper threads
         # read and check the first records while this loop prepares the next ones.
         reader = self.segments.reads.batch_read(
             len(jobs), sum(out.nbytes for _, _, _, out, _ in jobs if out is not None), check)
         try:
-            self._hand_over(jobs, heads, reader, tasks, info, odd, failed)
+            self._hand_over(jobs, heads, reader, tasks, info, odd, failed, hashed)
         finally:
             reader.finish()
         metas: dict[int, RecordMeta] = {}
@@ -192,7 +194,8 @@ class StoreReads:
 
     def _hand_over(self, jobs: list[Job], heads: np.ndarray, reader: Any, tasks: list[ReadTask],
                    info: dict[int, tuple[RecordKey, bytes, bytes | None]],
-                   odd: list[tuple[int, RecordKey, Location, Any, bytes | None]], failed: list[int]) -> None:
+                   odd: list[tuple[int, RecordKey, Location, Any, bytes | None]], failed: list[int],
+                   hashed: bool = True) -> None:
         """Make a task of each job and hand it to ``reader``; a job whose stored size is
         not its out's goes to ``odd``, one that is no index entry to ``failed``."""
         tails = np.empty((len(jobs), CHECKSUM_BYTES), np.uint8)
@@ -215,7 +218,8 @@ class StoreReads:
                 continue
             info[i] = (key, checksum, digest)
             k = len(tasks)
-            task = ReadTask(i, loc, heads[k], out, tails[k], expect=expectation(key, length, checksum, digest))
+            task = ReadTask(i, loc, heads[k], out, tails[k],
+                            expect=expectation(key, length, checksum, digest, hashed=hashed))
             tasks.append(task)
             reader.add(task)
 

@@ -43,8 +43,8 @@ from .preadv import preadv_all
 
 __all__ = ["FAILED", "NATIVE", "SHORT", "UNCACHED", "VERIFIED", "VerifyBatch", "digest_parts", "layout_mismatches",
            "native_VerifyBatch",
-           "native_read_and_hash", "native_read_verify_many", "python_read_and_hash", "read_and_hash",
-           "read_verify_many"]
+           "native_read_and_hash", "native_read_verify_many", "native_verify_copy_many", "python_read_and_hash", "read_and_hash",
+           "read_verify_many", "verify_copy_many"]
 
 _XXH3_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
                  "XXH3_128bits_digest")
@@ -181,3 +181,11 @@ read_verify_rows: Callable[..., bytes] | None = native_read_verify_rows if NATIV
 native_verify_rows: Callable[..., bytes] | None = (
     getattr(_fastread, "verify_rows", None) if native_read_and_hash is not None else None)
 verify_rows: Callable[..., bytes] | None = native_verify_rows if NATIVE else None
+#: ``verify_copy_many(src, items) -> list[int]`` (native only; None otherwise):
+#: :data:`read_verify_many` for records already in memory (a cold read's O_DIRECT bounce
+#: buffer): each ``(at, bufs, expect)`` copied from ``src[at:]`` into ``bufs`` and checked,
+#: the copy and the hash fused (one pass over the bytes); the same statuses.
+native_verify_copy_many: Callable[[Any, Sequence[tuple[int, Sequence[Any], bytes]]], list[int]] | None = (
+    getattr(_fastread, "verify_copy_many", None) if native_read_and_hash is not None else None)
+verify_copy_many: Callable[[Any, Sequence[tuple[int, Sequence[Any], bytes]]], list[int]] | None = (
+    native_verify_copy_many if NATIVE else None)

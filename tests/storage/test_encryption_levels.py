@@ -260,6 +260,37 @@ def test_a_disk_attacker_rewriting_lmdb_records_leaves_only_zeros(tmp_path: Path
         assert s.stats()["auth_failures"] == 2 and s.stats()["corrupt"] == 0
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["one-out", "scatter"])
+def test_bit_rot_in_a_sealed_lmdb_record_is_a_counted_corrupt_miss_and_leaves_zeros(tmp_path: Path,
+                                                                                   scatter: bool) -> None:
+    """LMDB reads a sealed record without hashing it (the tag is its check): a flipped
+    ciphertext bit whose xxh3 was NOT rewritten fails the tag, leaves zeros in the caller's
+    buffer, and, the backend's checksum then confirming the damage, is a corrupt record
+    (counted, dropped), not a forgery."""
+    files = key_files(tmp_path, "a")
+    where = tmp_path / "s"
+    keys = [make_key(i) for i in range(3)]
+    with open_store(f"lmdb://{where}", layout_fingerprint=FP, encryption=enc(files)) as s:
+        s.put_many([item_for(k, N) for k in keys])
+        name = s.name_of(keys[0])
+    seg = next((where / "segments").iterdir())
+    raw = bytearray(seg.read_bytes())
+    record = read_lmdb_record(where, name)
+    at = raw.find(record) + len(record) // 2   # a ciphertext byte; the stored checksum left as it was
+    raw[at] ^= 0x01
+    seg.write_bytes(bytes(raw))
+    with open_store(f"lmdb://{where}", layout_fingerprint=FP, encryption=enc(files)) as s:
+        outs = ([[np.full(9, 0x5A, np.uint8), np.full(N - 9, 0x5A, np.uint8)] for _ in keys] if scatter
+                else [np.full(N, 0x5A, np.uint8) for _ in keys])
+        metas = s.get_many(keys, outs)
+        flat = [np.concatenate(o) if scatter else o for o in outs]
+        assert [m is None for m in metas] == [True, False, False]
+        assert not flat[0].any()
+        np.testing.assert_array_equal(flat[1], payload_for(keys[1], N))
+        st = s.stats()
+        assert st["corrupt"] == 1 and st["auth_failures"] == 0 and not s.contains(keys[0])
+
+
 class _RawStore(BlockStore):
     """A backend that checks nothing: what a local store looks like once the GCM tag is
     the only check of a sealed record (the cold-reads issue drops xxh3 for them)."""

@@ -37,6 +37,8 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(fastread, "read_verify_many",
                         fastread.native_read_verify_many if request.param == "native" else None)
     monkeypatch.setattr(fastread, "VerifyBatch", fastread.native_VerifyBatch if request.param == "native" else None)
+    monkeypatch.setattr(fastread, "verify_copy_many",
+                        fastread.native_verify_copy_many if request.param == "native" else None)
     return fn
 
 
@@ -222,8 +224,8 @@ def test_hot_get_many_spreads_over_threads(impl, monkeypatch: pytest.MonkeyPatch
         assert len(submitted) == 3  # 6 MB in 5 shards: the caller and 3 pool threads drain them
 
 
-@pytest.mark.parametrize("direct_io", [False, True])
-def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direct_io: bool) -> None:
+@pytest.mark.parametrize("direct_io", [False, True, None])
+def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direct_io: bool | None) -> None:
     """Hits, scatter-list outs, a corrupt record (a miss, counted) and an absent key come
     out the same through the native and the Python read_and_hash, hot and cold."""
     keys = [make_key(i) for i in range(6)]
@@ -236,10 +238,10 @@ def test_get_many_same_answers_either_implementation(impl, tmp_path: Path, direc
     pos = raw.find(payload_for(keys[4], 300_000)[:64].tobytes())
     raw[pos + 1000] ^= 0xFF  # corrupt record 4's payload
     seg.write_bytes(bytes(raw))
-    if direct_io:
-        fd = os.open(seg, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    fd = os.open(seg, os.O_RDONLY)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: read from the disk
+    os.close(fd)
     with LmdbStore(path, layout_fingerprint=FP, direct_io=direct_io) as store:
         outs: list[object] = [np.empty(n, np.uint8) for n in sizes]
         first = np.empty(60_000, np.uint8)
@@ -316,6 +318,39 @@ def test_native_batch_check_accepts_and_rejects_like_python(tmp_path: Path) -> N
         status = fastread.native_read_verify_many([(fd, 10_000, [np.empty(144, np.uint8), np.empty(16, np.uint8)],
                                              bytes(96))])
         assert status == [fastread.SHORT]  # past the end of the file
+    finally:
+        os.close(fd)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(pos=st.one_of(st.none(), st.integers(0, 5000 + 160 - 1)), pieces=st.integers(1, 4))
+def test_verify_copy_many_gives_read_verify_many_verdicts(tmp_path_factory, pos: int | None, pieces: int) -> None:
+    """A record already in memory (a cold read's bounce buffer), copied out and checked by
+    verify_copy_many: the verdict read_verify_many gives the same bytes from a file, and,
+    verified, the same bytes in every part (header, payload pieces, checksum)."""
+    from tiered_kv.storage.format.record import PartsVerifier
+
+    fd, clean = _one_record(tmp_path_factory.mktemp("r"), pos)
+    try:
+        n, key = len(clean), make_key(7)
+        src = np.frombuffer(os.pread(fd, n + 100, 0), np.uint8)
+        expect = PartsVerifier(FP).expectation(key, n, clean[-16:], digest_for(key))
+        cuts = [(n - 160) * j // pieces for j in range(pieces + 1)]
+
+        def parts() -> list[np.ndarray]:
+            return [np.zeros(HEADER_BYTES, np.uint8), *(np.zeros(b - a, np.uint8) for a, b in zip(cuts, cuts[1:])),
+                    np.zeros(CHECKSUM_BYTES, np.uint8)]
+
+        mine, theirs = parts(), parts()
+        [got] = fastread.native_verify_copy_many(src, [(100, mine, expect)])
+        [want] = fastread.native_read_verify_many([(fd, 100, theirs, expect)])
+        assert got == want == (fastread.VERIFIED if pos is None else fastread.FAILED)
+        if pos is None:
+            assert np.concatenate(mine).tobytes() == clean
+        assert fastread.native_verify_copy_many(src[:n + 99], [(100, parts(), expect)]) == [fastread.SHORT]
+        with pytest.raises(TypeError, match="expected \\(at, bufs, expect\\)"):
+            fastread.native_verify_copy_many(src, [(100, parts())])
     finally:
         os.close(fd)
 
@@ -529,3 +564,110 @@ def test_concurrent_get_many_share_the_helpers(impl, monkeypatch: pytest.MonkeyP
 
         with ThreadPoolExecutor(3) as pool:
             assert all(pool.map(read, range(9)))
+
+
+@pytest.mark.parametrize(("direct_io", "window", "direct"), [
+    (None, 8 << 20, False), (None, 2 << 20, False), (None, 128 << 10, True), (None, None, True),
+    (True, 8 << 20, True), (False, 128 << 10, False)])
+def test_cold_runs_read_through_the_page_cache_where_the_kernel_reads_ahead(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, direct_io: bool | None, window: int | None,
+        direct: bool) -> None:
+    """By default cold runs go through the page cache where the kernel reads ahead at least
+    KERNEL_READ_AHEAD_MIN (its read-ahead keeps the disk busy across calls, in large
+    requests), with O_DIRECT where it reads ahead less or cannot say; direct_io=True / False
+    decide it whatever the window."""
+    from tiered_kv.storage.lmdb import reads
+
+    monkeypatch.setattr(reads.libc, "read_ahead_bytes", lambda path: window)
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, direct_io=direct_io) as store:
+        assert store._segments.reads.cold_direct is direct
+
+
+def test_read_ahead_bytes_reads_the_devices_window(tmp_path: Path) -> None:
+    got = libc.read_ahead_bytes(tmp_path)
+    assert got is None or (got >= 0 and got % 1024 == 0)
+    assert libc.read_ahead_bytes(tmp_path / "not-there") is None
+
+
+# ------------------------------------------------------------------ reads of payloads that authenticate themselves
+@pytest.mark.parametrize("native", [True, False])
+def test_get_many_unhashed_checks_all_but_the_payload_hash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           native: bool) -> None:
+    """get_many_unhashed (for sealed envelopes, whose GCM tag the caller checks) checks the
+    header and the stored checksum against the index, and only skips the payload's xxh3:
+    a flipped payload bit comes back (the tag will catch it), a flipped header bit or a
+    stored checksum that is not the index's is a miss, counted corrupt; get_many still
+    catches the payload bit."""
+    if native and fastread.native_VerifyBatch is None:
+        pytest.skip("native helper not built")
+    if not native:
+        monkeypatch.setattr(fastread, "read_verify_many", None)
+        monkeypatch.setattr(fastread, "VerifyBatch", None)
+        monkeypatch.setattr(fastread, "verify_copy_many", None)
+        monkeypatch.setattr(fastread, "read_and_hash", fastread.python_read_and_hash)
+    keys = [make_key(i) for i in range(4)]
+    n = 20_000
+    path = tmp_path / "s"
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
+        store.put_many([item_for(k, n) for k in keys])
+    seg = next((path / "segments").iterdir())
+    raw = bytearray(seg.read_bytes())
+    pos = [raw.find(payload_for(k, n)[:64].tobytes()) for k in keys]
+    raw[pos[1] + 777] ^= 0x01                   # record 1: a payload bit
+    raw[pos[2] - HEADER_BYTES + 20] ^= 0x01     # record 2: a fingerprint bit of its header
+    raw[pos[3] + n + 3] ^= 0x01                 # record 3: its stored checksum
+    seg.write_bytes(bytes(raw))
+    with LmdbStore(path, layout_fingerprint=FP, direct_io=False) as store:
+        outs = [np.zeros(n, np.uint8) for _ in keys]
+        metas = store.get_many_unhashed(keys, outs)
+        assert [m is not None for m in metas] == [True, True, False, False]
+        np.testing.assert_array_equal(outs[0], payload_for(keys[0], n))
+        assert metas[0].token_digest == digest_for(keys[0]) and metas[0].payload_bytes == n
+        assert store.stats()["corrupt"] == 2
+        assert store.get_many(keys[:2], [np.zeros(n, np.uint8) for _ in range(2)])[1] is None  # hashed: caught
+        assert store.stats()["corrupt"] == 3
+
+
+@needs_native
+def test_unhashed_expectation_skips_only_the_hash_natively(tmp_path: Path) -> None:
+    """An expectation ending in EXPECT_UNHASHED: read_verify_many, VerifyBatch and
+    verify_copy_many accept a record whose payload differs from its checksum, and reject
+    what they reject otherwise (here a wrong token digest); a bad trailing byte is refused."""
+    from tiered_kv.storage.format.record import EXPECT_UNHASHED, PartsVerifier
+
+    fd, clean = _one_record(tmp_path, 500)   # a payload bit flipped at byte 500
+    try:
+        key, n = make_key(7), len(clean)
+        v = PartsVerifier(FP)
+        src = np.frombuffer(os.pread(fd, n + 100, 0), np.uint8)
+
+        def parts() -> list[np.ndarray]:
+            return [np.zeros(HEADER_BYTES, np.uint8), np.zeros(n - 160, np.uint8), np.zeros(CHECKSUM_BYTES, np.uint8)]
+
+        for digest, want in ((digest_for(key), fastread.VERIFIED), (bytes(32), fastread.FAILED)):
+            unhashed = v.expectation(key, n, clean[-16:], digest, hashed=False)
+            assert unhashed[-1] == EXPECT_UNHASHED
+            assert fastread.native_read_verify_many([(fd, 100, parts(), unhashed)]) == [want]
+            batch = fastread.native_VerifyBatch(1)
+            batch.add(fd, 100, parts(), unhashed)
+            assert batch.finish() == [want]
+            assert fastread.native_verify_copy_many(src, [(100, parts(), unhashed)]) == [want]
+            hashed = v.expectation(key, n, clean[-16:], digest)
+            assert fastread.native_read_verify_many([(fd, 100, parts(), hashed)]) == [fastread.FAILED]
+        with pytest.raises(ValueError, match="expect must be"):
+            fastread.native_read_verify_many([(fd, 100, parts(), v.expectation(key, n, clean[-16:]) + b"\x01")])
+    finally:
+        os.close(fd)
+
+
+def test_aligned_buffers_of_a_huge_page_or_more_start_on_one() -> None:
+    """O_DIRECT bounce and staging buffers: page-aligned, their size rounded up to pages,
+    and, from half a huge page up, 2 MiB-aligned and asked for transparent huge pages (so
+    that a transfer is not cut into ~1 MiB requests of 4 KiB pages)."""
+    small = libc.aligned_buffer(100)
+    assert small.nbytes == 4096 and small.ctypes.data % 4096 == 0
+    big = libc.aligned_buffer((1 << 20) + 8192)
+    assert big.nbytes == (1 << 20) + 8192 and big.flags.writeable
+    assert big.ctypes.data % (libc.HUGE_PAGE if hasattr(__import__("mmap"), "MADV_HUGEPAGE") else 4096) == 0
+    big[:] = 7
+    assert int(big.sum()) == 7 * big.nbytes
