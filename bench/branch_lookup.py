@@ -43,17 +43,11 @@ if str(ROOT) not in sys.path:
 
 from tiered_kv import TieredKVCache, presets  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from lookup import write_prompt  # noqa: E402  (bench/lookup.py: the same prompt writer)
+
 RESULTS = ROOT / "bench" / "results"
 TOKENS = 131_072
-
-
-def _write(cache: TieredKVCache, tokens: list[int]) -> None:
-    bt = cache.layout.block_tokens
-    req = cache.open(tokens)
-    cache.reserve(req, len(tokens) - req.num_tokens)
-    for k in range(req.num_tokens // bt, -(-len(tokens) // bt)):
-        cache.advance(req, tokens[k * bt:(k + 1) * bt])
-    cache.close(req)
 
 
 def _time(fn) -> float:
@@ -100,7 +94,7 @@ def run_block_size(bt: int, repeats: int, work: Path) -> list[dict]:
     store = work / f"disk-{bt}"
     opts = {"num_blocks": n + 4, "num_state_slots": 1, "num_snapshots": 16}
     gpu = TieredKVCache(layout, store=f"lmdb://{store}", snapshot_policy=f"interval:{half}", **opts)
-    _write(gpu, written)
+    write_prompt(gpu, written)
     gpu.flush()
     rows = [_case("gpu", gpu, prompt, half, d, repeats)]
     gpu.shutdown()

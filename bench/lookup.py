@@ -46,7 +46,9 @@ TOKENS = 131_072
 TARGET_MS = 1.0
 
 
-def _write(cache: TieredKVCache, tokens: list[int]) -> None:
+def write_prompt(cache: TieredKVCache, tokens: list[int]) -> None:
+    """Compute ``tokens`` into ``cache`` (no model: the pools' bytes are whatever they hold)
+    and close the request, so every block of the prompt is cached and published."""
     bt = cache.layout.block_tokens
     req = cache.open(tokens)
     cache.reserve(req, len(tokens) - req.num_tokens)
@@ -76,7 +78,7 @@ def run_block_size(bt: int, repeats: int, work: Path) -> list[dict]:
     gpu = TieredKVCache(layout, num_blocks=n + 2, num_state_slots=1, num_snapshots=snaps, store=f"lmdb://{store}",
                         host_bytes=(n + 4) * layout.block_bytes + snaps * layout.snapshot_bytes * 4,
                         host_snapshot_fraction=0.5)
-    _write(gpu, prompt)
+    write_prompt(gpu, prompt)
     gpu.flush()
     hashes = gpu.hasher.block_hashes(prompt[:n * bt])
     hashing = _median_ms(lambda: gpu.hasher.block_hashes(prompt[:n * bt]), max(5, repeats // 10))
@@ -93,7 +95,7 @@ def run_block_size(bt: int, repeats: int, work: Path) -> list[dict]:
     case("gpu", gpu)
     open_ms = _median_ms(lambda: gpu.close(gpu.open(prompt)), max(5, repeats // 10))
     rows[-1]["open_close_ms"] = open_ms
-    _write(gpu, other)  # the GPU pools now hold the other prompt: ours went to the host tier
+    write_prompt(gpu, other)  # the GPU pools now hold the other prompt: ours went to the host tier
     case("host", gpu)
     gpu.shutdown()
     disk = TieredKVCache(layout, num_blocks=n + 2, num_state_slots=1, num_snapshots=snaps, store=f"lmdb://{store}")
