@@ -42,6 +42,27 @@ def _worker(url: str, phase: str, snapshots: str, eviction: str, *, rc: int = 0,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _flip_block_1_and_resume_exactly(tmp_path: Path, opts: dict, tokens: list[int], hashes: list,
+                                     at: int, tiny_layout, tiny_model) -> None:
+    """Flip one bit (``1/at`` into the record) of block 1 on disk, then resume a longer
+    prompt in a fresh cache: never past block 1, the full-recompute logits, one counted
+    corrupt record."""
+    key = RecordKey.block(hashes[1]).to_bytes()
+    rec = bytearray(lmdb_raw_read(tmp_path / "s", key))
+    rec[len(rec) // at] ^= 0x01
+    lmdb_raw_write(tmp_path / "s", key, bytes(rec))
+    longer = tokens + [1, 2]
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        req = cache.open(longer)
+        P = req.num_cached_tokens
+        assert P < 256  # block 1 is unusable: never resumed past it
+        got = tiny_model.forward(cache, req, longer[P:])
+        cache.close(req)
+        assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
+        s = cache.stats()
+        assert s["disk_read_failures"] >= 1 and s["store_corrupt"] == 1
+
+
 @pytest.mark.parametrize(("snapshots", "eviction"), POLICIES, ids=IDS)
 def test_killed_after_flush_the_next_process_resumes_exactly(tmp_path: Path, snapshots: str, eviction: str) -> None:
     """A process killed with SIGKILL right after ``flush()`` lost nothing it flushed: the
@@ -69,20 +90,7 @@ def test_corrupt_disk_block_is_a_counted_miss_under_every_policy(tmp_path: Path,
         cache.close(req)
         cache.flush()
         hashes = cache.hasher.block_hashes(tokens)
-    key = RecordKey.block(hashes[1]).to_bytes()
-    rec = bytearray(lmdb_raw_read(tmp_path / "s", key))
-    rec[len(rec) // 2] ^= 0x01
-    lmdb_raw_write(tmp_path / "s", key, bytes(rec))
-    longer = tokens + [1, 2]
-    with TieredKVCache(tiny_layout, **opts) as cache:
-        req = cache.open(longer)
-        P = req.num_cached_tokens
-        assert P < 256  # block 1 is unusable: never resumed past it
-        got = tiny_model.forward(cache, req, longer[P:])
-        cache.close(req)
-        assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
-        s = cache.stats()
-        assert s["disk_read_failures"] >= 1 and s["store_corrupt"] == 1
+    _flip_block_1_and_resume_exactly(tmp_path, opts, tokens, hashes, 2, tiny_layout, tiny_model)
 
 
 @pytest.mark.parametrize(("snapshots", "eviction"), POLICIES, ids=IDS)
@@ -140,20 +148,7 @@ def test_corrupt_admitted_block_is_a_counted_miss_under_a_filter(tmp_path: Path,
         cache.flush()
         assert cache.stats()["admission_admitted"] == 3
         hashes = cache.hasher.block_hashes(tokens)
-    key = RecordKey.block(hashes[1]).to_bytes()
-    rec = bytearray(lmdb_raw_read(tmp_path / "s", key))
-    rec[len(rec) // 3] ^= 0x01
-    lmdb_raw_write(tmp_path / "s", key, bytes(rec))
-    longer = tokens + [1, 2]
-    with TieredKVCache(tiny_layout, **opts) as cache:
-        req = cache.open(longer)
-        P = req.num_cached_tokens
-        assert P < 256  # block 1 is unusable: never resumed past it
-        got = tiny_model.forward(cache, req, longer[P:])
-        cache.close(req)
-        assert (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
-        s = cache.stats()
-        assert s["disk_read_failures"] >= 1 and s["store_corrupt"] == 1
+    _flip_block_1_and_resume_exactly(tmp_path, opts, tokens, hashes, 3, tiny_layout, tiny_model)
 
 
 def _tree(bt: int, n: int, seed: int) -> list[list[int]]:
