@@ -197,9 +197,10 @@ class EnvelopeReads:
             i, env, m = job
             return i, self.open(targets[i], env, m)
 
-        chunks = list(self.workers.chunks(env_sizes))
         inflight: list[Future[list[tuple[int, Read]]]] = []
         try:
+            rest = self.read_mapped(targets, env_sizes, reads, open_one)
+            chunks = [[rest[j] for j in c] for c in self.workers.chunks([env_sizes[i] for i in rest])]
             for n, chunk in enumerate(chunks):
                 offs = [0, *itertools.accumulate(env_sizes[i] for i in chunk)]
                 arena = self.workers.arena(f"get_arena{n % 2}", offs[-1])
@@ -228,6 +229,24 @@ class EnvelopeReads:
             raise
         self.recheck_forged(targets, env_sizes, reads)
         return reads
+
+    def read_mapped(self, targets: list[Target], env_sizes: list[int], reads: list[Read],
+                    open_one: Callable[[tuple[int, np.ndarray, RecordMeta]], tuple[int, Read]]) -> list[int]:
+        """The envelopes the backend maps in place
+        (:meth:`~tiered_kv.storage.api.store.BlockStore.map_unhashed`: those the page cache
+        holds, checked but not hashed) opened straight from the map into the targets' outs,
+        on the pool and this thread: one pass over the bytes, no copy into an arena. Sets
+        their ``reads``; returns the indices of the others (read by :meth:`read_chunked`)."""
+        with self.inner.map_unhashed([t.name for t in targets], env_sizes) as mapped:
+            jobs = [(i, m.payload, m.meta) for i, m in enumerate(mapped) if m is not None]
+            rest = [i for i, m in enumerate(mapped) if m is None]
+            if jobs:
+                for i, r in self.workers.parallel(open_one, jobs, sum(env_sizes[i] for i, _, _ in jobs)):
+                    reads[i] = r
+                    if r.outcome is Outcome.OK:
+                        self.sizes.setdefault(targets[i].name.kind, targets[i].segs.nbytes)
+            del jobs, mapped  # (the views: the maps are released when the block ends)
+        return rest
 
     def recheck_forged(self, targets: list[Target], env_sizes: list[int], reads: list[Read]) -> None:
         """The envelopes read unhashed whose tag failed, read again with the backend's
