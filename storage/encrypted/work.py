@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -44,16 +45,24 @@ class Workers:
         if self.threads == 1 or len(jobs) < 2 or nbytes < _PARALLEL_MIN_BYTES:
             return [fn(j) for j in jobs]
         pool = self.pool()
-        groups = min(self.threads, len(jobs))
         out: list[Any] = [None] * len(jobs)
+        todo = deque(range(len(jobs)))  # taken one by one (popleft is atomic): a thread slowed
+                                        # by the machine's other work takes fewer, none waits idle
 
-        def run(g: int) -> None:
-            for i in range(g, len(jobs), groups):
+        def run() -> None:
+            while True:
+                try:
+                    i = todo.popleft()
+                except IndexError:
+                    return
                 out[i] = fn(jobs[i])
 
-        futures = [pool.submit(run, g) for g in range(1, groups)]
+        futures = [pool.submit(run) for _ in range(1, min(self.threads, len(jobs)))]
         try:
-            run(0)
+            run()
+        except BaseException:
+            todo.clear()  # (the others stop after the job they are in)
+            raise
         finally:
             wait_all(futures)
         return out

@@ -394,7 +394,10 @@ class LmdbStore(BlockStore):
         check_open(self._closed, str(self.path))
         if repair:
             self._check_writable()
-        return self._maintenance.verify(repair=repair)
+        try:
+            return self._maintenance.verify(repair=repair)
+        finally:
+            self._mapped.close()  # (repair gives segment space back as gc does)
 
     def gc(self, max_bytes: int) -> dict[str, Any]:
         """Evict least recently accessed records until at most ``max_bytes`` remain (see
@@ -411,7 +414,10 @@ class LmdbStore(BlockStore):
         check_open(self._closed, str(self.path))
         self._check_writable()
         self._check_gc_bound(max_bytes)
-        return self._maintenance.gc(max_bytes)
+        try:
+            return self._maintenance.gc(max_bytes)
+        finally:
+            self._mapped.close()  # (no map keeps a segment it unlinked on the disk)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -426,6 +432,7 @@ class LmdbStore(BlockStore):
             self._access.flush_quietly()  # on a full disk the last hints are lost; records are not
         with self._index.rw.exclusive():
             self._closed = True
+            self._mapped.close()
             try:
                 self._segments.close()
             finally:

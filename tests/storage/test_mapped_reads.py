@@ -27,7 +27,7 @@ from tiered_kv.storage import EncryptedStore, LmdbStore, RecordKey  # noqa: E402
 from tiered_kv.storage.encrypted.crypto import ENVELOPE_OVERHEAD, Keyring  # noqa: E402
 from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES  # noqa: E402
 from tiered_kv.storage.lmdb import mapped as mapped_module  # noqa: E402
-from tiered_kv.storage.lmdb.schema import unpack_entry  # noqa: E402
+from tiered_kv.storage.lmdb.schema import segment_name, unpack_entry  # noqa: E402
 from tiered_kv.storage.os import libc  # noqa: E402
 
 N = 20_000
@@ -50,8 +50,7 @@ def location(store: LmdbStore, key: RecordKey) -> Any:
 
 
 def segment_file(store: LmdbStore, key: RecordKey) -> Path:
-    loc = location(store, key)
-    return next(p for p in (store.path / "segments").iterdir() if int(p.stem) == loc.segment)
+    return store.path / "segments" / segment_name(location(store, key).segment)
 
 
 # ------------------------------------------------------------------ the backend's contract
@@ -237,3 +236,38 @@ def test_the_stored_checksum_is_still_compared_with_the_index(tmp_path: Path) ->
             f.write(bytes([b[0] ^ 0x01]))
         with s.map_unhashed([key], [N]) as got:
             assert got == [None]
+
+
+def test_a_segment_is_mapped_once_for_many_reads_and_let_go_when_gc_unlinks_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The maps are kept from read to read (no map, no page faults per hot read), mapped
+    again larger when a record lies past the end of the kept map (the active segment
+    grows), and dropped where they would keep a segment's disk space: gc (this process),
+    a segment found unlinked (another process's gc, at the next sweep), close."""
+    keys = [make_key(i) for i in range(4)]
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP) as s:
+        s.put_many([item_for(k, N) for k in keys[:2]])
+        warm(s, keys[:2])
+        maps = s._mapped._maps
+        with s.map_unhashed(keys[:2], [N, N]) as got:
+            first = got[0].payload.base
+        with s.map_unhashed(keys[:2], [N, N]) as got:
+            assert got[0].payload.base is first and len(maps) == 1  # the same map again
+        s.put_many([item_for(k, N) for k in keys[2:]])  # appended to the same segment
+        warm(s, keys[2:])
+        with s.map_unhashed(keys, [N] * 4) as got:
+            assert all(m is not None for m in got)
+            assert got[3].payload.base is not first  # mapped again, over the longer file
+            np.testing.assert_array_equal(got[3].payload, payload_for(keys[3], N))
+        assert len(maps) == 1
+        s.gc(0)
+        assert not maps
+        s.put_many([item_for(keys[0], N)])
+        warm(s, keys[:1])
+        with s.map_unhashed(keys[:1], [N]) as got:
+            assert got[0] is not None and len(maps) == 1
+        seg = next(iter(maps))
+        monkeypatch.setattr(mapped_module, "SWEEP_S", 0.0)
+        os.unlink(s.path / "segments" / segment_name(seg))  # as another process's gc would
+        with s.map_unhashed(keys[:1], [N]) as got:
+            assert got == [None] and not maps
