@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -234,18 +235,30 @@ class EnvelopeReads:
                     open_one: Callable[[tuple[int, np.ndarray, RecordMeta]], tuple[int, Read]]) -> list[int]:
         """The envelopes the backend maps in place
         (:meth:`~tiered_kv.storage.api.store.BlockStore.map_unhashed`: those the page cache
-        holds, checked but not hashed) opened straight from the map into the targets' outs,
-        on the pool and this thread: one pass over the bytes, no copy into an arena. Sets
-        their ``reads``; returns the indices of the others (read by :meth:`read_chunked`)."""
-        with self.inner.map_unhashed([t.name for t in targets], env_sizes) as mapped:
-            jobs = [(i, m.payload, m.meta) for i, m in enumerate(mapped) if m is not None]
-            rest = [i for i, m in enumerate(mapped) if m is None]
-            if jobs:
-                for i, r in self.workers.parallel(open_one, jobs, sum(env_sizes[i] for i, _, _ in jobs)):
-                    reads[i] = r
-                    if r.outcome is Outcome.OK:
-                        self.sizes.setdefault(targets[i].name.kind, targets[i].segs.nbytes)
-            del jobs, mapped  # (the views: the maps are released when the block ends)
+        holds, checked but not hashed) opened straight from the map into the targets' outs:
+        one pass over the bytes, no copy into an arena. Mapped chunk by chunk (at most
+        ``CHUNK_BYTES`` each), the pool opening the first chunk's while this thread maps and
+        checks the next, then joining in (:meth:`~.work.Workers.stream`). Sets their
+        ``reads``; returns the indices of the others (read by :meth:`read_chunked`)."""
+        rest: list[int] = []
+        with ExitStack() as held:  # (every chunk's views, until all are opened)
+
+            def batches() -> Iterator[list[tuple[int, np.ndarray, RecordMeta]]]:
+                for chunk in self.workers.chunks(env_sizes):
+                    mapped = held.enter_context(self.inner.map_unhashed([targets[i].name for i in chunk],
+                                                                        [env_sizes[i] for i in chunk]))
+                    batch = []
+                    for i, m in zip(chunk, mapped):
+                        if m is None:
+                            rest.append(i)
+                        else:
+                            batch.append((i, m.payload, m.meta))
+                    yield batch
+
+            for i, r in self.workers.stream(open_one, batches(), sum(env_sizes)):
+                reads[i] = r
+                if r.outcome is Outcome.OK:
+                    self.sizes.setdefault(targets[i].name.kind, targets[i].segs.nbytes)
         return rest
 
     def recheck_forged(self, targets: list[Target], env_sizes: list[int], reads: list[Read]) -> None:

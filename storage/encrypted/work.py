@@ -67,6 +67,54 @@ class Workers:
             wait_all(futures)
         return out
 
+    def stream(self, fn: Callable[[J], T], batches: Iterator[Sequence[J]], nbytes: int) -> list[T]:
+        """``fn`` of every job of every batch, in order, as the batches come: the pool
+        starts on the first batch while this thread makes the next ones (``batches`` runs
+        on this thread), then this thread takes jobs too (all on this thread when the
+        work, about ``nbytes``, is too small to gain from it). An exception (of ``fn`` or
+        of ``batches``) is raised once every job already started has finished."""
+        if self.threads == 1 or nbytes < _PARALLEL_MIN_BYTES:
+            return [fn(j) for batch in batches for j in batch]
+        jobs: list[J] = []
+        out: list[Any] = []
+        todo: deque[int] = deque()
+        cond = threading.Condition()
+        done = False
+
+        def run(wait: bool) -> None:
+            while True:
+                with cond:
+                    while not todo and wait and not done:
+                        cond.wait()
+                    if not todo:
+                        return
+                    i = todo.popleft()
+                out[i] = fn(jobs[i])
+
+        pool = self.pool()
+        futures = [pool.submit(run, True) for _ in range(self.threads - 1)]
+        try:
+            for batch in batches:
+                with cond:
+                    start = len(jobs)
+                    jobs.extend(batch)
+                    out.extend([None] * len(batch))
+                    todo.extend(range(start, len(jobs)))
+                    cond.notify_all()
+            with cond:
+                done = True
+                cond.notify_all()
+            run(False)
+        except BaseException:
+            with cond:
+                done = True
+                todo.clear()  # (the others stop after the job they are in)
+                cond.notify_all()
+            drain(futures)
+            raise
+        wait_all(futures)
+        return out
+
     def submit(self, fn: Callable[[J], T], jobs: Sequence[J]) -> list[Future[list[T]]]:
         """``fn`` over ``jobs`` on the pool only (the calling thread goes on reading):
         futures of interleaved groups, one per pool thread."""

@@ -22,8 +22,10 @@ used dropped first; mapped again larger when a record lies past its end, as the 
 segment grows). A map is never closed under a reader: the store drops its reference
 (eviction from the cache, a segment found unlinked, ``close``) and the map is released
 once no view refers to it (Python's buffer protocol: a view can never dangle). The list
-a read gets is emptied when its ``with`` block ends. Reads run under the store's shared
-lock (``close`` waits for the block). Segment files are append-only, and the only bytes
+a read gets is emptied when its ``with`` block ends. The lookups, maps and checks run
+under the store's shared lock (``close`` waits for them); the views need no lock, so the
+``with`` blocks of several reads may nest (an encrypted level maps chunk after chunk
+while it decrypts the first). Segment files are append-only, and the only bytes
 this library ever cuts off a segment are ones no index entry covers, so a record a map
 shows stays in the file while it is indexed: a hole punched meanwhile (a delete, an
 eviction, gc) reads as zeros and fails the caller's tag. Only bytes within the file's
@@ -121,16 +123,16 @@ class MappedReads:
             found = None if value is None else unpack_entry(value)
             if found is not None and found[0].length == record_size(payload_bytes[i]):
                 by_seg.setdefault(found[0].segment, []).append((i, found[0], found[1]))
+        with index.rw.shared():
+            check_open(index.closed, str(index.path))
+            for seg, group in sorted(by_seg.items()):
+                self._map_segment(seg, group, keys, out)
+            hits = sum(x is not None for x in out)
+            if hits:
+                reads.segments.reads.paths["hot"] += hits
+                reads.settle(kbs, values, [], out, hits=hits, misses=0)
         try:
-            with index.rw.shared():
-                check_open(index.closed, str(index.path))
-                for seg, group in sorted(by_seg.items()):
-                    self._map_segment(seg, group, keys, out)
-                hits = sum(x is not None for x in out)
-                if hits:
-                    reads.segments.reads.paths["hot"] += hits
-                    reads.settle(kbs, values, [], out, hits=hits, misses=0)
-                yield out
+            yield out
         finally:
             out.clear()  # (the views go with it)
 

@@ -202,12 +202,14 @@ def test_bytes_changed_under_the_map_fail_the_tag_leave_zeros_and_are_judged_by_
         assert st["corrupt"] == 1 and st["auth_failures"] == 0 and not s.contains(keys[0])
 
 
-def test_an_exception_while_decrypting_from_the_map_leaves_no_plaintext(tmp_path: Path,
+@pytest.mark.parametrize("records", [2, 40], ids=["this-thread", "pool-and-this-thread"])
+def test_an_exception_while_decrypting_from_the_map_leaves_no_plaintext(tmp_path: Path, records: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    keys = [make_key(i) for i in range(2)]
+    keys = [make_key(i) for i in range(records)]
+    size = N if records == 2 else 3 * N  # (40 x 60 kB: past the bound above which the pool joins in)
     with open_sealed(tmp_path) as s:
-        s.put_many([item_for(k, N) for k in keys])
-        warm(s, keys)
+        s.put_many([item_for(k, size) for k in keys])
+        warm(s, keys, size)
 
         def write_then_raise(opened: Any, ciphertext: Any, aad: bytes, out: Any) -> bool:
             assert not np.asarray(ciphertext).flags.writeable  # (read from the map)
@@ -215,7 +217,7 @@ def test_an_exception_while_decrypting_from_the_map_leaves_no_plaintext(tmp_path
             raise MemoryError("while decrypting (test)")
 
         monkeypatch.setattr(Keyring, "open_into", staticmethod(write_then_raise))
-        outs = [np.full(N, 0x5A, np.uint8) for _ in keys]
+        outs = [np.full(size, 0x5A, np.uint8) for _ in keys]
         with pytest.raises(MemoryError):
             s.get_many(keys, outs)
         assert not any(o.any() for o in outs)
@@ -271,3 +273,38 @@ def test_a_segment_is_mapped_once_for_many_reads_and_let_go_when_gc_unlinks_it(
         os.unlink(s.path / "segments" / segment_name(seg))  # as another process's gc would
         with s.map_unhashed(keys[:1], [N]) as got:
             assert got == [None] and not maps
+
+
+def test_workers_stream_keeps_the_order_and_finishes_started_jobs_before_raising() -> None:
+    """Workers.stream (the pipeline of the mapped reads): results in job order across
+    batches; a batch source that raises leaves no job running when the error arrives."""
+    import threading
+
+    from tiered_kv.storage.encrypted.work import Workers
+
+    w = Workers(2)
+    try:
+        def batches(fail: bool) -> Any:
+            for b in range(4):
+                yield list(range(b * 10, b * 10 + 10))
+            if fail:
+                raise RuntimeError("mapping the next chunk failed (test)")
+
+        assert w.stream(lambda j: j * 2, batches(False), 1 << 30) == [j * 2 for j in range(40)]
+        running = set()
+        lock = threading.Lock()
+
+        def job(j: int) -> int:
+            with lock:
+                running.add(j)
+            try:
+                return j
+            finally:
+                with lock:
+                    running.discard(j)
+
+        with pytest.raises(RuntimeError):
+            w.stream(job, batches(True), 1 << 30)
+        assert not running
+    finally:
+        w.close()
