@@ -6,9 +6,14 @@ On a backend that streams (``supports_streamed_reads``: a Zarr store on S3), eac
 is opened on the backend's I/O thread as its response arrives, decrypted straight into the
 caller's buffer (or the pieces of a scatter list), with no staging copy
 (:class:`~.envelopes.EnvelopeSink`); the record's xxh3 is not computed there, the tag covers
-every byte it covers. On the other backends (LMDB, a local directory) the envelopes of one
-call are read, checked but not hashed (the tag covers what the checksum covers), in chunks of at most 8 MiB into reusable per-thread
-arenas, and opened on several threads, pipelined (:meth:`EnvelopeReads.read_chunked`).
+every byte it covers. On a backend that maps records in place
+(:meth:`~tiered_kv.storage.api.store.BlockStore.map_unhashed`: LMDB, for what the page
+cache holds) each envelope is decrypted straight from the map of its segment file into the
+caller's buffer, on several threads, chunk by chunk as they are mapped
+(:meth:`EnvelopeReads.read_mapped`): one pass over the bytes, as a plain read's copy. The
+rest (cold records, other local backends) is read, checked but not hashed (the tag covers
+what the checksum covers), in chunks of at most 8 MiB into reusable per-thread arenas, and
+opened on several threads, pipelined (:meth:`EnvelopeReads.read_chunked`).
 """
 
 from __future__ import annotations
