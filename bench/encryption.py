@@ -13,11 +13,14 @@ those batch pairs, so that the load of a shared machine hits both sides alike:
                   I/O thread as its response arrives, straight into the buffer.
     LMDB hot read LmdbStore: every record in the page cache (read once before timing), read
                   with get_many in batches of 64 into fresh destination buffers the size of
-                  the data (a restore writes fresh memory), checksum-verified (and, encrypted,
-                  authenticated and decrypted on the reader threads).
+                  the data (a restore writes fresh memory), checksum-verified (encrypted: each
+                  envelope authenticated and decrypted straight from the map of its
+                  segment file into the buffer, on the reader threads: see
+                  storage/lmdb/mapped.py).
 
-The targets (issue 17): S3 put and get encrypted within 1.1x plain time; LMDB hot verified
-reads encrypted at >= 0.7x the plain throughput. Also printed: the CPU seconds per GB of
+The targets: S3 put and get encrypted within 1.1x plain time (issue 17); LMDB hot verified
+reads encrypted at >= 0.9x the plain throughput (issue 25; issue 17 asked 0.7x). Each
+repeat is printed as well as the medians over all of them. Also printed: the CPU seconds per GB of
 this process (all its threads; on S3 not the server's), less sensitive to the other jobs
 of a shared machine than the time, and one core's AES-256-GCM decrypt speed
 (``cryptography``), for context.
@@ -180,8 +183,23 @@ def lmdb_once(workdir: Path, enc: dict[str, Any], n: int, seed: int, rounds: int
 ROWS = [  # label, measurement, batch records, target (encrypted / plain throughput)
     ("S3 put (batches of 16)", "s3_put", S3_BATCH, 1 / 1.1),
     ("S3 get (batches of 16)", "s3_get", S3_BATCH, 1 / 1.1),
-    ("LMDB hot verified read", "lmdb_hot_read", LMDB_BATCH, 0.7),
+    ("LMDB hot verified read", "lmdb_hot_read", LMDB_BATCH, 0.9),  # issue 25 (issue 17: 0.7)
 ]
+
+
+def per_round(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each repeat's figures, as the table's (MB/s from the repeat's median batch time,
+    ratio: median over its batch pairs)."""
+    out = []
+    for r, one in enumerate(runs):
+        row: dict[str, Any] = {"repeat": r}
+        for _, name, batch, _ in ROWS:
+            plain, sealed = [t for t, _ in one[name][0]], [t for t, _ in one[name][1]]
+            mb = batch * FLASH_BLOCK_BYTES / 1e6
+            row[name] = {"plain": mb / statistics.median(plain), "encrypted": mb / statistics.median(sealed),
+                         "ratio": statistics.median(p / e for p, e in zip(plain, sealed))}
+        out.append(row)
+    return out
 
 
 def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict[str, Any]:
@@ -216,6 +234,7 @@ def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg": os.getloadavg(), "aes_gcm_decrypt_gbps_one_core": aes_gbps()},
         "rows": rows,
+        "rounds": per_round(runs),
         "runs": [{k: {"plain_s": [t for t, _ in v[0]], "encrypted_s": [t for t, _ in v[1]],
                       "plain_cpu_s": [c for _, c in v[0]], "encrypted_cpu_s": [c for _, c in v[1]]}
                   for k, v in r.items()} for r in runs],
@@ -237,6 +256,11 @@ def table(res: dict[str, Any]) -> str:
                      f"{r['encrypted_cpu_s_per_gb']:>11.3f}  {target} {'ok' if r['meets_target'] else 'MISSED'}")
     lines.append("(MB/s from the median batch time; ratio: median over the pairs of plain / encrypted time; "
                  "CPU s/GB: this process, all its threads (not the SeaweedFS server's), median batch)")
+    lines.append("per round (plain MB/s / encrypted MB/s = ratio):")
+    for rnd in res["rounds"]:
+        lines.append(f"  round {rnd['repeat']}: " + "   ".join(
+            f"{label.split(' (')[0]} {rnd[name]['plain']:.0f} / {rnd[name]['encrypted']:.0f} = {rnd[name]['ratio']:.2f}"
+            for label, name, _, _ in ROWS))
     return "\n".join(lines)
 
 

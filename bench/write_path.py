@@ -28,7 +28,8 @@ device copy of the SWA ring and overlap rows that ``advance`` makes at block
 boundaries; on a GPU a ~2 us device-to-device copy, on this CPU a memcpy), and the
 bookkeeping without it.
 Paths alternate within every repetition so machine load hits them alike; figures are
-medians over blocks. After each run the pool bytes are checked against what was written.
+medians over blocks (each round's medians are printed too). After each run the pool bytes
+are checked against what was written.
 
 Writes ``bench/results/write_path.json`` and ``bench/results/write_path.png``
 (``write_path_cuda.*`` with ``--device cuda``: host time per block, copies run behind it).
@@ -211,9 +212,17 @@ def main() -> None:
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in runners}
     for f in runners.values():
         f.run(seed=1)  # warm-up: first touch of the pools
+    rounds: list[dict[str, float]] = []
     for r in range(repeats):
+        this: dict[str, float] = {}
         for p, f in runners.items():
-            samples[p].extend(f.run(seed=2 + r))
+            got = f.run(seed=2 + r)
+            samples[p].extend(got)
+            this[p] = statistics.median(s[0] for s in got) * 1e3
+        rounds.append(this)
+        best = min((this[p] for p in paths if p != "per-layer"), default=None)
+        print(f"round {r}: " + "  ".join(f"{p} {ms:.3f}" for p, ms in this.items()) + " ms/block"
+              + (f"  best / copy {best / this['copy']:.2f}x" if best is not None else ""), flush=True)
     copy_row = summarize(samples.pop("copy"))
     rows = {p: summarize(samples[p]) for p in paths}
     print(f"Flash block (21 CSA x 32 entries + 20 HCA x 1), {args.device}, {args.threads} thread(s), "
@@ -245,6 +254,7 @@ def main() -> None:
            "machine": {"platform": platform.platform(), "torch": torch.__version__},
            "layout": layout.name, "rows": rows, "ratio_vs_per_layer": ratios, "target_ms": TARGET_MS,
            "copy": copy_row, "ratio_vs_copy": vs_copy, "target_vs_copy": TARGET_COPY,
+           "rounds_ms_per_block": rounds,
            "load_before": __import__("os").getloadavg()[0]}
     name = "write_path" if args.device == "cpu" else "write_path_cuda"
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))

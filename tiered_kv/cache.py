@@ -217,6 +217,8 @@ class TieredKVCache(TierMoves):
         return request
 
     def _check_bytes(self, what: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if type(x) is torch.Tensor and x.dtype is torch.uint8 and x.shape == shape and x.device == self.device:
+            return  # (the common case in one expression: this runs twice per write)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype != torch.uint8:
@@ -487,10 +489,11 @@ class TieredKVCache(TierMoves):
         if self.hisparse is not None:
             self._writer.check_open_block(reqs, ids, E, batched)
         n, flat = parts.parts.size, ids.size
-        self._writer.scatter(self.classical.indexer, parts, place, keys.reshape(n, flat, L.indexer_bytes))
+        if not (parts.batched and not batched):  # (else already [n, m, bytes]: no reshape to pay for)
+            keys, kv = keys.reshape(n, flat, L.indexer_bytes), kv.reshape(n, flat, L.entry_bytes)
+        self._writer.scatter(self.classical.indexer, parts, place, keys)
         # HiSparse: the CSA KV part holds each State slot's open block
-        self._writer.scatter(self.classical.csa_kv, parts, place, kv.reshape(n, flat, L.entry_bytes),
-                             by_slot=self.hisparse is not None)
+        self._writer.scatter(self.classical.csa_kv, parts, place, kv, by_slot=self.hisparse is not None)
 
     def write_hca(self, requests: Request | Sequence[Request], layers: int | Sequence[int],
                   entry_ids: torch.Tensor | np.ndarray | Sequence, kv: torch.Tensor) -> None:
@@ -506,8 +509,9 @@ class TieredKVCache(TierMoves):
         L = self.layout
         self._check_bytes("kv", kv, (*self._write_lead(parts, batched, len(reqs), ids.shape[1]), L.entry_bytes))
         place = self._writer.place(reqs, ids, L.hca_entries_per_block, padded=batched)
-        self._writer.scatter(self.classical.hca_kv, parts, place,
-                             kv.reshape(parts.parts.size, ids.size, L.entry_bytes))
+        if not (parts.batched and not batched):  # (else already [n, m, bytes])
+            kv = kv.reshape(parts.parts.size, ids.size, L.entry_bytes)
+        self._writer.scatter(self.classical.hca_kv, parts, place, kv)
 
     def _live_batch(self, requests: Request | Sequence[Request]) -> tuple[list[Request], bool]:
         """(live requests, whether a sequence was passed)."""
@@ -528,7 +532,8 @@ class TieredKVCache(TierMoves):
         return ids
 
     def _write_parts(self, kind: LayerKind, layers: int | Sequence[int]) -> PartSet:
-        plain = isinstance(layers, (int, Sequence)) and not isinstance(layers, bool)
+        plain = type(layers) in (tuple, int, list) or (isinstance(layers, (int, Sequence))
+                                                       and not isinstance(layers, bool))
         parts = self._writer.part_set(kind, layers) if plain else None
         if parts is None:  # integer-likes (numpy ints, a 1-D array), or an invalid layer
             layers = _layer_args(layers)

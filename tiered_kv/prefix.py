@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -22,6 +23,8 @@ __all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "checked_token_b
            "token_array", "token_digest", "tokens_to_bytes"]
 
 _MAX_TOKEN = 2**32 - 1
+#: A C ``unsigned int`` array is little-endian uint32 here (then its bytes are the hashed ones).
+_NATIVE_LE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 def token_array(token_ids: list[int]) -> np.ndarray:
@@ -51,6 +54,8 @@ def checked_token_bytes(token_ids: list[int]) -> bytes:
     """:func:`tokens_to_bytes` of a list of ints already checked to lie in ``[0, 2**32)``
     (e.g. by ``as_token_list``): one C conversion, no numpy (the cache does this for every
     block it seals)."""
+    if _NATIVE_LE_U32:  # the C array's bytes are already the little-endian uint32 ones
+        return array.array("I", token_ids).tobytes()
     return token_array(token_ids).astype("<u4", copy=False).tobytes()
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ def host_entry_ids(what: str, ids: object, ndim: int) -> np.ndarray:
     Host tensors, numpy arrays and (nested) lists are read in place; a device tensor is
     copied to the host first (a synchronization: pass host ids on a hot path).
     """
+    if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu and ids.dim() == ndim:
+        return ids.numpy()  # the common case (host int64 ids), checked in four attribute reads
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != ndim:
             raise ValueError(f"{what}: expected a {ndim}-D int64 tensor of entry ids, "
@@ -83,10 +85,10 @@ class PartSet:
 _MAX_RUNS = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(NamedTuple):
     """``count`` entries with consecutive offsets in one block, from consecutive source
-    positions: the unit one strided slice copy moves (all layers at once)."""
+    positions: the unit one strided slice copy moves (all layers at once). (A NamedTuple:
+    immutable, and made in a third of a frozen dataclass's time, on every write.)"""
 
     block: int
     slot: int
@@ -95,13 +97,12 @@ class Run:
     count: int
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(NamedTuple):
     """Where the valid entries of a ``[B, m]`` batch of entry ids go, row-major.
 
     ``runs`` describes them (empty when there are more than ``_MAX_RUNS``); the per-entry
     arrays are None for a single run found by the one-request fast path and built on
-    demand (:meth:`arrays`) when a write needs flat rows.
+    demand (:meth:`arrays`) when a write needs flat rows. (A NamedTuple, as :class:`Run`.)
     """
 
     #: Valid entries.
@@ -133,6 +134,8 @@ class EntryWriter:
         self._part_of = {kind: {layer: p for p, layer in enumerate(layers)}
                          for kind, layers in ((LayerKind.CSA, layout.csa_layers), (LayerKind.HCA, layout.hca_layers))}
         self._partsets: dict[tuple[LayerKind, tuple[int, ...]], PartSet] = {}
+        #: per kind, the last tuple of layers asked for and its parts (held: its id stays its own)
+        self._recent: dict[LayerKind, tuple[tuple[int, ...], PartSet]] = {}
         self._single = {kind: {layer: PartSet(np.array([p], dtype=np.int64), p, False) for layer, p in parts.items()}
                         for kind, parts in self._part_of.items()}
 
@@ -142,6 +145,9 @@ class EntryWriter:
         a ``kind`` layer (the caller then raises its own, precise error)."""
         if isinstance(layers, int) and not isinstance(layers, bool):
             return self._single[kind].get(layers)
+        recent = self._recent.get(kind)
+        if recent is not None and recent[0] is layers:  # the same tuple as last time (e.g. the
+            return recent[1]                            # layout's csa_layers): no re-hashing
         part_of = self._part_of[kind]
         key = (kind, tuple(layers))
         found = self._partsets.get(key)
@@ -149,6 +155,8 @@ class EntryWriter:
             if not key[1] or any(isinstance(x, bool) or x not in part_of for x in key[1]):
                 return None
             found = self._partsets[key] = PartSet.of([part_of[x] for x in key[1]], True)
+        if type(layers) is tuple:  # (immutable: its identity names its contents while it is held here)
+            self._recent[kind] = (layers, found)
         return found
 
     # ------------------------------------------------------------ placement
@@ -273,9 +281,16 @@ class EntryWriter:
         runs = place.runs
         if parts.start is not None and runs and (len(runs) == 1 or pool.device.type == "cpu"):
             p0 = parts.start
+            whole_parts = p0 == 0 and n == pool.shape[0]
             for r in runs:
-                pool[p0:p0 + n, r.slot if by_slot else r.block, r.offset:r.offset + r.count].copy_(
-                    src[:, r.src:r.src + r.count])
+                # (each torch view costs a few us: a block's whole row of every part, the common
+                # prefill case, is one select; the source is sliced only when it is not all of it)
+                where = r.slot if by_slot else r.block
+                if whole_parts and r.offset == 0 and r.count == pool.shape[2]:
+                    dst = pool.select(1, where)
+                else:
+                    dst = pool[p0:p0 + n, where, r.offset:r.offset + r.count]
+                dst.copy_(src if r.src == 0 and r.count == src.shape[1] else src[:, r.src:r.src + r.count])
             return
         _, NB, E, nbytes = pool.shape
         blk, off = place.arrays(by_slot)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,7 +70,7 @@ from ..format.record import (
 from ..format.rows import RowScatter
 from .eviction import EvictionGuard
 
-__all__ = ["BlockStore", "PayloadSink", "PutItem", "Unread", "check_open", "payload_of_record"]
+__all__ = ["BlockStore", "MappedPayload", "PayloadSink", "PutItem", "Unread", "check_open", "payload_of_record"]
 
 
 class PayloadSink(Protocol):
@@ -91,6 +92,16 @@ class Unread(enum.Enum):
 
     ABSENT = "absent"          # no record, or one whose header failed a check (removed, counted corrupt)
     OTHER_SIZE = "other size"  # a valid record of another payload size than asked (kept)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class MappedPayload:
+    """One record's payload mapped in place (:meth:`BlockStore.map_unhashed`): its meta
+    (from the header, checked) and ``payload``, a read-only ``[payload_bytes] uint8`` view
+    of the page cache, valid inside the ``with`` block that gave it."""
+
+    meta: RecordMeta
+    payload: np.ndarray
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -223,6 +234,26 @@ class BlockStore(abc.ABC):
 
         Here: :meth:`get_many` (hashed). A backend that can skip the hash overrides it."""
         return self.get_many(keys, outs)
+
+    def map_unhashed(self, keys: Sequence[RecordKey], payload_bytes: Sequence[int]
+                     ) -> AbstractContextManager[list[MappedPayload | None]]:
+        """For payloads that authenticate themselves (as for :meth:`get_many_unhashed`):
+        a context manager giving, for each ``keys[i]``, the stored payload of
+        ``payload_bytes[i]`` bytes as a read-only view of the page cache (no copy: an
+        encrypted level decrypts straight from it into its caller's buffer), or None where
+        the backend does not map it: absent, not all in the page cache, of another size,
+        failing a check (read it with :meth:`get_many_unhashed`, which counts and removes
+        what is corrupt). A mapped record passed every check of :meth:`get_many_unhashed`
+        (structure, fingerprint, key, length, its stored checksum against the index's);
+        its payload's checksum is not computed, so the caller must authenticate it before
+        using it. Counts a hit per record mapped.
+
+        The views are valid only inside the ``with`` block: the list is emptied when it
+        ends (the maps are released once nothing refers to them; Python's buffer
+        protocol keeps a view that escaped mapped, never dangling).
+
+        Here: nothing is mapped (every entry None)."""
+        return nullcontext([None] * len(keys))
 
     def get_rows(self, keys: Sequence[RecordKey], rows: RowScatter, *,
                  token_digests: Sequence[bytes | None] | None = None) -> list[bool]:

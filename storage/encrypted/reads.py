@@ -6,17 +6,23 @@ On a backend that streams (``supports_streamed_reads``: a Zarr store on S3), eac
 is opened on the backend's I/O thread as its response arrives, decrypted straight into the
 caller's buffer (or the pieces of a scatter list), with no staging copy
 (:class:`~.envelopes.EnvelopeSink`); the record's xxh3 is not computed there, the tag covers
-every byte it covers. On the other backends (LMDB, a local directory) the envelopes of one
-call are read, checked but not hashed (the tag covers what the checksum covers), in chunks of at most 8 MiB into reusable per-thread
-arenas, and opened on several threads, pipelined (:meth:`EnvelopeReads.read_chunked`).
+every byte it covers. On a backend that maps records in place
+(:meth:`~tiered_kv.storage.api.store.BlockStore.map_unhashed`: LMDB, for what the page
+cache holds) each envelope is decrypted straight from the map of its segment file into the
+caller's buffer, on several threads, chunk by chunk as they are mapped
+(:meth:`EnvelopeReads.read_mapped`): one pass over the bytes, as a plain read's copy. The
+rest (cold records, other local backends) is read, checked but not hashed (the tag covers
+what the checksum covers), in chunks of at most 8 MiB into reusable per-thread arenas, and
+opened on several threads, pipelined (:meth:`EnvelopeReads.read_chunked`).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -197,9 +203,10 @@ class EnvelopeReads:
             i, env, m = job
             return i, self.open(targets[i], env, m)
 
-        chunks = list(self.workers.chunks(env_sizes))
         inflight: list[Future[list[tuple[int, Read]]]] = []
         try:
+            rest = self.read_mapped(targets, env_sizes, reads, open_one)
+            chunks = [[rest[j] for j in c] for c in self.workers.chunks([env_sizes[i] for i in rest])]
             for n, chunk in enumerate(chunks):
                 offs = [0, *itertools.accumulate(env_sizes[i] for i in chunk)]
                 arena = self.workers.arena(f"get_arena{n % 2}", offs[-1])
@@ -228,6 +235,36 @@ class EnvelopeReads:
             raise
         self.recheck_forged(targets, env_sizes, reads)
         return reads
+
+    def read_mapped(self, targets: list[Target], env_sizes: list[int], reads: list[Read],
+                    open_one: Callable[[tuple[int, np.ndarray, RecordMeta]], tuple[int, Read]]) -> list[int]:
+        """The envelopes the backend maps in place
+        (:meth:`~tiered_kv.storage.api.store.BlockStore.map_unhashed`: those the page cache
+        holds, checked but not hashed) opened straight from the map into the targets' outs:
+        one pass over the bytes, no copy into an arena. Mapped chunk by chunk (at most
+        ``CHUNK_BYTES`` each), the pool opening the first chunk's while this thread maps and
+        checks the next, then joining in (:meth:`~.work.Workers.stream`). Sets their
+        ``reads``; returns the indices of the others (read by :meth:`read_chunked`)."""
+        rest: list[int] = []
+        with ExitStack() as held:  # (every chunk's views, until all are opened)
+
+            def batches() -> Iterator[list[tuple[int, np.ndarray, RecordMeta]]]:
+                for chunk in self.workers.chunks(env_sizes):
+                    mapped = held.enter_context(self.inner.map_unhashed([targets[i].name for i in chunk],
+                                                                        [env_sizes[i] for i in chunk]))
+                    batch = []
+                    for i, m in zip(chunk, mapped):
+                        if m is None:
+                            rest.append(i)
+                        else:
+                            batch.append((i, m.payload, m.meta))
+                    yield batch
+
+            for i, r in self.workers.stream(open_one, batches(), sum(env_sizes)):
+                reads[i] = r
+                if r.outcome is Outcome.OK:
+                    self.sizes.setdefault(targets[i].name.kind, targets[i].segs.nbytes)
+        return rest
 
     def recheck_forged(self, targets: list[Target], env_sizes: list[int], reads: list[Read]) -> None:
         """The envelopes read unhashed whose tag failed, read again with the backend's

@@ -40,9 +40,11 @@ records raises too.
 each envelope is opened on the backend's I/O thread as its response arrives, decrypted
 straight into the caller's buffer (or the pieces of a scatter list), with no staging
 copy (:meth:`~.base.BlockStore.read_each`, :class:`~.envelope_reads.EnvelopeSink`); the
-record's xxh3 is not computed there, the tag covers every byte it covers. On the other backends (LMDB,
-a local directory) the envelopes of one call are read, checksum-verified, in chunks of at
-most 8 MiB into reusable per-thread arenas, and opened on several threads, pipelined.
+record's xxh3 is not computed there, the tag covers every byte it covers. On LMDB the
+envelopes the page cache holds are decrypted straight from a map of their segment file
+(:meth:`~.base.BlockStore.map_unhashed`); the others, and those of other local backends,
+are read checked but not hashed, in chunks of at most 8 MiB into reusable per-thread
+arenas, and opened on several threads, pipelined.
 
 **Nothing unauthenticated is left behind.** AES-GCM implementations write plaintext
 before they check the tag. Every read that does not end authentic (a failed tag, another

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -44,18 +45,74 @@ class Workers:
         if self.threads == 1 or len(jobs) < 2 or nbytes < _PARALLEL_MIN_BYTES:
             return [fn(j) for j in jobs]
         pool = self.pool()
-        groups = min(self.threads, len(jobs))
         out: list[Any] = [None] * len(jobs)
+        todo = deque(range(len(jobs)))  # taken one by one (popleft is atomic): a thread slowed
+                                        # by the machine's other work takes fewer, none waits idle
 
-        def run(g: int) -> None:
-            for i in range(g, len(jobs), groups):
+        def run() -> None:
+            while True:
+                try:
+                    i = todo.popleft()
+                except IndexError:
+                    return
                 out[i] = fn(jobs[i])
 
-        futures = [pool.submit(run, g) for g in range(1, groups)]
+        futures = [pool.submit(run) for _ in range(1, min(self.threads, len(jobs)))]
         try:
-            run(0)
+            run()
+        except BaseException:
+            todo.clear()  # (the others stop after the job they are in)
+            raise
         finally:
             wait_all(futures)
+        return out
+
+    def stream(self, fn: Callable[[J], T], batches: Iterator[Sequence[J]], nbytes: int) -> list[T]:
+        """``fn`` of every job of every batch, in order, as the batches come: the pool
+        starts on the first batch while this thread makes the next ones (``batches`` runs
+        on this thread), then this thread takes jobs too (all on this thread when the
+        work, about ``nbytes``, is too small to gain from it). An exception (of ``fn`` or
+        of ``batches``) is raised once every job already started has finished."""
+        if self.threads == 1 or nbytes < _PARALLEL_MIN_BYTES:
+            return [fn(j) for batch in batches for j in batch]
+        jobs: list[J] = []
+        out: list[Any] = []
+        todo: deque[int] = deque()
+        cond = threading.Condition()
+        done = False
+
+        def run(wait: bool) -> None:
+            while True:
+                with cond:
+                    while not todo and wait and not done:
+                        cond.wait()
+                    if not todo:
+                        return
+                    i = todo.popleft()
+                out[i] = fn(jobs[i])
+
+        pool = self.pool()
+        futures = [pool.submit(run, True) for _ in range(self.threads - 1)]
+        try:
+            for batch in batches:
+                with cond:
+                    start = len(jobs)
+                    jobs.extend(batch)
+                    out.extend([None] * len(batch))
+                    todo.extend(range(start, len(jobs)))
+                    cond.notify_all()
+            with cond:
+                done = True
+                cond.notify_all()
+            run(False)
+        except BaseException:
+            with cond:
+                done = True
+                todo.clear()  # (the others stop after the job they are in)
+                cond.notify_all()
+            drain(futures)
+            raise
+        wait_all(futures)
         return out
 
     def submit(self, fn: Callable[[J], T], jobs: Sequence[J]) -> list[Future[list[T]]]:

@@ -38,13 +38,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
 from ..api.counters import StoreStats
-from ..api.store import BlockStore, PutItem, check_open, payload_of_record
+from ..api.store import BlockStore, MappedPayload, PutItem, check_open, payload_of_record
 from ..errors import StoreError, StoreFullError
 from ..format.record import KEY_BYTES, RecordKey, RecordKind, RecordMeta, fingerprint_field
 from ..format.rows import RowScatter
@@ -57,6 +58,7 @@ from .access import AccessTimes
 from .environment import Index, has_segments
 from .group_commit import GroupCommit
 from .maintenance import Maintenance
+from .mapped import MappedReads
 from .open_files import DEFAULT_MAX_OPEN_SEGMENTS
 from .recovery import Recovery
 from .schema import (M_ENCRYPTION, M_WRITER, STORE_FORMAT_VERSION, check_meta, pack_entry, read_sealed_file,
@@ -188,6 +190,7 @@ class LmdbStore(BlockStore):
                                       faults=self.faults)
         self._reads = StoreReads(index, self._access, self._segments, self._stats, layout_fingerprint=fp,
                                  readonly=self.readonly)
+        self._mapped = MappedReads(self._reads)
         self._writes = writes = Writes(index, self._access, self._segments, self._reads, self._stats, self.faults,
                                        layout_fingerprint=fp, max_bytes=self.max_bytes)
         self._commits: GroupCommit[PutBatch] = GroupCommit(
@@ -273,6 +276,19 @@ class LmdbStore(BlockStore):
         check_open(self._closed, str(self.path))
         keys, dsts, digests = self._check_get_args(keys, outs, None, scatter=True)
         return self._reads.get_many(keys, dsts, digests, hashed=False)
+
+    def map_unhashed(self, keys: Sequence[RecordKey], payload_bytes: Sequence[int]
+                     ) -> AbstractContextManager[list[MappedPayload | None]]:
+        """See :meth:`BlockStore.map_unhashed`: the records the page cache holds, mapped
+        from their segment files (:mod:`.mapped`)."""
+        check_open(self._closed, str(self.path))
+        keys = list(keys)
+        for i, k in enumerate(keys):
+            if not isinstance(k, RecordKey):
+                raise TypeError(f"keys[{i}]: expected a RecordKey, got {type(k).__name__}")
+        if len(payload_bytes) != len(keys):
+            raise ValueError(f"payload_bytes: expected one size per key ({len(keys)}), got {len(payload_bytes)}")
+        return self._mapped.map_unhashed(keys, payload_bytes)
 
     @property
     def supports_row_reads(self) -> bool:  # type: ignore[override]
@@ -378,7 +394,10 @@ class LmdbStore(BlockStore):
         check_open(self._closed, str(self.path))
         if repair:
             self._check_writable()
-        return self._maintenance.verify(repair=repair)
+        try:
+            return self._maintenance.verify(repair=repair)
+        finally:
+            self._mapped.close()  # (repair gives segment space back as gc does)
 
     def gc(self, max_bytes: int) -> dict[str, Any]:
         """Evict least recently accessed records until at most ``max_bytes`` remain (see
@@ -395,7 +414,10 @@ class LmdbStore(BlockStore):
         check_open(self._closed, str(self.path))
         self._check_writable()
         self._check_gc_bound(max_bytes)
-        return self._maintenance.gc(max_bytes)
+        try:
+            return self._maintenance.gc(max_bytes)
+        finally:
+            self._mapped.close()  # (no map keeps a segment it unlinked on the disk)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -410,6 +432,7 @@ class LmdbStore(BlockStore):
             self._access.flush_quietly()  # on a full disk the last hints are lost; records are not
         with self._index.rw.exclusive():
             self._closed = True
+            self._mapped.close()
             try:
                 self._segments.close()
             finally:
