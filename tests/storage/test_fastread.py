@@ -671,30 +671,3 @@ def test_aligned_buffers_of_a_huge_page_or_more_start_on_one() -> None:
     assert big.ctypes.data % (libc.HUGE_PAGE if hasattr(__import__("mmap"), "MADV_HUGEPAGE") else 4096) == 0
     big[:] = 7
     assert int(big.sum()) == 7 * big.nbytes
-
-
-def _smaps_field(addr: int, field: str) -> str | None:
-    """``field`` of the /proc/self/smaps entry of the mapping holding ``addr``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == field + ":":
-                return line.split()[1]
-    return None
-
-
-def test_aligned_buffers_can_be_backed_by_huge_pages() -> None:
-    """The buffer is private anonymous memory, which THP may back (``THPeligible: 1``) where
-    it is on at all; Python's default anonymous mmap is shared memory, which THP does not
-    back under the default ``shmem_enabled = never``."""
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text() or not Path("/proc/self/smaps").exists():
-        pytest.skip("no transparent huge pages here")
-    big = libc.aligned_buffer(4 * libc.HUGE_PAGE)
-    big[:] = 1
-    assert _smaps_field(big.ctypes.data, "THPeligible") == "1"
-    assert _smaps_field(big.ctypes.data, "Anonymous") not in (None, "0")  # private, not shmem
