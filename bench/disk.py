@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -209,11 +210,19 @@ def _readv_file(name: Path, row: np.ndarray) -> None:
 # ------------------------------------------------------------------ disk ceiling
 def huge_buffer(nbytes: int) -> np.ndarray:
     """A 2 MiB-aligned ``[nbytes rounded up to pages] uint8`` array asked to be backed by
-    transparent huge pages (storage/os/libc.py ``aligned_buffer``), zeroed (faulted in): an
-    O_DIRECT transfer into it is not cut at 254 x 4 KiB pieces (docs/disk-reads.md)."""
-    from tiered_kv.storage.os.libc import aligned_buffer
-
-    out = aligned_buffer(nbytes)
+    transparent huge pages, zeroed (faulted in): an O_DIRECT transfer into it is not cut at
+    254 x 4 KiB pieces (docs/disk-reads.md). Private anonymous memory: THP does not back
+    Python's default (shared) anonymous mmap where ``shmem_enabled`` is ``never``."""
+    huge = 2 << 20
+    size = -(-max(1, nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    mm = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass  # (no THP here: 4 KiB pages; the bench prints how much THP backs)
+    whole = np.frombuffer(mm, np.uint8)
+    start = (-whole.ctypes.data) % huge
+    out = whole[start:start + size]
     out.fill(0)
     return out
 
