@@ -14,9 +14,18 @@ it), as a restore's does: never in a few buffers that stay in the CPU's cache.
 
     raw              the plain way: one file per block, write() + fsync() each, then an
                      fsync of the directory; reads: open() + readv() into the block's row
-    ceiling          what the disk gives: the data as one file, written with parallel O_DIRECT
-                     pwrites (4 threads, 4 MiB, one fdatasync) and read with parallel O_DIRECT
-                     preads (cold) or parallel buffered preads (hot) into the destination
+    ceiling          what the disk gives: the data as one file, written and read cold by
+                     every raw method below, each round; the ceiling is the write method and
+                     the cold-read method with the highest median (each method's figures are
+                     printed too); hot: parallel buffered preads into the destination
+                       write: O_DIRECT pwrites (4 threads, 4 MiB) from 4 KiB pages, the same
+                       from 2 MiB-aligned transparent huge pages, buffered 8 MiB write()s;
+                       each ends with one fdatasync
+                       cold read: O_DIRECT preads (4 threads, 4 MiB) into 4 KiB pages, the
+                       same into huge pages (a request then is not cut at the device's 254
+                       pieces of memory: 4 MiB, not ~1 MiB), buffered preads with
+                       POSIX_FADV_SEQUENTIAL (the kernel's read-ahead, read_ahead_kb) from
+                       1 thread of 32 MiB and from 4 threads of 4 MiB
     <store> files    the store's own files read with parallel buffered preads (4 threads,
                      4 MiB) into a destination of their size: the page cache's speed for them
     lmdb, zarr       tiered_kv: ``put_many(batch)`` into a fresh store (fsync-durable when it
@@ -54,6 +63,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -80,6 +90,7 @@ from peer_common import (  # noqa: E402  (bench/peers/peer_common.py: shared wit
     cold_pass,
     destination,
     files_under,
+    gbps,
     hot_pass,
     payloads,
     round_figures,
@@ -97,7 +108,7 @@ BACKENDS: dict[str, Callable[[Path, int], BlockStore]] = {
 }
 LABELS = {
     "raw": "raw file per block (write+fsync / readv)",
-    "ceiling": "disk ceiling (4 threads, O_DIRECT)",
+    "ceiling": "disk ceiling (fastest raw method)",
     "lmdb": "tiered_kv LMDB + segments",
     "zarr": "tiered_kv Zarr",
 }
@@ -136,9 +147,9 @@ class Workload:
         return batches(self.records, self.batch)
 
 
-def parallel_pread(pieces: list[tuple[int, int, int, int]], out: np.ndarray) -> None:
+def parallel_pread(pieces: list[tuple[int, int, int, int]], out: np.ndarray, threads: int = THREADS) -> None:
     """``os.preadv`` each (fd, file offset, destination offset, length) piece into ``out``,
-    THREADS at a time (the GIL is released while each reads)."""
+    ``threads`` at a time (the GIL is released while each reads)."""
     view = memoryview(out)
 
     def read(piece: tuple[int, int, int, int]) -> None:
@@ -149,7 +160,7 @@ def parallel_pread(pieces: list[tuple[int, int, int, int]], out: np.ndarray) -> 
                 raise RuntimeError("a parallel read came back short")
             off, at, n = off + got, at + got, n - got
 
-    with ThreadPoolExecutor(THREADS) as ex:
+    with ThreadPoolExecutor(threads) as ex:
         list(ex.map(read, pieces))
 
 
@@ -197,47 +208,152 @@ def _readv_file(name: Path, row: np.ndarray) -> None:
 
 
 # ------------------------------------------------------------------ disk ceiling
+def huge_buffer(nbytes: int) -> np.ndarray:
+    """A 2 MiB-aligned ``[nbytes rounded up to pages] uint8`` array asked to be backed by
+    transparent huge pages, zeroed (faulted in): an O_DIRECT transfer into it is not cut at
+    254 x 4 KiB pieces (docs/disk-reads.md). Private anonymous memory: THP does not back
+    Python's default (shared) anonymous mmap where ``shmem_enabled`` is ``never``."""
+    huge = 2 << 20
+    size = -(-max(1, nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    mm = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass  # (no THP here: 4 KiB pages; the bench prints how much THP backs)
+    whole = np.frombuffer(mm, np.uint8)
+    start = (-whole.ctypes.data) % huge
+    out = whole[start:start + size]
+    out.fill(0)
+    return out
+
+
+def huge_fraction(buf: np.ndarray) -> float | None:
+    """Fraction of ``buf``'s mapping backed by transparent huge pages (/proc/self/smaps
+    AnonHugePages of the mapping holding it), or None where smaps does not say."""
+    addr = buf.ctypes.data
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside and head == "AnonHugePages:":
+                    return min(1.0, int(line.split()[1]) * 1024 / max(1, buf.nbytes))
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+#: the raw ways to write the workload's bytes as one file, fsync-durable (fdatasync) when done
+CEILING_WRITES = {
+    "O_DIRECT, 4 KiB pages": "4 threads of 4 MiB O_DIRECT pwrites from a buffer of 4 KiB pages",
+    "O_DIRECT, huge pages": "4 threads of 4 MiB O_DIRECT pwrites from a 2 MiB-aligned THP buffer",
+    "buffered, sequential": "one thread of 8 MiB write()s through the page cache, then fdatasync",
+}
+#: the raw ways to read that file back cold (its pages dropped from the page cache first)
+CEILING_READS = {
+    "O_DIRECT, 4 KiB pages": "4 threads of 4 MiB O_DIRECT preads into a buffer of 4 KiB pages",
+    "O_DIRECT, huge pages": "4 threads of 4 MiB O_DIRECT preads into a 2 MiB-aligned THP buffer",
+    "buffered, 1 thread": "one thread of 32 MiB preads, POSIX_FADV_SEQUENTIAL: the kernel's read-ahead",
+    "buffered, 4 threads": "4 threads of 4 MiB preads, POSIX_FADV_SEQUENTIAL",
+}
+
+
 class Ceiling:
-    """The workload as one page-aligned buffer (the O_DIRECT source) and a destination of
-    the same size, both built once (``[total rounded up to pages] uint8``)."""
+    """What this disk gives for the workload's bytes as one file: every raw method of
+    CEILING_WRITES and CEILING_READS measured each round (in a rotating order); the
+    ceiling is the method with the highest median (see :func:`ceiling_row`), each
+    method's figures are printed beside it. Buffers built once: ``src`` / ``dest`` of
+    4 KiB pages (``[total rounded up to pages] uint8``), ``src_huge`` / ``dest_huge``
+    2 MiB-aligned and THP-backed where the kernel allows."""
 
     def __init__(self, w: Workload) -> None:
         self.total = w.total
         self.src = aligned_destination(w.total)
         self.src[:w.total] = w.payloads.reshape(-1)
         self.dest = aligned_destination(w.total)
+        self.src_huge = huge_buffer(len(self.src))
+        self.src_huge[:] = self.src
+        self.dest_huge = huge_buffer(len(self.src))
+        self.huge = {"src": huge_fraction(self.src_huge), "dest": huge_fraction(self.dest_huge)}
         self.pieces = [(o, min(PIECE, len(self.src) - o)) for o in range(0, len(self.src), PIECE)]
+        self.rounds = 0
 
-    def run(self, w: Workload, workdir: Path) -> dict[str, Any]:
-        path = workdir / "ceiling.bin"
-        src = memoryview(self.src)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    def _write(self, path: Path, method: str) -> float:
+        direct = method.startswith("O_DIRECT")
+        src = memoryview(self.src_huge if method.endswith("huge pages") else self.src)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
         try:
             def write_all() -> None:
-                with ThreadPoolExecutor(THREADS) as ex:
-                    wrote = list(ex.map(lambda p: os.pwrite(fd, src[p[0]:p[0] + p[1]], p[0]), self.pieces))
-                if wrote != [n for _, n in self.pieces]:
-                    raise RuntimeError("ceiling: a pwrite came back short")
+                if direct:
+                    with ThreadPoolExecutor(THREADS) as ex:
+                        wrote = list(ex.map(lambda p: os.pwrite(fd, src[p[0]:p[0] + p[1]], p[0]), self.pieces))
+                    if wrote != [n for _, n in self.pieces]:
+                        raise RuntimeError("ceiling: a pwrite came back short")
+                else:
+                    view = src
+                    while view:
+                        view = view[os.write(fd, view[:8 << 20]):]
                 os.fdatasync(fd)
 
-            write_s = timed(write_all)
+            return timed(write_all)
         finally:
             os.close(fd)
 
-        def read_all(flags: int) -> float:
-            self.dest.fill(0)
-            fd = os.open(path, os.O_RDONLY | flags)
-            try:
-                seconds = timed(lambda: parallel_pread([(fd, o, o, n) for o, n in self.pieces], self.dest))
-            finally:
-                os.close(fd)
-            check_equal(self.dest[:self.total], self.src[:self.total], "ceiling")
-            return seconds
+    def _read(self, path: Path, method: str, *, cold: bool = True) -> float:
+        """Seconds of one read of the file by ``method`` into its destination (then checked)."""
+        huge = method.endswith("huge pages")
+        dest = self.dest_huge if huge else self.dest
+        dest.fill(0)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if method.startswith("O_DIRECT") else 0))
+        try:
+            if method.startswith("buffered"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            piece, threads = (32 << 20, 1) if method == "buffered, 1 thread" else (PIECE, THREADS)
+            pieces = [(fd, o, o, min(piece, len(dest) - o)) for o in range(0, len(dest), piece)]
+            seconds = timed(lambda: parallel_pread(pieces, dest, threads))
+        finally:
+            os.close(fd)
+        check_equal(dest[:self.total], self.src[:self.total], f"ceiling ({method})")
+        return seconds
 
-        figures = round_figures(w.total, write_s, cold_pass(path, lambda: read_all(os.O_DIRECT)),
-                                hot_pass(path, lambda: read_all(0)))
+    def run(self, w: Workload, workdir: Path) -> dict[str, Any]:
+        path = workdir / "ceiling.bin"
+        turn = self.rounds
+        self.rounds += 1
+        writes, reads = list(CEILING_WRITES), list(CEILING_READS)
+        writes = writes[turn % len(writes):] + writes[:turn % len(writes)]
+        reads = reads[turn % len(reads):] + reads[:turn % len(reads)]
+        write_methods: dict[str, float] = {}
+        for method in writes:  # each writes the file anew; the last one's stays for the reads
+            path.unlink(missing_ok=True)
+            write_methods[method] = gbps(w.total, self._write(path, method))
+        cold_methods: dict[str, float] = {}
+        cold_disks: dict[str, dict[str, float] | None] = {}
+        for method in reads:
+            seconds, _, trace = cold_pass(path, lambda: self._read(path, method))
+            cold_methods[method], cold_disks[method] = gbps(w.total, seconds), trace
+        hot = hot_pass(path, lambda: self._read(path, "buffered, 4 threads"))
         path.unlink()
-        return figures
+        return {"write_methods": write_methods, "cold_methods": cold_methods, "cold_disks": cold_disks,
+                "hot_read_gbps": gbps(w.total, hot[0]), "hot_passes": hot[1], "huge_pages": self.huge}
+
+
+def ceiling_row(runs: list[dict[str, Any]]) -> dict[str, str]:
+    """Make the ceiling's rounds those of its fastest raw methods: the write method and the
+    cold-read method with the highest median over the rounds (a per-round max would pick
+    noise). Sets each round's ``write_gbps``, ``cold_read_gbps`` and ``cold_disk`` from
+    them, in place; returns {"write": method, "cold": method}."""
+    def best(key: str) -> str:
+        return max(runs[0][key], key=lambda m: statistics.median(r[key][m] for r in runs))
+
+    write, cold = best("write_methods"), best("cold_methods")
+    for r in runs:
+        r["write_gbps"], r["cold_read_gbps"] = r["write_methods"][write], r["cold_methods"][cold]
+        r["cold_disk"] = r["cold_disks"][cold]
+    return {"write": write, "cold": cold}
 
 
 # ------------------------------------------------------------------ stores
@@ -364,6 +480,7 @@ def results(w: Workload, repeats: int, workdir: Path, runs: dict[str, list[dict[
     rows: dict[str, dict[str, Any]] = {}
     for name in ("raw", "ceiling"):
         rows[name] = {"label": LABELS[name], "kind": "baseline", "durability": DURABILITY[name]}
+    rows["ceiling"]["methods"] = ceiling_row(runs["ceiling"])
     for b in BACKENDS:
         rows[f"{b}_files"] = {"label": f"{b} store's files, {THREADS}-thread pread", "kind": "baseline",
                               "durability": DURABILITY["files"]}
@@ -518,13 +635,44 @@ def rounds_table(res: dict[str, Any]) -> list[str]:
             d = r.get("cold_disk")
             cells.append("-" if not d else f"{d['kib_per_request']:.0f}/{d['queue_depth']:.1f}/{d['busy']:.2f}")
         lines.append(f"  {row['label'][:40]:<42}" + "  ".join(f"{c:>13}" for c in cells))
-    lmdb = rows.get("lmdb")
+    lmdb, ceiling, vllm = rows.get("lmdb"), rows.get("ceiling"), rows.get("vllm_fs")
+    if lmdb and ceiling:
+        lines.append(f"  {'LMDB cold / ceiling, each round':<42}" + "".join(
+            _cell(a["cold_read_gbps"] / b["cold_read_gbps"], 7) for a, b in zip(lmdb["runs"], ceiling["runs"])))
+    if lmdb and vllm:
+        lines.append(f"  {'LMDB cold / vLLM FS tier, each round':<42}" + "".join(
+            _cell(a["cold_read_gbps"] / b["cold_read_gbps"], 7) for a, b in zip(lmdb["runs"], vllm["runs"])))
+    if ceiling and "write_methods" in ceiling["runs"][0]:
+        lines += ceiling_table(res["rows"]["ceiling"])
     if lmdb and lmdb["runs"][0].get("cold_paths"):
         cells = [f"{p.get('hot', 0)}h/{p.get('direct', 0)}d/{p.get('buffered', 0)}b"
                  for p in (r["cold_paths"] for r in lmdb["runs"])]
         lines.append(f"  {'LMDB cold records per path (h/d/b)':<42}" + "  ".join(f"{c:>13}" for c in cells)
                      + ("   (cold runs: O_DIRECT)" if lmdb["runs"][0]["cold_paths"].get("cold_direct")
                         else "   (cold runs: page cache, kernel read-ahead)"))
+    return lines
+
+
+def ceiling_table(row: dict[str, Any]) -> list[str]:
+    """Each raw method of the ceiling: its median and every round, GB/s, and for the cold
+    reads what the disk did (KiB per request, queue depth, busy); ``*`` marks the method
+    that is the ceiling."""
+    runs, chosen = row["runs"], row["methods"]
+    huge = runs[0].get("huge_pages") or {}
+    lines = [f"{'disk ceiling, each raw method (GB/s)':<44}{'median':>7}" + "".join(
+        f"{f'r{i + 1}':>7}" for i in range(len(runs)))
+        + "   huge pages backing the THP buffers: " + ", ".join(
+            f"{k} {'?' if v is None else format(v, '.0%')}" for k, v in huge.items())]
+    for key, what, mark in (("write_methods", "write", chosen["write"]), ("cold_methods", "cold", chosen["cold"])):
+        for method in runs[0][key]:
+            vals = [r[key][method] for r in runs]
+            star = "*" if method == mark else " "
+            line = f" {star}{what + ', ' + method:<42}{statistics.median(vals):>7.2f}" + "".join(_cell(v, 7) for v in vals)
+            if key == "cold_methods":
+                line += "   " + " ".join("-" if not (d := r["cold_disks"][method]) else
+                                         f"{d['kib_per_request']:.0f}/{d['queue_depth']:.1f}/{d['busy']:.2f}"
+                                         for r in runs)
+            lines.append(line)
     return lines
 
 

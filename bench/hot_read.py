@@ -29,6 +29,11 @@ beside, not the target.
                      key order, no checks (the "raw" baseline)
     readv, parallel  the same, the records cut into one run per thread (--threads, default
                      one per CPU): the parallel buffered read the store is measured against
+    native batch     diagnostic (natively only): the store's native batch read (VerifyBatch,
+    read alone       its helper threads) fed the same batches into the same destination, every
+                     record verified alike, the index lookups, the expectations and the
+                     results' metadata left out: store / this is what the Python of
+                     get_many costs per batch
     lmcache          LMCache 0.5.6 LocalDiskBackend (one file per chunk, no checksum), in a
                      child process of its own venv (--lmcache-python, default
                      .venv-lmcache/bin/python): the same payloads put, then read back hot
@@ -130,7 +135,7 @@ class Readers:
 
         from tiered_kv.storage import LmdbStore, RecordKey
         from tiered_kv.storage.lmdb import unpack_entry
-        from tiered_kv.storage.format.record import HEADER_BYTES
+        from tiered_kv.storage.format.record import HEADER_BYTES, PartsVerifier
 
         self.n, self.nbytes, self.batch, self.threads = n, nbytes, batch, threads
         self.keys = [RecordKey.block(block_hash(i)) for i in range(n)]
@@ -148,8 +153,15 @@ class Readers:
                     for seg in {loc.segment for loc, _ in locs}}
         #: (fd, payload offset) of each record, in key order
         self.places = [(self.fds[loc.segment], loc.offset + HEADER_BYTES) for loc, _ in locs]
+        self.header_bytes = HEADER_BYTES
         self.store = LmdbStore(path, layout_fingerprint=FINGERPRINT, readonly=True)
         self.pool = ThreadPoolExecutor(threads)
+        #: what the native batch read checks each record against, made once from the index
+        #: (untimed): the engine-alone reader needs no Python per record but the add
+        verifier = PartsVerifier(FINGERPRINT)
+        self.expects = [verifier.expectation(k, loc.length, checksum, d)
+                        for k, (loc, checksum), d in zip(self.keys, locs, self.digests)]
+        self.engine_threads = self.store._segments.reads.hot_threads
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -167,6 +179,26 @@ class Readers:
                                         token_digests=self.digests[a:a + self.batch])
             if not all(metas):
                 raise RuntimeError("store get_many: a stored record was a miss")
+
+    def engine_alone(self, dest: np.ndarray) -> None:
+        """The store's native batch read (``VerifyBatch``, the threads ``get_many`` uses) fed
+        the same records in the same batches, every record verified the same way, with the
+        lookups, the expectations and the results' metadata left out: what ``get_many``
+        costs beyond it is Python per batch (diagnostic, not a target)."""
+        from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES
+        from tiered_kv.storage.os import fastread
+
+        outs = self.views(dest)
+        heads = np.empty((self.batch, HEADER_BYTES), np.uint8)
+        tails = np.empty((self.batch, CHECKSUM_BYTES), np.uint8)
+        for a in range(0, self.n, self.batch):
+            b = min(self.n, a + self.batch)
+            native = fastread.VerifyBatch(b - a, self.engine_threads, False)
+            for k, i in enumerate(range(a, b)):
+                fd, off = self.places[i]
+                native.add(fd, off - self.header_bytes, [heads[k], outs[i], tails[k]], self.expects[i])
+            if any(st != fastread.VERIFIED for st in native.finish()):
+                raise RuntimeError("engine alone: a stored record did not verify")
 
     def _readv(self, outs: list[np.ndarray], lo: int, hi: int) -> None:
         for i in range(lo, hi):
@@ -270,6 +302,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     busy = Busy() if args.busy else None
     readers_by_name = {"store": readers.store_get_many, "readv_parallel": readers.readv_parallel,
                        "readv_one": readers.readv_one}
+    if native_engine():
+        readers_by_name["engine_alone"] = readers.engine_alone
     runs = [(name, kind) for kind in DESTINATIONS for name in readers_by_name]
     times: dict[str, list[float]] = {f"{n}/{k}": [] for n, k in runs}
     cpu: dict[str, list[float]] = {f"{n}/{k}": [] for n, k in runs}
@@ -314,6 +348,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "cpu_s_per_gb": {name: statistics.median(cs) / (total / 1e9) for name, cs in cpu.items()},
         "store_vs_readv_parallel": {k: med[f"store/{k}"] / med[f"readv_parallel/{k}"] for k in DESTINATIONS},
         "store_vs_readv_one": {k: med[f"store/{k}"] / med[f"readv_one/{k}"] for k in DESTINATIONS},
+        "store_vs_engine_alone": ({k: med[f"store/{k}"] / med[f"engine_alone/{k}"] for k in DESTINATIONS}
+                                  if "engine_alone" in readers_by_name else None),
         "lmcache": lmc,
         # LMCache reads into its own arena: one written before (as a server's), or a new one
         "store_vs_lmcache": ({k: med[f"store/{k}"] / lmc["hot_read_gbps"][k] for k in DESTINATIONS}
@@ -325,6 +361,13 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "runs_s": times,
     }
     return res
+
+
+def native_engine() -> bool:
+    """Whether the store reads natively here (then the engine-alone diagnostic runs)."""
+    from tiered_kv.storage.os import fastread
+
+    return fastread.VerifyBatch is not None
 
 
 def table(res: dict[str, Any]) -> str:
@@ -340,8 +383,10 @@ def table(res: dict[str, Any]) -> str:
         f"{'destination:':<34}" + "".join(f"{k + ' GB/s':>13}{'store/this':>11}{'CPU s/GB':>9}" for k in DESTINATIONS),
     ]
     names = {"store": "store get_many (verified)", "readv_parallel": f"readv, {c['threads']} threads (no checks)",
-             "readv_one": "readv, 1 thread (no checks)"}
+             "readv_one": "readv, 1 thread (no checks)", "engine_alone": "native batch read alone (verified)"}
     for name, label in names.items():
+        if f"{name}/{DESTINATIONS[0]}" not in h:
+            continue
         row = f"{label:<34}"
         for k in DESTINATIONS:
             row += f"{h[f'{name}/{k}']:>13.2f}{h[f'store/{k}'] / h[f'{name}/{k}']:>11.2f}{cpu_gb[f'{name}/{k}']:>9.3f}"

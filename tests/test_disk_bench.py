@@ -58,6 +58,26 @@ def test_missing_peers_are_reported_not_run_without_a_figure(disk, tmp_path: Pat
         assert line.split("not run: ")[0].strip() == rows[peer]["label"]  # no figure before it
 
 
+def test_the_ceiling_is_its_fastest_raw_method(disk, tmp_path: Path) -> None:
+    """Every raw write and cold-read method of the ceiling is measured each round (each
+    read checked against the bytes written), and the ceiling's figures are those of the
+    method with the highest median, which the table marks."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    res = disk.run(4, 2, 3, workdir, payload_bytes=PAYLOAD, peers={})
+    row = res["rows"]["ceiling"]
+    for key, methods, metric, chosen in (("write_methods", disk.CEILING_WRITES, "write_gbps", row["methods"]["write"]),
+                                         ("cold_methods", disk.CEILING_READS, "cold_read_gbps", row["methods"]["cold"])):
+        assert all(set(r[key]) == set(methods) and all(v > 0 for v in r[key].values()) for r in row["runs"])
+        medians = {m: sorted(r[key][m] for r in row["runs"])[1] for m in methods}
+        assert medians[chosen] == max(medians.values())
+        assert [r[metric] for r in row["runs"]] == [r[key][chosen] for r in row["runs"]]
+        assert row["median"][metric] == medians[chosen]
+    text = disk.table(res)
+    assert f" *write, {row['methods']['write']}" in text and f" *cold, {row['methods']['cold']}" in text
+    assert "LMDB cold / ceiling, each round" in text
+
+
 def test_ratios_and_targets_are_ours_over_theirs(disk) -> None:
     med = lambda w, c, h: {"write_gbps": w, "cold_read_gbps": c, "hot_read_gbps": h}  # noqa: E731
     rows = {
