@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from ._spec import _int_after_colon
+
 __all__ = ["ADMISSION_POLICIES", "AdmissionFilter", "AdmissionPolicy", "admission_policy"]
 
 
@@ -86,10 +88,7 @@ def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
         return ADMISSION_POLICIES[spec]
     name, sep, arg = spec.partition(":")
     if name in ("hits", "survived") and sep:
-        try:
-            n = int(arg)
-        except ValueError:
-            raise ValueError(f"admission {spec!r}: expected an integer after ':', got {arg!r}") from None
+        n = _int_after_colon("admission", spec, arg)
         if n < 1:
             raise ValueError(f"admission {spec!r}: expected {name}:N with N >= 1, got {n}")
         return AdmissionPolicy(hits=n) if name == "hits" else AdmissionPolicy(hits=1, survive=n)
