@@ -230,6 +230,9 @@ def test_survived_never_writes_what_was_evicted_sooner(tmp_path: Path, tiny_layo
         cache.flush()
         s = cache.stats()
         assert s["admission_expired"] >= 3 and s["admission_admitted"] == 0
+        m = cache.metrics()
+        assert m.get("tiered_kv_disk_admission_expired_total") == s["admission_expired"]
+        assert f"tiered_kv_disk_admission_expired_total {s['admission_expired']}" in m.to_prometheus()
         blocks, snaps = _on_disk(cache)
         assert not blocks & set(cache.hasher.block_hashes(first[:3 * bt])) and not snaps
 
