@@ -168,6 +168,23 @@ def test_every_tier_serves_and_the_tokens_add_up(conversation: Trace) -> None:
     assert "if every block boundary were resumable" in text and "evicted from disk" in text
 
 
+def test_an_evicting_disk_strands_nothing(conversation: Trace) -> None:
+    """Issue 22 item 2 on the disk: the LMDB store evicts leaves first (storage/lmdb/tree.py),
+    so at the end nothing it holds lacks a block before it or a snapshot at or after it.
+    Here the store evicts ~8,600 records; with its former plain LRU this replay ended
+    with 19 MiB of disk blocks behind a missing one and 7 MiB of snapshots stranded."""
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(200_000), host=Capacity.of_tokens(400_000),
+                       disk=Capacity.of_tokens(1_000_000), verify_every=3)
+    report = replay(conversation, cfg)
+    t = report.total
+    t.check()
+    assert report.nodes[0].stats["store_evictions"] > 1000 and t.hit_tokens["disk"] > 0
+    assert t.miss_tokens["evicted_disk"] > 0 and t.miss_tokens["corrupt"] == 0
+    assert report.stranded()["disk"] == {"unreachable": 0, "no_snapshot": 0, "unknown": 0,
+                                         "snapshots_unreachable": 0}
+    assert report.resident()["disk"]["blocks"] > 0 and t.verified_by_tier["disk"] > 0
+
+
 def test_host_only_evictions_are_attributed_to_the_tier_that_lost_them(conversation: Trace) -> None:
     cfg = ReplayConfig(hbm=Capacity.of_tokens(300_000), host=Capacity.of_tokens(1_000_000), verify_every=0)
     t = replay(conversation.head(250), cfg).total
