@@ -186,6 +186,26 @@ def test_an_evicting_disk_strands_nothing(conversation: Trace) -> None:
     assert report.resident()["disk"]["blocks"] > 0 and t.verified_by_tier["disk"] > 0
 
 
+@pytest.mark.parametrize("admission", ["seen-twice"])
+def test_an_evicting_disk_behind_an_admission_filter_strands_nothing(conversation: Trace, admission: str) -> None:
+    """Issue 22 item 2 under the disk admission filters: a filter writes a block only along
+    with an admitted snapshot at or after it (a path segment, coherently), and a memory
+    tier prunes the blocks that led only to a snapshot it dropped and the disk does not
+    hold. Before, under ``seen-twice`` this replay ended with 187 MB (model bytes) of
+    disk blocks and 53 MB of host blocks with no snapshot at or after them."""
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(200_000), host=Capacity.of_tokens(400_000),
+                       disk=Capacity.of_tokens(300_000), verify_every=3, admission_policy=admission,
+                       sync_disk=True)
+    report = replay(conversation, cfg)
+    t = report.total
+    t.check()
+    stats = report.nodes[0].stats
+    assert stats["store_evictions"] > 0 and stats["admission_rejects"] > 0 and t.miss_tokens["corrupt"] == 0
+    zero = {"unreachable": 0, "no_snapshot": 0, "unknown": 0, "snapshots_unreachable": 0}
+    assert report.stranded() == {"gpu": zero, "host": zero, "disk": zero}
+    assert report.resident()["disk"]["blocks"] > 0 and report.resident()["disk"]["snapshots"] > 0
+
+
 def test_host_only_evictions_are_attributed_to_the_tier_that_lost_them(conversation: Trace) -> None:
     cfg = ReplayConfig(hbm=Capacity.of_tokens(300_000), host=Capacity.of_tokens(1_000_000), verify_every=0)
     t = replay(conversation.head(250), cfg).total
