@@ -186,15 +186,18 @@ def test_an_evicting_disk_strands_nothing(conversation: Trace) -> None:
     assert report.resident()["disk"]["blocks"] > 0 and t.verified_by_tier["disk"] > 0
 
 
-@pytest.mark.parametrize("admission", ["seen-twice"])
-def test_an_evicting_disk_behind_an_admission_filter_strands_nothing(conversation: Trace, admission: str) -> None:
+@pytest.mark.parametrize(("admission", "disk_tokens"), [("seen-twice", 300_000), ("survived:8", 3_000_000)])
+def test_an_evicting_disk_behind_an_admission_filter_strands_nothing(conversation: Trace, admission: str,
+                                                                     disk_tokens: int) -> None:
     """Issue 22 item 2 under the disk admission filters: a filter writes a block only along
     with an admitted snapshot at or after it (a path segment, coherently), and a memory
     tier prunes the blocks that led only to a snapshot it dropped and the disk does not
-    hold. Before, under ``seen-twice`` this replay ended with 187 MB (model bytes) of
-    disk blocks and 53 MB of host blocks with no snapshot at or after them."""
+    hold; a block known on disk that the store evicted since is written again ahead of
+    the snapshot. Before, under ``seen-twice`` this replay ended with 187 MB (model bytes)
+    of disk blocks and 53 MB of host blocks with no snapshot at or after them, and under
+    ``survived:8`` with 32 MB of disk blocks and 7 MB of snapshots behind a missing block."""
     cfg = ReplayConfig(hbm=Capacity.of_tokens(200_000), host=Capacity.of_tokens(400_000),
-                       disk=Capacity.of_tokens(300_000), verify_every=3, admission_policy=admission,
+                       disk=Capacity.of_tokens(disk_tokens), verify_every=3, admission_policy=admission,
                        sync_disk=True)
     report = replay(conversation, cfg)
     t = report.total

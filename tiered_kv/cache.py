@@ -843,16 +843,16 @@ class TieredKVCache(TierMoves):
         parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
         digest = digest_token_bytes(checked_token_bytes(req.token_ids[(k - 1) * bt:k * bt]))
         if adm.at_write("snapshot", h):
-            for i, bh in enumerate(req.block_hashes[:k]):  # the path segment it ends
-                if not adm.policy.write_through and not adm.known_on_disk("block", bh):
-                    adm.admit("block", bh)
-                    self._submit_block_copy(req.block_ids[i], bh, req.block_hashes[i - 1] if i else parent,
-                                            digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
+            for i in [] if adm.policy.write_through else self._blocks_to_write(req.block_hashes[:k]):
+                bh = req.block_hashes[i]  # the path segment it ends, ahead of it
+                adm.admit("block", bh)
+                self._submit_block_copy(req.block_ids[i], bh, req.block_hashes[i - 1] if i else parent,
+                                        digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
             self.disk.submit(record_key("snapshot", h), parent, digest, self.snapshots.data[snap_id].to("cpu", copy=True))
         elif adm.policy.survive is not None:  # held back: survived:N writes it later if it lives on
             before = [(bh, req.block_hashes[i - 1] if i else parent,
                        digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
-                      for i, bh in enumerate(req.block_hashes[:k]) if not adm.known_on_disk("block", bh)]
+                      for i, bh in enumerate(req.block_hashes[:k])]
             adm.defer(h, parent, digest, before)
 
     # ----------------------------------------------------------------- stats

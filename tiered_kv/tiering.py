@@ -11,7 +11,7 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -239,11 +239,11 @@ class TierMoves:
         n = len(hashes)
         if not adm.hit("snapshot", hashes[-1]):
             return
-        for i, (h, b) in enumerate(zip(hashes, bids)):  # the path segment it ends, ahead of it
-            if not adm.known_on_disk("block", h):
-                adm.admit("block", h)
-                parent = hashes[i - 1] if i else self.hasher.root
-                self._submit_block_copy(b, h, parent, token_digest(tokens[i * bt:(i + 1) * bt]))
+        for i in self._blocks_to_write(hashes):  # the path segment it ends, ahead of it
+            h = hashes[i]
+            adm.admit("block", h)
+            parent = hashes[i - 1] if i else self.hasher.root
+            self._submit_block_copy(bids[i], h, parent, token_digest(tokens[i * bt:(i + 1) * bt]))
         h = hashes[-1]
         sid = self.snapshots.ids.lookup(h)
         data = (self.snapshots.data[sid].to("cpu", copy=True) if sid is not None else
@@ -252,6 +252,20 @@ class TierMoves:
             return
         self.disk.submit(record_key("snapshot", h), self.hasher.root, token_digest(tokens[(n - 1) * bt:n * bt]),
                          data.clone() if sid is None else data)
+
+    def _blocks_to_write(self, hashes: Sequence[bytes]) -> list[int]:
+        """Of the blocks before a snapshot being admitted (``hashes``, in path order), the
+        indices of those to write ahead of it: the ones the filter does not know on disk,
+        and the ones it does that the disk no longer holds (the store evicted them since:
+        leaving them out would put the snapshot behind a missing block)."""
+        assert self.disk is not None
+        adm = self.disk.admission
+        known = [i for i, h in enumerate(hashes) if adm.known_on_disk("block", h)]
+        gone = set()
+        if known:
+            held = self.disk.holds_many([record_key("block", hashes[i]) for i in known])
+            gone = {i for i, ok in zip(known, held) if not ok}
+        return [i for i in range(len(hashes)) if i in gone or not adm.known_on_disk("block", hashes[i])]
 
     def _write_survivors(self) -> None:
         """``survived:N`` (:mod:`tiered_kv.policy.admission`), after each close: the
@@ -268,7 +282,7 @@ class TierMoves:
             elif self.host is not None and self.host.snapshots is not None:
                 hs = self.host.snapshots.lookup(d.h)
                 data = None if hs is None else self.host.snapshot_data[hs].clone()
-            todo = [] if data is None else [x for x in d.before if not adm.known_on_disk("block", x[0])]
+            todo = [] if data is None else [d.before[i] for i in self._blocks_to_write([x[0] for x in d.before])]
             if data is None or not all(self.blocks.lookup(x[0]) is not None or self._host_has(x[0]) for x in todo):
                 adm.expired += 1
                 continue

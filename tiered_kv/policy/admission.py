@@ -110,8 +110,8 @@ class Deferred:
     #: a block's parent hash (a snapshot's: the root), and the digest of its (last) block's tokens
     parent: bytes
     digest: bytes
-    #: the blocks before the snapshot not known on disk when it was deferred, each
-    #: ``(hash, parent hash, token digest)``: written ahead of it if still held in memory
+    #: the blocks before the snapshot, each ``(hash, parent hash, token digest)``: those
+    #: not on disk when it is due are written ahead of it if still held in memory
     before: tuple[tuple[bytes, bytes, bytes], ...] = ()
 
 
@@ -171,7 +171,7 @@ class AdmissionFilter:
     def defer(self, h: bytes, parent: bytes, digest: bytes,
               before: Sequence[tuple[bytes, bytes, bytes]] = ()) -> None:
         """``survived:N``: remember a snapshot :meth:`at_write` held back, due N opens from
-        now, with ``before``: its blocks not known on disk, each ``(hash, parent, digest)``
+        now, with ``before``: the blocks before it, each ``(hash, parent, digest)``
         (bounded: past ``max_tracked`` the oldest is forgotten, i.e. never written)."""
         n = self.policy.survive
         if n is None:
