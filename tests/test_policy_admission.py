@@ -51,11 +51,11 @@ def test_filter_counts_rejects_and_admits_after_n_hits_once() -> None:
         f.on_disk("block", bytes([i]))
     assert not f.known_on_disk("block", b"a") and f.known_on_disk("block", bytes([7]))
     twice = AdmissionFilter(admission_policy("seen-twice"))
-    assert not twice.at_write("block", b"x") and twice.at_write("block", b"x")  # computed again: written
-    assert not twice.at_write("block", b"x")  # (on disk: never twice)
-    assert not twice.at_write("snapshot", b"y", [b"x", b"z"]) and not twice.at_write("snapshot", b"y", [b"x", b"z"])
-    twice.on_disk("block", b"z")  # every block before it on disk now: the snapshot may follow
-    assert twice.at_write("snapshot", b"y", [b"x", b"z"]) and twice.rejects == 4
+    # a block is never admitted alone (it goes with an admitted snapshot after it) ...
+    assert not twice.at_write("block", b"x") and not twice.at_write("block", b"x")
+    # ... a snapshot computed again is (the caller writes its blocks ahead of it)
+    assert not twice.at_write("snapshot", b"y") and twice.at_write("snapshot", b"y") and twice.rejects == 3
+    assert twice.known_on_disk("snapshot", b"y") and not twice.at_write("snapshot", b"y")  # (on disk: never twice)
     everything = AdmissionFilter(admission_policy("all"))
     assert everything.at_write("block", b"a") and everything.rejects == 0 and not everything.hit("block", b"a")
 
@@ -105,7 +105,8 @@ def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path
 def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Path, tiny_layout, tiny_model) -> None:
     """hits:2 (and seen-twice: written when computed again) on a prefix tree whose prompts share starts of different lengths: blocks
     are hit more often than the snapshots past them, and a snapshot admitted takes every
-    block before it along; served through a small GPU pool and the host tier (hits from
+    block before it along (and a block goes to disk only so: none is there without a
+    snapshot at or after it); served through a small GPU pool and the host tier (hits from
     both). Then a fresh cache resumes every prompt from disk exactly."""
     import random
 
@@ -132,6 +133,12 @@ def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Pat
             for k, h in enumerate(hashes):
                 if h in snaps:
                     assert set(hashes[:k + 1]) <= blocks, f"snapshot at block {k + 1} lacks a block before it"
+        # and no block on disk is dead weight: each has a snapshot at or after it there
+        live: set[bytes] = set()
+        for t in prompts:
+            hashes = cache.hasher.block_hashes(t[:len(t) - len(t) % bt])
+            live.update(h for k, h in enumerate(hashes) if any(x in snaps for x in hashes[k:]))
+        assert blocks <= live, f"{len(blocks - live)} blocks on disk with no snapshot at or after them"
     opts.update(host_bytes=None)
     del opts["host_snapshot_fraction"]
     with TieredKVCache(tiny_layout, **opts) as cache:
@@ -173,18 +180,17 @@ def test_replay_counts_rejects_and_writes_fewer_disk_bytes() -> None:
 def test_survived_filter_defers_records_and_hands_them_back_when_due() -> None:
     f = AdmissionFilter(admission_policy("survived:2"), max_tracked=3)
     assert f.policy.label == "survived:2" and f.policy.hits == 1
-    assert not f.at_write("block", b"a") and f.rejects == 1
-    f.defer("block", b"a", b"root", b"da")
-    f.defer("snapshot", b"s", b"root", b"ds", [b"a"])
+    assert not f.at_write("block", b"a") and not f.at_write("snapshot", b"s") and f.rejects == 2
+    f.defer(b"s", b"root", b"ds", [(b"a", b"root", b"da")])  # with its block not on disk
     assert f.tick() == [] and f.clock == 1  # lived 1 request of 2
     due = f.tick()
     assert [(d.kind, d.h, d.parent, d.digest, d.before) for d in due] == [
-        ("block", b"a", b"root", b"da", None), ("snapshot", b"s", b"root", b"ds", (b"a",))]
-    f.defer("block", b"b", b"root", b"db")
-    assert f.hit("block", b"b")  # hit first: admitted (second-hit) and known on disk ...
+        ("snapshot", b"s", b"root", b"ds", ((b"a", b"root", b"da"),))]
+    f.defer(b"t", b"root", b"dt")
+    assert f.hit("snapshot", b"t")  # hit first: admitted (second-hit) and known on disk ...
     assert f.tick() == [] and f.tick() == []  # ... so not handed back when due
     for i in range(5):  # bounded: the oldest deferred are forgotten (never written)
-        f.defer("block", bytes([i]), b"root", b"d")
+        f.defer(bytes([i]), b"root", b"d")
     assert len(f._deferred) == 3
     for bad in ("survived:0", "survived", "survived:x"):
         with pytest.raises(ValueError, match="admission"):
@@ -229,7 +235,11 @@ def test_survived_never_writes_what_was_evicted_sooner(tmp_path: Path, tiny_layo
         serve_once(tiny_model, cache, random_tokens(3 * bt + 5, seed=42))  # evicts first's blocks
         cache.flush()
         s = cache.stats()
-        assert s["admission_expired"] >= 3 and s["admission_admitted"] == 0
+        # first's snapshot expired (its blocks were held back with it: never counted apart)
+        assert s["admission_expired"] == 1 and s["admission_admitted"] == 0
+        m = cache.metrics()
+        assert m.get("tiered_kv_disk_admission_expired_total") == s["admission_expired"]
+        assert f"tiered_kv_disk_admission_expired_total {s['admission_expired']}" in m.to_prometheus()
         blocks, snaps = _on_disk(cache)
         assert not blocks & set(cache.hasher.block_hashes(first[:3 * bt])) and not snaps
 

@@ -76,6 +76,61 @@ def test_default_policies_resume_exactly_on_every_tier(tmp_path: Path, tiny_layo
     assert seen == {"host", "branch"}  # the host tier served, and branch-point snapshots were published
 
 
+def test_an_evicting_disk_keeps_whole_paths_and_resumes_exactly(tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """The store itself evicts (``max_bytes`` of about a third of the tree): it takes
+    leaves first (storage/lmdb/tree.py), so every block it still holds has its whole path
+    before it there, and every snapshot its blocks. A fresh cache then resumes each
+    prompt from the disk alone with the full-recompute logits."""
+    from tiered_kv.storage import RecordKey, RecordKind, record_size
+
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 'disk'}"
+    max_bytes = 16 * record_size(tiny_layout.block_bytes) + 6 * record_size(tiny_layout.snapshot_bytes)
+    opts: dict = {"num_blocks": 9, "num_state_slots": 1, "num_snapshots": 4, "store": url,
+                  "store_options": {"max_bytes": max_bytes}, "snapshot_policy": "interval:2"}
+    prompts = _prompts(bt, 12, seed=23)
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        parent: dict[bytes, bytes | None] = {}
+        for tokens in prompts:
+            hashes = cache.hasher.block_hashes(tokens)
+            parent.update(zip(hashes, [None, *hashes[:-1]]))
+            req = cache.open(tokens)
+            P = req.num_cached_tokens
+            got = tiny_model.forward(cache, req, tokens[P:])
+            cache.close(req)
+            assert (got - tiny_model.naive_logits(tokens)[P:]).abs().max().item() < TOL
+        cache.flush()
+        store = cache.disk.store
+        assert store.stats()["evictions"] > 10
+        held = list(store)
+        blocks = {k.block_hash for k in held if k.kind == RecordKind.BLOCK}
+        snaps = {k.block_hash for k in held if k.kind == RecordKind.SNAPSHOT}
+        for h in blocks | snaps:  # every record's whole path is on disk
+            x = parent[h] if h in blocks else h
+            while x is not None:
+                assert x in blocks, f"{RecordKey.block(x)!r} missing before {h.hex()[:8]}"
+                x = parent[x]
+        useful: set[bytes] = set()  # the blocks at or before a snapshot on disk
+        for h in snaps:
+            x: bytes | None = h
+            while x is not None and x not in useful:
+                useful.add(x)
+                x = parent[x]
+        assert blocks == useful, "blocks on disk with no snapshot at or after them"
+        assert len(snaps) >= 3
+    with TieredKVCache(tiny_layout, num_blocks=14, num_state_slots=1, store=url,
+                       store_options={"max_bytes": max_bytes}) as cache:
+        resumed = 0
+        for tokens in reversed(prompts):  # the most recent first: what the disk kept
+            req = cache.open(tokens + [3])
+            P = req.num_cached_tokens
+            resumed += P
+            got = tiny_model.forward(cache, req, (tokens + [3])[P:])
+            cache.close(req)
+            assert (got - tiny_model.naive_logits(tokens + [3])[P:]).abs().max().item() < TOL
+        assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0
+
+
 @pytest.fixture(scope="module")
 def head():
     return load_trace("bundled:conversation").head(150)

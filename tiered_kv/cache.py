@@ -360,7 +360,7 @@ class TieredKVCache(TierMoves):
         publish = set(self.snapshot_policy.publish_at_close([k for k, _, _ in req._pending], req.num_tokens, bt))
         for k, snap_id, h in req._pending:
             if k in publish:
-                self._register_snapshot(snap_id, h, req.token_ids[(k - 1) * bt:k * bt], req.block_hashes[:k])
+                self._register_snapshot(snap_id, h, req, k)
             else:  # never published: the slot goes back uncached
                 self.snapshots.ids.free(snap_id)
         req._pending = []
@@ -742,8 +742,7 @@ class TieredKVCache(TierMoves):
                 handle.make_stream_wait()
             self.disk.submit(record_key("block", h), parent, digest_token_bytes(data), record[0],
                              handle.wait_event)
-        elif self.disk is not None:  # held back: survived:N writes it later if it lives on
-            self.disk.admission.defer("block", h, parent, digest_token_bytes(data))
+        # (held back, it goes to disk only along with an admitted snapshot after it)
         self._snapshot_at_boundary(req, h, k + 1)
 
     def _mirror_to_host(self, req: Request, b: int, h: bytes) -> tuple[torch.Tensor, ...]:
@@ -823,31 +822,43 @@ class TieredKVCache(TierMoves):
         self.states.snapshot(req.slot, out=self.snapshots.data[snap_id])
         self._counters["snapshots_taken"] += 1
         if interval:
-            bt = self.layout.block_tokens
             if branch:
                 self._counters["snapshots_branch"] += 1
-            self._register_snapshot(snap_id, h, req.token_ids[(num_blocks - 1) * bt:num_blocks * bt],
-                                    req.block_hashes[:num_blocks])
+            self._register_snapshot(snap_id, h, req, num_blocks)
         else:
             req._pending.append((num_blocks, snap_id, h))
 
-    def _register_snapshot(self, snap_id: int, h: bytes, block_tokens: list[int],
-                           before: list[bytes] | None = None) -> None:
-        """Publish a private snapshot under ``h`` (unless one exists), persist it (when the
-        disk admission filter lets it: ``before``, the hashes of the blocks it follows), drop
-        our ref."""
+    def _register_snapshot(self, snap_id: int, h: bytes, req: Request, k: int) -> None:
+        """Publish a private snapshot under ``h`` (unless one exists) at request ``req``'s
+        boundary ``k``, persist it (when the disk admission filter lets it: with every
+        block before it not known on disk, queued ahead of it), drop our ref."""
         ids = self.snapshots.ids
         if ids.cache(snap_id, h):
             self._counters["snapshots_registered"] += 1
-            if self.disk is not None and self.disk.admission.at_write("snapshot", h, before):
-                parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
-                digest = digest_token_bytes(checked_token_bytes(block_tokens))
-                self.disk.submit(record_key("snapshot", h), parent, digest,
-                                 self.snapshots.data[snap_id].to("cpu", copy=True))
-            elif self.disk is not None:  # held back: survived:N writes it later if it lives on
-                self.disk.admission.defer("snapshot", h, self.hasher.root,
-                                          digest_token_bytes(checked_token_bytes(block_tokens)), before)
+            if self.disk is not None:
+                self._persist_snapshot(snap_id, h, req, k)
         ids.free(snap_id)
+
+    def _persist_snapshot(self, snap_id: int, h: bytes, req: Request, k: int) -> None:
+        """The disk part of :meth:`_register_snapshot`. Its blocks are the request's
+        ``block_ids[:k]`` (referenced by it, sealed)."""
+        assert self.disk is not None
+        adm = self.disk.admission
+        bt = self.layout.block_tokens
+        parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
+        digest = digest_token_bytes(checked_token_bytes(req.token_ids[(k - 1) * bt:k * bt]))
+        if adm.at_write("snapshot", h):
+            for i in [] if adm.policy.write_through else self._blocks_to_write(req.block_hashes[:k]):
+                bh = req.block_hashes[i]  # the path segment it ends, ahead of it
+                adm.admit("block", bh)
+                self._submit_block_copy(req.block_ids[i], bh, req.block_hashes[i - 1] if i else parent,
+                                        digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
+            self.disk.submit(record_key("snapshot", h), parent, digest, self.snapshots.data[snap_id].to("cpu", copy=True))
+        elif adm.policy.survive is not None:  # held back: survived:N writes it later if it lives on
+            before = [(bh, req.block_hashes[i - 1] if i else parent,
+                       digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
+                      for i, bh in enumerate(req.block_hashes[:k])]
+            adm.defer(h, parent, digest, before)
 
     # ----------------------------------------------------------------- stats
     def metrics(self) -> MetricsSnapshot:

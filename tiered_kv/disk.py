@@ -103,6 +103,8 @@ class DiskTier:
         self._queue: deque[tuple[Any, Callable[[], None] | None, Future[None]]] = deque()
         self._queue_lock = threading.Lock()
         self._draining = False  # a _drain job is queued or running
+        #: keys submitted whose write has not finished (landed or failed), under _queue_lock
+        self._in_flight: dict[Any, int] = {}
         self._lock = threading.Lock()
         self.writes = 0
         self.write_errors = 0
@@ -140,6 +142,7 @@ class DiskTier:
         done: Future[None] = Future()
         with self._queue_lock:
             self._queue.append((item, ready, done))
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
             start, self._draining = not self._draining, True
         if start:
             self._executor.submit(self._drain)
@@ -157,6 +160,11 @@ class DiskTier:
             try:
                 self._write_batch(batch)
             finally:
+                with self._queue_lock:
+                    for item, _, _ in batch:
+                        n = self._in_flight.pop(item.key, 1) - 1
+                        if n:
+                            self._in_flight[item.key] = n
                 for _, _, done in batch:
                     if not done.done():
                         done.set_result(None)
@@ -236,6 +244,21 @@ class DiskTier:
         return True
 
     # ------------------------------------------------------------------ reads
+    def holds_many(self, keys: list[Any]) -> list[bool]:
+        """Each key's record is on its way (submitted, not finished) or in the store. A
+        store that cannot answer is taken to hold none (at worst a record is written
+        again; the store keeps one copy)."""
+        with self._queue_lock:
+            out = [k in self._in_flight for k in keys]
+        ask = [k for k, ok in zip(keys, out) if not ok]
+        if not ask:
+            return out
+        try:
+            found = iter(self.contains_many(ask))
+        except Exception:  # (a failing store: counted where its reads and writes fail)
+            found = iter([False] * len(ask))
+        return [ok or next(found) for ok in out]
+
     def contains_many(self, keys: list[Any]) -> list[bool]:
         """Presence of each key, asked in one batch (concurrent on object stores)."""
         return [bool(f) for f in self.store.contains_many(keys)] if keys else []

@@ -43,6 +43,8 @@ tiered_kv_snapshots_published_total counter snapshots published, label ``where``
 tiered_kv_disk_admission_rejects_total counter records the disk admission filter held back
                                             when sealed / published (not written then)
 tiered_kv_disk_admitted_total      counter  records the filter wrote later, on a memory-tier hit
+tiered_kv_disk_admission_expired_total counter ``survived:N``: records held back that were due
+                                            when no memory tier held them any more (never written)
 =================================  =======  ==================================================
 """
 
@@ -160,6 +162,8 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
                      "Records the disk admission filter held back when sealed or published.")
     admitted = Metric("tiered_kv_disk_admitted_total", "counter",
                       "Records the disk admission filter wrote later, on a memory-tier hit.")
+    expired = Metric("tiered_kv_disk_admission_expired_total", "counter",
+                     "Records held back by survived:N that were due when no memory tier held them (never written).")
 
     snap_bytes.add(g.gpu_snapshot_bytes, tier="gpu")
     for reason in ("no_snapshot", "not_cached", "tail"):
@@ -210,11 +214,12 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
         moved.add(s["disk_read_bytes"], direction="disk_read")
         rejects.add(s.get("admission_rejects", 0))
         admitted.add(s.get("admission_admitted", 0))
+        expired.add(s.get("admission_expired", 0))
     reqs.add(s["requests_opened"], event="opened")
     reqs.add(s["requests_closed"], event="closed")
     toks.add(s["prompt_tokens"], kind="prompt")
     toks.add(s["cached_tokens"], kind="cached")
     live.add(s["live_requests"])
     families = [held, cap, hits, misses, evict, corrupt, auth, werr, moved, lat, reqs, toks, live, snap_bytes,
-                miss_tokens, stranding, published, rejects, admitted]
+                miss_tokens, stranding, published, rejects, admitted, expired]
     return MetricsSnapshot([m for m in families if m.samples])

@@ -11,7 +11,7 @@ away is loaded up the tiers (a disk hit lands in the host tier first when there 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -226,29 +226,24 @@ class TierMoves:
 
     def _admit_on_hit(self, tokens: np.ndarray, hashes: list[bytes], bids: list[int]) -> None:
         """The disk admission filter's second chance: a resume was served the prefix
-        ``hashes`` (GPU blocks ``bids``, referenced) and the snapshot at its end; each
-        record served by a memory tier counts a hit, and those the filter admits now are
-        written to disk (:mod:`tiered_kv.policy.admission`).
+        ``hashes`` (GPU blocks ``bids``, referenced) and the snapshot at its end, which
+        counts a hit (:mod:`tiered_kv.policy.admission`).
 
         A snapshot admitted takes along every block before it not known to be on disk,
-        queued ahead of it: the disk never holds an admitted snapshot whose blocks the
-        filter held back."""
+        queued ahead of it, and a block goes to disk only so: the disk never holds an
+        admitted snapshot whose blocks the filter held back, nor a block the filter wrote
+        with no snapshot at or after it."""
         assert self.disk is not None
         adm = self.disk.admission
         bt = self.layout.block_tokens
         n = len(hashes)
-        snap = adm.hit("snapshot", hashes[-1])
-        for i, (h, b) in enumerate(zip(hashes, bids)):
-            if adm.hit("block", h):
-                pass
-            elif snap and not adm.known_on_disk("block", h):
-                adm.admit("block", h)
-            else:
-                continue
-            parent = hashes[i - 1] if i else self.hasher.root
-            self._submit_block_copy(b, h, parent, token_digest(tokens[i * bt:(i + 1) * bt]))
-        if not snap:
+        if not adm.hit("snapshot", hashes[-1]):
             return
+        for i in self._blocks_to_write(hashes):  # the path segment it ends, ahead of it
+            h = hashes[i]
+            adm.admit("block", h)
+            parent = hashes[i - 1] if i else self.hasher.root
+            self._submit_block_copy(bids[i], h, parent, token_digest(tokens[i * bt:(i + 1) * bt]))
         h = hashes[-1]
         sid = self.snapshots.ids.lookup(h)
         data = (self.snapshots.data[sid].to("cpu", copy=True) if sid is not None else
@@ -258,36 +253,50 @@ class TierMoves:
         self.disk.submit(record_key("snapshot", h), self.hasher.root, token_digest(tokens[(n - 1) * bt:n * bt]),
                          data.clone() if sid is None else data)
 
+    def _blocks_to_write(self, hashes: Sequence[bytes]) -> list[int]:
+        """Of the blocks before a snapshot being admitted (``hashes``, in path order), the
+        indices of those to write ahead of it: the ones the filter does not know on disk,
+        and the ones it does that the disk no longer holds (the store evicted them since:
+        leaving them out would put the snapshot behind a missing block)."""
+        assert self.disk is not None
+        adm = self.disk.admission
+        known = [i for i, h in enumerate(hashes) if adm.known_on_disk("block", h)]
+        gone = set()
+        if known:
+            held = self.disk.holds_many([record_key("block", hashes[i]) for i in known])
+            gone = {i for i, ok in zip(known, held) if not ok}
+        return [i for i in range(len(hashes)) if i in gone or not adm.known_on_disk("block", hashes[i])]
+
     def _write_survivors(self) -> None:
-        """``survived:N`` (:mod:`tiered_kv.policy.admission`), after each close: the records
-        held back N requests ago that a memory tier still holds are written now (a
-        snapshot only when every block before it is known on disk); the others expired."""
+        """``survived:N`` (:mod:`tiered_kv.policy.admission`), after each close: the
+        snapshots held back N requests ago that a memory tier still holds are written now,
+        each with its blocks not known on disk, queued ahead of it; a snapshot with a
+        block neither in a memory tier nor known on disk expired, as one no tier holds."""
         assert self.disk is not None
         adm = self.disk.admission
         for d in adm.tick():
+            sid = self.snapshots.ids.lookup(d.h)
             data: torch.Tensor | None = None
-            if d.kind == "block":
-                b = self.blocks.lookup(d.h)
-                if b is not None:
-                    adm.admit("block", d.h)
-                    self._submit_block_copy(b, d.h, d.parent, d.digest, order=True)
-                    continue
-                hid = self.host.blocks.lookup(d.h) if self.host is not None else None
-                if hid is not None:
-                    self._wait_host_copies()
-                    data = self.host.records[hid].clone()  # type: ignore[union-attr]
-            elif all(adm.known_on_disk("block", x) for x in d.before or ()):
-                sid = self.snapshots.ids.lookup(d.h)
-                if sid is not None:
-                    data = self.snapshots.data[sid].to("cpu", copy=True)
-                elif self.host is not None and self.host.snapshots is not None:
-                    hs = self.host.snapshots.lookup(d.h)
-                    data = None if hs is None else self.host.snapshot_data[hs].clone()
-            if data is None:
+            if sid is not None:
+                data = self.snapshots.data[sid].to("cpu", copy=True)
+            elif self.host is not None and self.host.snapshots is not None:
+                hs = self.host.snapshots.lookup(d.h)
+                data = None if hs is None else self.host.snapshot_data[hs].clone()
+            todo = [] if data is None else [d.before[i] for i in self._blocks_to_write([x[0] for x in d.before])]
+            if data is None or not all(self.blocks.lookup(x[0]) is not None or self._host_has(x[0]) for x in todo):
                 adm.expired += 1
                 continue
-            adm.admit(d.kind, d.h)
-            self.disk.submit(record_key(d.kind, d.h), d.parent, d.digest, data)
+            for h, parent, digest in todo:
+                adm.admit("block", h)
+                b = self.blocks.lookup(h)
+                if b is not None:
+                    self._submit_block_copy(b, h, parent, digest, order=True)
+                    continue
+                hid = self.host.blocks.lookup(h)  # type: ignore[union-attr]
+                self._wait_host_copies()
+                self.disk.submit(record_key("block", h), parent, digest, self.host.records[hid].clone())  # type: ignore[union-attr]
+            adm.admit("snapshot", d.h)
+            self.disk.submit(record_key("snapshot", d.h), d.parent, d.digest, data)
 
     def _wait_host_copies(self) -> None:
         """Before host code reads a host record: the offloads into it and the HiSparse
@@ -541,7 +550,7 @@ class TierMoves:
         if self.eviction.coherent_snapshots:
             if self.snapshots.ids.evict_hash(h):
                 self._counters["snapshots_evicted_with_block"] += 1
-            if self.host is None and self.disk is None:  # its parent may now lead to no snapshot
+            if self.host is None and not self._disk_holds_all:  # its parent may now lead to no snapshot
                 self._prune_to_snapshot(self.blocks, self.snapshots.ids, self.blocks.evicted_parent)
         hid = self._host_of_block.pop(b, None)
         if hid is not None:  # HiSparse: the host already holds the record
@@ -565,25 +574,36 @@ class TierMoves:
         host = self.host
         if host is not None and host.snapshots is not None and host.snapshots.evict_hash(h):
             self._counters["snapshots_evicted_with_block"] += 1
-        if host is not None and self.disk is None:  # its parent may now lead to no snapshot
+        if host is not None and not self._disk_holds_all:  # its parent may now lead to no snapshot
             self._prune_to_snapshot(host.blocks, host.snapshots, host.blocks.evicted_parent)
 
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
         kept = self.host is not None and self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
-        if not kept and self.disk is None and self.eviction.coherent_snapshots:
+        if not kept and not self._disk_holds_all and self.eviction.coherent_snapshots:
             self._prune_to_snapshot(self.blocks, self.snapshots.ids, h)
 
     def _on_host_snapshot_evict(self, sid: int, h: bytes) -> None:
-        """leaf-lru: a host snapshot evicted with no disk below: its blocks' path goes too."""
+        """leaf-lru: a host snapshot evicted that the disk below does not hold (there is
+        none, or its filter held the snapshot back): its blocks' path goes too."""
         host = self.host
-        if self.disk is None and host is not None:
+        if not self._disk_holds_all and host is not None:
             self._prune_to_snapshot(host.blocks, host.snapshots, h)
 
+    @property
+    def _disk_holds_all(self) -> bool:
+        """A disk tier below writes every record through (admission ``all``): a record a
+        memory tier drops is still on disk, so no memory tier prunes a path for want of it."""
+        return self.disk is not None and self.disk.admission.policy.write_through
+
     def _prune_to_snapshot(self, pool: BlockPool, snaps: BlockPool | None, h: bytes | None) -> None:
-        """leaf-lru, in a tier with nothing below it: a snapshot or block at ``h`` left; the
-        blocks of ``pool`` that led only to it (walking up from ``h`` while each is
-        unreferenced, childless and has no snapshot of its own) are dead weight, since a
-        resume needs a snapshot at or after them, and are evicted too."""
+        """leaf-lru, in a tier with nothing below it that holds every record (no disk, or
+        one behind an admission filter): a snapshot or block at ``h`` left; the blocks of
+        ``pool`` that led only to it (walking up from ``h`` while each is unreferenced,
+        childless, has no snapshot of its own and is not known on disk) are dead weight,
+        since a resume needs a snapshot at or after them, and are evicted too. The walk
+        stops at a block known on disk: the filter writes a block only along with a
+        snapshot at or after it (:mod:`tiered_kv.policy.admission`), so it still leads to
+        one there."""
         if self._pruning:  # (the evictions below call back here: the loop does their work)
             return
         self._pruning = True
@@ -593,7 +613,8 @@ class TierMoves:
                 b = pool.lookup(x)
                 if (b is None or pool.refcount(b) or pool.num_children(x)
                         or (snaps is not None and snaps.lookup(x) is not None)
-                        or self.snapshots.ids.lookup(x) is not None):
+                        or self.snapshots.ids.lookup(x) is not None
+                        or (self.disk is not None and self.disk.admission.known_on_disk("block", x))):
                     return
                 parent = pool.parent_hash(b)
                 pool.evict_hash(x)

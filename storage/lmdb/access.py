@@ -1,6 +1,8 @@
-"""Access times and the LRU order of an LMDB store, and its lifetime counters.
+"""Access times and the eviction order of an LMDB store, and its lifetime counters.
 
-Access times are ``time.time_ns()`` (made strictly increasing within a process) so that they
+Eviction is leaf-first LRU over the store's prefix tree (:mod:`.tree`): least recently
+accessed first among the records with no resident child (``lru``); a block whose last
+child goes, goes with it (it has no snapshot and no block after it). Access times are ``time.time_ns()`` (made strictly increasing within a process) so that they
 agree between processes. ``atime`` and ``lru`` are kept together in the same write
 transactions as the index, so eviction order survives restarts and is shared by every
 process. Reads do not write: a hit queues its access time in memory and the queue is
@@ -26,6 +28,7 @@ from ..errors import StoreError, StoreFullError
 from ..format.record import RecordKey
 from .environment import Index
 from .schema import ATIME, LRU_NS, M_COUNTERS, M_TOTAL, U64, Location, unpack_entry
+from .tree import Tree
 
 __all__ = ["ACCESS_QUEUE_MAX", "AccessTimes"]
 
@@ -35,8 +38,10 @@ ACCESS_QUEUE_MAX = 4096
 
 class AccessTimes:
     """The access bookkeeping of one open store: the queue of access times not yet
-    written, and the index operations that keep ``atime``, ``lru`` and the accounted
-    total in step with ``records`` (every removal of a record goes through :meth:`remove`).
+    written, and the index operations that keep ``atime``, the order tables (``lru``,
+    ``parked``), the prefix tree (:attr:`tree`) and the accounted total in step with
+    ``records`` (every record indexed goes through :meth:`touch` with its size and
+    :meth:`link`, every removal through :meth:`remove`).
 
     ``guard()``: the store's eviction guard now (a chain sets it on its level 0).
     """
@@ -48,6 +53,7 @@ class AccessTimes:
         self.max_bytes = max_bytes
         self.flush_s = flush_s
         self.guard = guard
+        self.tree = Tree(index)
         self.lock = threading.Lock()
         self._queue: dict[bytes, int] = {}
         self._since = time.monotonic()
@@ -67,17 +73,31 @@ class AccessTimes:
         old = txn.get(kb, db=dbs.atime)
         if old is not None:
             old_ns, old_size = self.index.field(ATIME, old, "an access-time entry")
-            txn.delete(LRU_NS.pack(old_ns) + kb, db=dbs.lru)
+            self._unorder(txn, LRU_NS.pack(old_ns) + kb)
             if size is None:
                 size = old_size
         elif size is None:
             return  # the record is gone (deleted or evicted meanwhile): nothing to touch
         txn.put(kb, ATIME.pack(ns, size), db=dbs.atime)
-        txn.put(LRU_NS.pack(ns) + kb, b"", db=dbs.lru)
+        txn.put(LRU_NS.pack(ns) + kb, b"", db=self.tree.order_db(txn, kb))
 
-    def remove(self, txn: lmdb.Transaction, kb: bytes, freed: list[Location]) -> int:
-        """Unindex record ``kb`` and its access entries (its location is appended to
-        ``freed``, to punch once the transaction committed); returns its accounted bytes."""
+    def link(self, txn: lmdb.Transaction, kb: bytes, parent_kb: bytes) -> None:
+        """Record just-indexed ``kb``'s parent (call after :meth:`touch`): see :mod:`.tree`."""
+        self.tree.link(txn, kb, parent_kb)
+
+    def _unorder(self, txn: lmdb.Transaction, okey: bytes) -> None:
+        """Delete an order entry from whichever order table holds it."""
+        dbs = self.index.dbs
+        assert dbs is not None
+        if not txn.delete(okey, db=dbs.lru) and dbs.parked is not None:
+            txn.delete(okey, db=dbs.parked)
+
+    def remove(self, txn: lmdb.Transaction, kb: bytes, freed: list[Location],
+               released: list[bytes] | None = None) -> int:
+        """Unindex record ``kb``, its access entries and its link (its location is
+        appended to ``freed``, to punch once the transaction committed); returns its
+        accounted bytes. A resident parent left without a child becomes a leaf and is
+        appended to ``released``."""
         dbs = self.index.dbs
         assert dbs is not None
         found = unpack_entry(txn.get(kb, db=dbs.records))
@@ -87,16 +107,20 @@ class AccessTimes:
         old = txn.get(kb, db=dbs.atime)
         if old is not None:
             old_ns, size = self.index.field(ATIME, old, "an access-time entry")
-            txn.delete(LRU_NS.pack(old_ns) + kb, db=dbs.lru)
+            self._unorder(txn, LRU_NS.pack(old_ns) + kb)
             txn.delete(kb, db=dbs.atime)
         txn.delete(kb, db=dbs.records)
+        parent = self.tree.unlink(txn, kb)
+        if parent is not None and released is not None:
+            released.append(parent)
         return size
 
     def evict_for(self, txn: lmdb.Transaction, total: int, need: int, freed: list[Location], *,
                   limit: int | None = None, max_records: int | None = None) -> tuple[int, int]:
-        """Evict least recently accessed records until ``need`` more bytes fit in ``limit``
-        (default ``max_bytes``), or ``max_records`` were evicted; records the eviction
-        guard holds are skipped. Returns (bytes left, records evicted).
+        """Evict records until ``need`` more bytes fit in ``limit`` (default
+        ``max_bytes``), or ``max_records`` were evicted: leaves least recently accessed
+        first, each with the blocks that led only to it (see :mod:`.tree`); records the
+        eviction guard holds are skipped. Returns (bytes left, records evicted).
 
         Raises StoreFullError when a put (``need > 0``) cannot make room because the
         guard holds the rest; ``gc`` (``need == 0``) then stops short of its bound."""
@@ -104,11 +128,30 @@ class AccessTimes:
         if total + need <= bound:
             return total, 0
         guard = self.guard()
-        victims, _, kept = select_victims(self._lru_candidates(txn, guard is not None), total + need - bound,
-                                          guard, max_records=max_records)
-        for kb in victims:
-            total -= self.remove(txn, kb, freed)
-        if total + need > bound and (max_records is None or len(victims) < max_records):
+        dbs = self.index.dbs
+        assert dbs is not None
+        released: list[bytes] = []
+        evicted = kept = 0
+
+        def done() -> bool:
+            return total + need <= bound or (max_records is not None and evicted >= max_records)
+
+        for db in (dbs.lru, dbs.parked):  # leaves; only then (the guard holds them) the rest
+            if db is None or done():
+                continue
+            left = None if max_records is None else max_records - evicted
+            victims, _, walked_past = select_victims(self._walk(txn, db, guard is not None), total + need - bound,
+                                                     guard, max_records=left)
+            kept += walked_past
+            for kb in victims:
+                if done():
+                    break  # (the blocks taken with a path made room already)
+                if txn.get(kb, db=dbs.records) is None:
+                    continue  # taken with a path meanwhile
+                total -= self.remove(txn, kb, freed, released)
+                evicted += 1
+                total, evicted = self._take_released(txn, total, evicted, released, freed, guard, max_records)
+        if total + need > bound and (max_records is None or evicted < max_records):
             where = self.index.path
             if kept and need:
                 raise StoreFullError(
@@ -118,25 +161,36 @@ class AccessTimes:
             if not kept:
                 raise StoreError(f"{where}: accounting broken: {total} bytes recorded but no "
                                  f"record left to evict")
-        return total, len(victims)
+        return total, evicted
 
-    def _lru_candidates(self, txn: lmdb.Transaction, guarded: bool) -> Iterator[tuple[bytes, RecordKey | None, int]]:
-        """Every record, least recently accessed first: (key bytes, its RecordKey when an
-        eviction guard is set, accounted bytes)."""
+    def _take_released(self, txn: lmdb.Transaction, total: int, evicted: int, released: list[bytes],
+                       freed: list[Location], guard: EvictionGuard | None, max_records: int | None
+                       ) -> tuple[int, int]:
+        """Evict the blocks an eviction left without a child (no snapshot, no block after
+        them: no resume can use them), up their paths, unless the guard holds them or
+        ``max_records`` is reached (they stay, as leaves). Returns (total, evicted)."""
+        while released and (max_records is None or evicted < max_records):
+            kb = released.pop()
+            if guard is not None:
+                key = _record_key(kb)
+                if key is not None and key in guard([key]):
+                    continue
+            total -= self.remove(txn, kb, freed, released)
+            evicted += 1
+        released.clear()
+        return total, evicted
+
+    def _walk(self, txn: lmdb.Transaction, db: Any, guarded: bool) -> Iterator[tuple[bytes, RecordKey | None, int]]:
+        """One order table's records, oldest access first: (key bytes, its RecordKey when
+        an eviction guard is set, accounted bytes)."""
         dbs = self.index.dbs
         assert dbs is not None
-        cur = txn.cursor(db=dbs.lru)
+        cur = txn.cursor(db=db)
         ok = cur.first()
         while ok:
             kb = bytes(cur.key()[LRU_NS.size:])
             raw = txn.get(kb, db=dbs.atime)
-            key = None
-            if guarded:
-                try:
-                    key = RecordKey.from_bytes(kb)
-                except ValueError:  # not a RecordKey: nothing can hold it
-                    key = None
-            yield kb, key, ATIME.unpack(raw)[1] if raw is not None else 0
+            yield kb, _record_key(kb) if guarded else None, ATIME.unpack(raw)[1] if raw is not None else 0
             ok = cur.next()
 
     def put_total(self, txn: lmdb.Transaction, total: int) -> None:
@@ -223,3 +277,11 @@ class AccessTimes:
             self.flush()
         except StoreFullError:
             pass
+
+
+def _record_key(kb: bytes) -> RecordKey | None:
+    """``kb`` as a RecordKey; None if it is not one (nothing can hold it)."""
+    try:
+        return RecordKey.from_bytes(kb)
+    except ValueError:
+        return None

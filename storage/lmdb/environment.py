@@ -40,7 +40,7 @@ from ..os.locks import SharedExclusiveLock
 from .claims import REGISTRY
 from .pages import DataFileState, IndexDamage, IndexWalk, check_data_file, walk_index
 from .rebuild import rebuild_claimed
-from .schema import DB_NAMES, LRU_NS, M_COUNTERS, M_TOTAL, U64, Dbs, decode, meta_value_bytes
+from .schema import DB_NAMES, LRU_NS, M_COUNTERS, M_TOTAL, MAX_DBS, TREE_DB_NAMES, U64, Dbs, decode, meta_value_bytes
 
 __all__ = ["Index", "has_segments"]
 
@@ -108,23 +108,32 @@ class Index:
 
     # ------------------------------------------------------------------ opening
     def open_dbs(self, check: Callable[[lmdb.Transaction, Any, bool], None]) -> Dbs:
-        """Open the four sub-databases (created on a writable open) and call
+        """Open the sub-databases (created on a writable open; on a readonly one the
+        prefix tree's are None where the store has none: written before them) and call
         ``check(txn, meta db, create)`` in the same transaction (a new store's metadata is
         written with its databases, in one commit)."""
         env = self.env
         if self.readonly:
             try:  # (handles opened inside a read-only transaction die with it)
-                dbs = Dbs(*(env.open_db(name, create=False) for name in DB_NAMES))
+                dbs = Dbs(*(env.open_db(name, create=False) for name in DB_NAMES), *self._tree_dbs_readonly())
             except lmdb.NotFoundError:
                 raise StoreError(f"{self.path}: not a tiered_kv LMDB store (sub-databases missing)") from None
             with env.begin() as txn:
                 check(txn, dbs.meta, False)
         else:
             with env.begin(write=True) as txn:
-                dbs = Dbs(*(env.open_db(name, txn=txn, create=True) for name in DB_NAMES))
+                dbs = Dbs(*(env.open_db(name, txn=txn, create=True) for name in DB_NAMES + TREE_DB_NAMES))
                 check(txn, dbs.meta, True)
         self.dbs = dbs
         return dbs
+
+    def _tree_dbs_readonly(self) -> list[Any]:
+        """The prefix tree's handles on a readonly open: None each where the store has
+        them not (all three are created together)."""
+        try:
+            return [self.env.open_db(name, create=False) for name in TREE_DB_NAMES]
+        except lmdb.NotFoundError:
+            return [None] * len(TREE_DB_NAMES)
 
     def _open_index(self, map_size: int) -> lmdb.Environment:
         """The LMDB environment, opened only once the index checked whole. A damaged
@@ -198,7 +207,7 @@ class Index:
         says which."""
         self.lock_free = not lock
         options = dict(map_size=map_size, subdir=True, readonly=self.readonly, create=not self.readonly,
-                       max_dbs=4, mode=0o600, sync=True, metasync=False, writemap=False, map_async=False,
+                       max_dbs=MAX_DBS, mode=0o600, sync=True, metasync=False, writemap=False, map_async=False,
                        readahead=True, meminit=True)
         try:
             return lmdb.open(str(self.path), lock=lock, **options)

@@ -2,11 +2,13 @@
 space, and the index reserve that lets gc delete on a full disk.
 
 **verify** checks the index itself whole first: every page of every sub-database is walked
-(:mod:`.pages`), then every entry of ``meta``, ``atime`` and ``lru`` is checked against its
-format and against ``records``; then every record is read and verified, in batches. With
-``repair``, the bad records are unindexed (each only if its entry is still the one that
-failed), the entries that do not fit are fixed, the total is set to the actual bytes,
-and unindexed segment space is given back (as gc does).
+(:mod:`.pages`), then every entry of ``meta``, ``atime``, ``lru`` and ``parked`` is checked
+against its format and against ``records``, and the prefix tree (:mod:`.tree`: ``parent``,
+``kids``) against the links of the indexed records; then every record is read and
+verified, in batches. With ``repair``, the bad records are unindexed (each only if its
+entry is still the one that failed), the entries that do not fit are fixed (the tree is
+recounted from the links), the total is set to the actual bytes, and unindexed segment
+space is given back (as gc does).
 
 **Reclaiming space** (``gc``, ``verify(repair=True)``): recovery runs first, then one read
 transaction collects every segment's live ranges and ``segment_gen``, then each segment is
@@ -44,6 +46,7 @@ from .pages import IndexDamage
 from .recovery import Recovery
 from .schema import (
     ATIME,
+    KIDS,
     LRU_NS,
     M_COUNTERS,
     M_NEXT_SEGMENT,
@@ -212,20 +215,92 @@ class Maintenance:
                 note("atime: an entry of the wrong length", kb)
             elif txn.get(kb, db=dbs.records) is None:
                 note("atime: an entry of a record that is not indexed", kb)
-            elif txn.get(LRU_NS.pack(ATIME.unpack(bytes(value))[0]) + kb, db=dbs.lru) is None:
+            elif self._order_entry(txn, LRU_NS.pack(ATIME.unpack(bytes(value))[0]) + kb) is None:
                 note("atime: an entry with no lru entry", kb)
-        for kb, value in txn.cursor(db=dbs.lru):
-            kb = bytes(kb)
-            if len(kb) != LRU_NS.size + KEY_BYTES or len(value) != 0:
-                note("lru: an entry of the wrong length", kb)
-                continue
-            at = txn.get(kb[LRU_NS.size:], db=dbs.atime)
-            if at is None or len(at) != ATIME.size or ATIME.unpack(bytes(at))[0] != LRU_NS.unpack(kb[:8])[0]:
-                note("lru: an entry that disagrees with atime", kb)
+        tree = self.access.tree
+        for name, db in self._order_dbs():
+            for kb, value in txn.cursor(db=db):
+                kb = bytes(kb)
+                if len(kb) != LRU_NS.size + KEY_BYTES or len(value) != 0:
+                    note(f"{name}: an entry of the wrong length", kb)
+                    continue
+                at = txn.get(kb[LRU_NS.size:], db=dbs.atime)
+                if at is None or len(at) != ATIME.size or ATIME.unpack(bytes(at))[0] != LRU_NS.unpack(kb[:8])[0]:
+                    note(f"{name}: an entry that disagrees with atime", kb)
+                elif tree.enabled and (db is dbs.parked) != (self._kids_of(txn, kb[LRU_NS.size:]) > 0):
+                    note(f"{name}: a record in the wrong order table (its resident children say otherwise)", kb)
         for kb in txn.cursor(db=dbs.records).iternext(keys=True, values=False):
             if txn.get(kb, db=dbs.atime) is None:
                 note("records: a record with no access entry", bytes(kb))
+        if tree.enabled:
+            for kind, kb in self._tree_problems(txn):
+                note(kind, kb)
         return list(found.values())
+
+    def _order_dbs(self) -> list[tuple[str, Any]]:
+        """The order tables this store has: ``lru``, and ``parked`` with the tree."""
+        dbs = self.index.dbs
+        assert dbs is not None
+        return [("lru", dbs.lru)] + ([("parked", dbs.parked)] if dbs.parked is not None else [])
+
+    def _order_entry(self, txn: lmdb.Transaction, okey: bytes) -> Any:
+        """The order table holding ``okey`` (None: neither)."""
+        return next((db for _, db in self._order_dbs() if txn.get(okey, db=db) is not None), None)
+
+    def _kids_of(self, txn: lmdb.Transaction, kb: bytes) -> int:
+        raw = txn.get(kb, db=self.index.dbs.kids)  # type: ignore[union-attr]
+        return KIDS.unpack(bytes(raw))[0] if raw is not None and len(raw) == KIDS.size else 0
+
+    def _recount(self, txn: lmdb.Transaction) -> dict[bytes, int]:
+        """The child count of every key, from the links of indexed records."""
+        dbs = self.index.dbs
+        assert dbs is not None
+        counts: dict[bytes, int] = {}
+        for kb, pkb in txn.cursor(db=dbs.parent):
+            if len(pkb) == KEY_BYTES and txn.get(kb, db=dbs.records) is not None:
+                counts[bytes(pkb)] = counts.get(bytes(pkb), 0) + 1
+        return counts
+
+    def _tree_problems(self, txn: lmdb.Transaction) -> list[tuple[str, bytes]]:
+        """The prefix tree's entries that do not fit: links of records not indexed or of
+        the wrong length, and child counts that disagree with the links."""
+        dbs = self.index.dbs
+        assert dbs is not None
+        out: list[tuple[str, bytes]] = []
+        for kb, pkb in txn.cursor(db=dbs.parent):
+            if len(kb) != KEY_BYTES or len(pkb) != KEY_BYTES:
+                out.append(("parent: an entry of the wrong length", bytes(kb)))
+            elif txn.get(kb, db=dbs.records) is None:
+                out.append(("parent: a link of a record that is not indexed", bytes(kb)))
+        counts = self._recount(txn)
+        for kb, raw in txn.cursor(db=dbs.kids):
+            if len(raw) != KIDS.size or KIDS.unpack(bytes(raw))[0] != counts.pop(bytes(kb), 0):
+                out.append(("kids: a count that disagrees with the links", bytes(kb)))
+        out.extend(("kids: a count that disagrees with the links", kb) for kb in counts)
+        return out
+
+    def _repair_tree(self, txn: lmdb.Transaction) -> None:
+        """Recount the prefix tree from the links of indexed records (links that do not
+        fit are dropped) and put every access entry in the order table its count says."""
+        dbs = self.index.dbs
+        assert dbs is not None
+        stale = [bytes(kb) for kb, pkb in txn.cursor(db=dbs.parent)
+                 if len(kb) != KEY_BYTES or len(pkb) != KEY_BYTES or txn.get(kb, db=dbs.records) is None]
+        for kb in stale:
+            txn.delete(kb, db=dbs.parent)
+        counts = self._recount(txn)
+        txn.drop(dbs.kids, delete=False)
+        for kb, n in counts.items():
+            txn.put(kb, KIDS.pack(n), db=dbs.kids)
+        for kb, value in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=dbs.atime)]:
+            if len(value) != ATIME.size:
+                continue
+            okey = LRU_NS.pack(ATIME.unpack(value)[0]) + kb
+            src = self._order_entry(txn, okey)
+            dst = dbs.parked if counts.get(kb, 0) else dbs.lru
+            if src is not None and src is not dst:
+                txn.delete(okey, db=src)
+                txn.put(okey, b"", db=dst)
 
     def _repair_entries(self, txn: lmdb.Transaction) -> None:
         """Fix what :meth:`_entry_problems` finds: access entries of the wrong length or
@@ -236,6 +311,8 @@ class Maintenance:
         self._drop_stale_access(txn)
         dbs = self.index.dbs
         assert dbs is not None
+        if self.access.tree.enabled:
+            self._repair_tree(txn)
         for kb, value in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=dbs.meta)]:
             want = meta_value_bytes(kb)
             if want is None or want < 0 or len(value) == want:
@@ -259,17 +336,18 @@ class Maintenance:
                        if len(k) != KEY_BYTES or len(v) != ATIME.size or txn.get(k, db=dbs.records) is None]
         for kb in stale_atime:
             txn.delete(kb, db=dbs.atime)
-        stale_lru = []
-        for kb in txn.cursor(db=dbs.lru).iternext(keys=True, values=False):
-            kb = bytes(kb)
-            at = txn.get(kb[LRU_NS.size:], db=dbs.atime) if len(kb) == LRU_NS.size + KEY_BYTES else None
-            if at is None or ATIME.unpack(bytes(at))[0] != LRU_NS.unpack(kb[:8])[0]:
-                stale_lru.append(kb)
-        for kb in stale_lru:
-            txn.delete(kb, db=dbs.lru)
+        for _, db in self._order_dbs():
+            stale_lru = []
+            for kb in txn.cursor(db=db).iternext(keys=True, values=False):
+                kb = bytes(kb)
+                at = txn.get(kb[LRU_NS.size:], db=dbs.atime) if len(kb) == LRU_NS.size + KEY_BYTES else None
+                if at is None or ATIME.unpack(bytes(at))[0] != LRU_NS.unpack(kb[:8])[0]:
+                    stale_lru.append(kb)
+            for kb in stale_lru:
+                txn.delete(kb, db=db)
         for kb in [bytes(k) for k in txn.cursor(db=dbs.atime).iternext(keys=True, values=False)]:
             ns = ATIME.unpack(bytes(txn.get(kb, db=dbs.atime)))[0]
-            if txn.get(LRU_NS.pack(ns) + kb, db=dbs.lru) is None:
+            if self._order_entry(txn, LRU_NS.pack(ns) + kb) is None:
                 txn.delete(kb, db=dbs.atime)  # re-touched by verify's repair
 
     # ------------------------------------------------------------------ gc

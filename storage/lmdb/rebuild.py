@@ -17,7 +17,8 @@ empty, deleted; see :mod:`.lmdb_file`):
    ``data.mdb`` aside into ``damaged-index-<UTC time>/`` (kept as evidence, never
    deleted) and renames the new one into place.
 
-What the rebuilt index cannot know: access times (records get them in segment order, so
+The prefix tree (tree.py) is rebuilt from the records' parent hashes. What the rebuilt
+index cannot know: access times (records get them in segment order, so
 the oldest writes are evicted first) and the lifetime counters (start again at zero).
 A record deleted on a filesystem that could not punch its hole comes back: it verifies,
 so it is a valid cache entry.
@@ -32,6 +33,7 @@ import os
 import shutil
 import struct
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,8 +51,11 @@ from .scan import next_magic, scan_segment
 from .schema import (
     ATIME,
     DB_NAMES,
+    KIDS,
     LRU_NS,
+    MAX_DBS,
     PAYLOAD_BYTES,
+    TREE_DB_NAMES,
     U64,
     Location,
     pack_entry,
@@ -185,9 +190,9 @@ def _first_fingerprint(fd: int, size: int) -> str | None:
 
 
 def _scan_all(seg_dir: Path, segs: list[int], fingerprint: str, io_threads: int
-              ) -> tuple[dict[bytes, tuple[Location, bytes]], dict[int, int]]:
-    """Every verified record of every segment (key -> location, checksum; the last copy
-    of a key wins) and each segment's size."""
+              ) -> tuple[dict[bytes, tuple[Location, bytes, bytes]], dict[int, int]]:
+    """Every verified record of every segment (key -> location, checksum, parent key
+    bytes; the last copy of a key wins) and each segment's size."""
     def scan(seg: int) -> tuple[int, int, list[tuple[bytes, Location, bytes]]]:
         try:
             fd = os.open(seg_dir / segment_name(seg), os.O_RDONLY | os.O_CLOEXEC)
@@ -202,29 +207,29 @@ def _scan_all(seg_dir: Path, segs: list[int], fingerprint: str, io_threads: int
         finally:
             os.close(fd)
 
-    records: dict[bytes, tuple[Location, bytes]] = {}
+    records: dict[bytes, tuple[Location, bytes, bytes]] = {}
     sizes: dict[int, int] = {}
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tkv-rebuild") as pool:
         for seg, size, found in pool.map(scan, segs):  # in segment order: later copies win
             sizes[seg] = size
-            for kb, loc, checksum in found:
+            for kb, loc, checksum, parent_kb in found:
                 records.pop(kb, None)
-                records[kb] = (loc, checksum)
+                records[kb] = (loc, checksum, parent_kb)
     return records, sizes
 
 
-def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Location, bytes]],
+def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Location, bytes, bytes]],
                  sizes: dict[int, int], *, sealed: bool) -> int:
-    """Write a complete index into ``where/data.mdb``; returns the records' bytes.
-    ``sealed``: the store directory records a sealed level (schema.SEALED_FILE): so does
-    the new index's meta."""
-    total = sum(loc.length for loc, _ in records.values())
-    map_size = max(64 << 20, 1024 * len(records) + (16 << 20))
-    env = lmdb.open(str(where), map_size=map_size, subdir=True, max_dbs=4, mode=0o600, lock=False,
+    """Write a complete index into ``where/data.mdb``, its prefix tree too (tree.py);
+    returns the records' bytes. ``sealed``: the store directory records a sealed level
+    (schema.SEALED_FILE): so does the new index's meta."""
+    total = sum(loc.length for loc, _, _ in records.values())
+    map_size = max(64 << 20, 1536 * len(records) + (16 << 20))
+    env = lmdb.open(str(where), map_size=map_size, subdir=True, max_dbs=MAX_DBS, mode=0o600, lock=False,
                     sync=True, metasync=True, writemap=False, meminit=True)
     try:
         with env.begin(write=True) as txn:
-            dbs = {name: env.open_db(name, txn=txn, create=True) for name in DB_NAMES}
+            dbs = {name: env.open_db(name, txn=txn, create=True) for name in DB_NAMES + TREE_DB_NAMES}
             meta = dbs[b"meta"]
             write_new_meta(txn, meta, fingerprint, total=total, next_segment=max(sizes, default=0) + 1,
                            sealed=sealed)
@@ -235,9 +240,13 @@ def _write_index(where: Path, fingerprint: str, records: dict[bytes, tuple[Locat
         base = time.time_ns() - len(ordered) - 1
         ns = {kb: base + i for i, (kb, _) in enumerate(ordered)}
         by_key = sorted(records.items())  # each tree filled in key order (MDB_APPEND: dense pages)
-        _append(env, dbs[b"records"], ((kb, pack_entry(loc, sum_)) for kb, (loc, sum_) in by_key))
-        _append(env, dbs[b"atime"], ((kb, ATIME.pack(ns[kb], loc.length)) for kb, (loc, _) in by_key))
-        _append(env, dbs[b"lru"], ((LRU_NS.pack(ns[kb]) + kb, b"") for kb, _ in ordered))
+        kids = Counter(parent for kb, (_, _, parent) in by_key if parent != kb)
+        _append(env, dbs[b"records"], ((kb, pack_entry(loc, sum_)) for kb, (loc, sum_, _) in by_key))
+        _append(env, dbs[b"atime"], ((kb, ATIME.pack(ns[kb], loc.length)) for kb, (loc, _, _) in by_key))
+        _append(env, dbs[b"lru"], ((LRU_NS.pack(ns[kb]) + kb, b"") for kb, _ in ordered if not kids[kb]))
+        _append(env, dbs[b"parked"], ((LRU_NS.pack(ns[kb]) + kb, b"") for kb, _ in ordered if kids[kb]))
+        _append(env, dbs[b"parent"], ((kb, parent) for kb, (_, _, parent) in by_key if parent != kb))
+        _append(env, dbs[b"kids"], ((kb, KIDS.pack(n)) for kb, n in sorted(kids.items())))
         env.sync(True)
     finally:
         env.close()

@@ -76,7 +76,7 @@ class Recovery:
         nxt = txn.get(M_NEXT_SEGMENT, db=meta)
         return 0 if nxt is not None and seg >= self.index.field(U32, nxt, "meta next_segment")[0] else None
 
-    def index_records(self, txn: lmdb.Transaction, seg: int, found: list[tuple[bytes, Location, bytes]],
+    def index_records(self, txn: lmdb.Transaction, seg: int, found: list[tuple[bytes, Location, bytes, bytes]],
                       size: int) -> tuple[int, list[Location]]:
         """Index the records ``found`` in segment ``seg`` (those whose key is not indexed),
         and move its ``segment_end`` to ``size``; returns (records indexed, locations of
@@ -86,12 +86,13 @@ class Recovery:
         total = self.index.get_total(txn)
         freed: list[Location] = []
         n = 0
-        for kb, loc, checksum in found:
+        for kb, loc, checksum, parent_kb in found:
             if loc.length > self.max_bytes or txn.get(kb, db=dbs.records) is not None:
                 continue  # write-once: an indexed key keeps its record
             total, _ = self.access.evict_for(txn, total, loc.length, freed)
             txn.put(kb, pack_entry(loc, checksum), db=dbs.records)
             self.access.touch(txn, kb, self.access.now_ns(), size=loc.length)
+            self.access.link(txn, kb, parent_kb)
             total += loc.length
             n += 1
         self.access.put_total(txn, total)

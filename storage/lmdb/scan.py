@@ -22,19 +22,19 @@ from ..format.record import (
     record_size,
     verify_record_parts,
 )
-from .schema import PAYLOAD_BYTES, Location
+from .schema import PAYLOAD_BYTES, Location, parent_key_bytes
 
 __all__ = ["next_magic", "scan_segment"]
 
 
 def scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
-                  ) -> list[tuple[bytes, Location, bytes]]:
+                  ) -> list[tuple[bytes, Location, bytes, bytes]]:
     """The verified records of ``[start, size)`` of segment ``seg``: (key bytes, location,
-    checksum), in file order. Records lie back to back within 4 KiB-aligned batches; a
+    checksum, the parent's key bytes: see :func:`.tree.parent_key_bytes`), in file order. Records lie back to back within 4 KiB-aligned batches; a
     record that fails a check, a punched hole (a deleted or evicted record: zeros), the
     padding of a batch, a torn write or garbage are skipped to the next record magic
     (so the records after a hole in the middle of a batch are found)."""
-    out: list[tuple[bytes, Location, bytes]] = []
+    out: list[tuple[bytes, Location, bytes, bytes]] = []
     pos = start
     while pos + HEADER_BYTES + CHECKSUM_BYTES <= size:
         head = os.pread(fd, HEADER_BYTES, pos)
@@ -55,7 +55,8 @@ def scan_segment(fd: int, seg: int, start: int, size: int, fingerprint: str
         except (CorruptRecordError, struct.error):
             pos = next_magic(fd, pos + 1, size)
             continue
-        out.append((key.to_bytes(), Location(seg, pos, n), buf[-CHECKSUM_BYTES:].tobytes()))
+        out.append((key.to_bytes(), Location(seg, pos, n), buf[-CHECKSUM_BYTES:].tobytes(),
+                    parent_key_bytes(key.kind, key.block_hash, parsed.parent_hash)))
         pos += n
     return out
 

@@ -26,7 +26,20 @@ Layout of one store directory (files 0o600, dirs 0o700)::
               b"segment_gen:" + u32 BE segment    u64 LE, bumped by every transaction that indexes
                                                   records into the segment (gc compares it)
     atime     RecordKey bytes                     u64 LE last access ns, u64 LE record size
-    lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU)
+    lru       u64 BE last access ns + key bytes   b"" (ordered: the first entry is the LRU);
+                                                  only records with no resident child (leaves)
+    parked    u64 BE last access ns + key bytes   b"": the records with a resident child
+                                                  (interior blocks), out of ``lru`` until it goes
+    parent    RecordKey bytes                     the parent's key bytes (33 B): a block's previous
+                                                  block, a snapshot's own block
+    kids      RecordKey bytes                     u32 LE, resident records whose ``parent`` it is
+                                                  (kept while > 0, resident or not)
+
+The last three are the store's prefix tree (:mod:`.tree`): eviction takes leaves first, so it
+never strands a path's end behind a missing start. Stores written before them (and indexes
+rebuilt from the segments) have records without a ``parent`` entry: those are leaves for
+eviction, in plain LRU order, as before; a writable open creates the three sub-dbs, a
+readonly open does without them.
 
 Stores of format version 1 (records inside LMDB, before segment files) are refused with an
 error that says what to do (:func:`check_meta`).
@@ -44,21 +57,26 @@ import lmdb
 
 from ..api.counters import StoreStats
 from ..errors import IndexDamagedError, LayoutMismatchError, StoreError
-from ..format.record import FORMAT_VERSION
+from ..format.record import FORMAT_VERSION, RecordKind
 from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing, sealing_json
 from ..format.writer import StoreWriter
 from ..os.files import fsync_dir
 
-__all__ = ["DB_NAMES", "SEALED_FILE", "SEGMENT_SUFFIX", "STORE_FORMAT_VERSION", "Dbs", "Location", "bump_segment_gen",
-           "check_meta", "decode", "meta_value_bytes", "pack_entry", "parse_segment_name", "read_sealed_file",
+__all__ = ["DB_NAMES", "KIDS", "MAX_DBS", "TREE_DB_NAMES", "SEALED_FILE", "SEGMENT_SUFFIX", "STORE_FORMAT_VERSION", "Dbs", "Location", "bump_segment_gen",
+           "check_meta", "decode", "meta_value_bytes", "pack_entry", "parent_key_bytes", "parse_segment_name", "read_sealed_file",
            "segment_end_key", "segment_gen_key", "segment_name", "unpack_entry", "write_new_meta",
            "write_sealed_file"]
 
 #: Version of the store's layout (sub-dbs, meta keys and segment files above). 1: records
 #: inside LMDB (refused, see :func:`check_meta`).
 STORE_FORMAT_VERSION = 2
-#: The sub-databases, in the order every open names them.
+#: The sub-databases every store has, in the order every open names them.
 DB_NAMES = (b"records", b"meta", b"atime", b"lru")
+#: The prefix tree's sub-databases (:mod:`.tree`): created by a writable open, absent from
+#: stores written before them (see the module docstring).
+TREE_DB_NAMES = (b"parked", b"parent", b"kids")
+#: named databases an environment may open (all of the above, and room to grow)
+MAX_DBS = 8
 
 U16 = struct.Struct("<H")
 U32 = struct.Struct("<I")
@@ -70,6 +88,8 @@ PAYLOAD_BYTES = struct.Struct("<Q")
 ATIME = struct.Struct("<QQ")
 #: ``lru`` key prefix: big-endian so that byte order is time order
 LRU_NS = struct.Struct(">Q")
+#: ``kids`` value: resident children
+KIDS = struct.Struct("<I")
 #: ``records`` value: segment, offset, record bytes, the record's xxh3-128 checksum
 ENTRY = struct.Struct("<IQQ16s")
 
@@ -137,6 +157,12 @@ def unpack_entry(raw: Any) -> tuple[Location, bytes] | None:
     return Location(seg, off, n), checksum
 
 
+def parent_key_bytes(kind: int, block_hash: bytes, parent_hash: bytes) -> bytes:
+    """The key bytes of a record's parent in the prefix tree (``parent``): the previous
+    block for a block, the block it was taken at for a snapshot."""
+    return bytes((RecordKind.BLOCK,)) + (parent_hash if kind == RecordKind.BLOCK else block_hash)
+
+
 def segment_end_key(seg: int) -> bytes:
     return M_SEGMENT_END + U32BE.pack(seg)
 
@@ -174,12 +200,16 @@ def meta_value_bytes(kb: bytes) -> int | None:
 # ------------------------------------------------------------------ metadata
 @dataclass(frozen=True, slots=True)
 class Dbs:
-    """The handles of the four sub-databases of an open environment."""
+    """The handles of the sub-databases of an open environment; the tree's three are None
+    on a readonly open of a store written before them."""
 
     records: Any
     meta: Any
     atime: Any
     lru: Any
+    parked: Any = None
+    parent: Any = None
+    kids: Any = None
 
 
 #: A sealed level's record in the store directory (the same JSON as meta ``b"encryption"``):

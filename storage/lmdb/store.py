@@ -367,9 +367,15 @@ class LmdbStore(BlockStore):
         """What :meth:`stats` reads of the index (one transaction)."""
         dbs = self._index.dbs
         assert dbs is not None
-        cur = txn.cursor(db=dbs.lru)
-        oldest = self._index.lru_ns(cur.key()) if cur.first() else None
-        newest = self._index.lru_ns(cur.key()) if cur.last() else None
+        firsts, lasts = [], []
+        for db in (dbs.lru, dbs.parked):  # (the leaves, and the records with a resident child)
+            if db is not None:
+                cur = txn.cursor(db=db)
+                if cur.first():
+                    firsts.append(self._index.lru_ns(cur.key()))
+                if cur.last():
+                    lasts.append(self._index.lru_ns(cur.key()))
+        oldest, newest = min(firsts, default=None), max(lasts, default=None)
         lifetime = {f"lifetime_{k}": v for k, v in self._access.lifetime(txn).items()}
         writer = txn.get(M_WRITER, db=dbs.meta)
         return {"records": txn.stat(dbs.records)["entries"], "bytes": self._index.get_total(txn),

@@ -39,7 +39,7 @@ from .access import AccessTimes
 from .environment import Index
 from ..os.faults import Faults
 from .group_commit import REWRITE, SYNCED, FaultPoint, GroupCommit
-from .schema import M_NEXT_SEGMENT, U32, U64, Location, bump_segment_gen, pack_entry, segment_end_key
+from .schema import M_NEXT_SEGMENT, U32, U64, Location, bump_segment_gen, pack_entry, parent_key_bytes, segment_end_key
 from .segments import Appended, SegmentFiles
 from .store_reads import StoreReads
 
@@ -281,6 +281,8 @@ class Writes:
             evicted += n
             txn.put(kb, pack_entry(loc, checksum), db=records)
             access.touch(txn, kb, access.now_ns(), size=size)
+            key = items[i].key
+            access.link(txn, kb, parent_key_bytes(key.kind, key.block_hash, items[i].parent_hash))
             total += size
             written += size
             results.append(True)

@@ -95,6 +95,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="read back and check every N-th hit byte for byte (and the first from each tier); 0: never")
     p.add_argument("--salt", default="", help="tenant salt of the prefix hashes (default none)")
     p.add_argument("--workdir", metavar="DIR", help="where made-up disk stores go (default: the temporary directory)")
+    p.add_argument("--sync-disk", action="store_true",
+                   help="let the disk writer land every queued write before each request's lookup: deterministic "
+                        "disk figures (without it they depend on the writer thread's timing by a few blocks)")
     cost = p.add_argument_group("cost model (defaults and their sources are printed with the report)")
     cost.add_argument("--prefill-tokens-per-s", type=float, metavar="R")
     cost.add_argument("--host-gbps", type=float, metavar="R", help="host -> GPU GB/s")
@@ -168,7 +171,7 @@ def _configs(args: argparse.Namespace) -> list[Any]:
     base = ReplayConfig(model=args.model, hbm=_capacity(args, "hbm", "40G"), host=_capacity(args, "host"),
                         disk=_capacity(args, "disk"), disk_url=args.disk_store, shared_url=args.shared,
                         snapshot_fraction=args.snapshot_fraction, scale=args.scale, verify_every=args.verify_every,
-                        salt=args.salt, cost=cost, workdir=args.workdir)
+                        salt=args.salt, cost=cost, workdir=args.workdir, sync_disk=args.sync_disk)
     out = []
     for snap in args.snapshot_policy or [DEFAULT_SNAPSHOT_POLICY]:
         for ev in args.eviction or [DEFAULT_EVICTION]:

@@ -3,26 +3,28 @@
 Today every sealed block and every published snapshot is written through to the disk
 (``all``). Most of them are never asked for again: a filter holds a record back until
 the memory tiers have shown that it is reused, as Dynamo's KV block manager does, to
-spare disk writes (SSD wear, store bandwidth). ::
+spare disk writes (SSD wear, store bandwidth). The filters decide on **snapshots**; a
+block reaches the disk only along with a snapshot at or after it on its path::
 
     all           every record, written through when sealed / published (the default)
-    second-hit    a record reaches the disk only once it has been hit in a memory tier
+    second-hit    a snapshot reaches the disk only once it has been hit in a memory tier
                   (a resume served it from the GPU or host tier); = ``hits:1``
     hits:N        only after N such hits
-    seen-twice    second-hit, or when it is computed a second time (sealed / published
-                  again: it was wanted again while no tier held it), a doorkeeper in
-                  TinyLFU's sense: the first sighting is remembered (its hash), not written
+    seen-twice    second-hit, or when it is computed a second time (published again: it
+                  was wanted again while no tier held it), a doorkeeper in TinyLFU's
+                  sense: the first sighting is remembered (its hash), not written
     survived:N    second-hit, or once it has lived N requests (cache opens) in the memory
-                  tiers: N opens after it was sealed / published, a record a memory tier
-                  (GPU or host) still holds is written (a snapshot only when every block
-                  before it is known on disk by then); one evicted sooner never is
+                  tiers: N opens after it was published, a snapshot a memory tier (GPU or
+                  host) still holds is written, if each block before it is still in a
+                  memory tier or known on disk; one evicted sooner never is
 
-A record held back is simply not on disk: a later resume that needs it there misses
-(it is recomputed), never reads wrong bytes. Prefixes stay resumable: a snapshot is
-admitted only together with every block before it that is not known to be on disk
-(written here or read from there), queued ahead of it on the one writer thread, so a
-snapshot on disk never lacks its blocks for want of admission (a block the store itself
-evicted, or whose write failed, is a miss as before).
+Coherent path segments: a snapshot admitted takes along every block before it that is
+not known to be on disk (written here or read from there), queued ahead of it on the one
+writer thread; a block is never admitted alone. So the disk never holds a block that
+the filter wrote without a snapshot at or after it (such a block is dead weight: no
+resume can use it), nor a snapshot without its blocks (a block the store itself evicted,
+or whose write failed, is a miss as before). A record held back is simply not on disk: a
+later resume that needs it there misses (it is recomputed), never reads wrong bytes.
 
 :class:`AdmissionFilter` holds the per-record hit counts and the records known to be on
 disk, each bounded (LRU, ``max_tracked`` keys): a forgotten count starts again, a
@@ -32,7 +34,10 @@ forgotten "on disk" is at worst written once more (the store keeps one copy).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ._spec import _int_after_colon
 
 __all__ = ["ADMISSION_POLICIES", "AdmissionFilter", "AdmissionPolicy", "admission_policy"]
 
@@ -86,10 +91,7 @@ def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
         return ADMISSION_POLICIES[spec]
     name, sep, arg = spec.partition(":")
     if name in ("hits", "survived") and sep:
-        try:
-            n = int(arg)
-        except ValueError:
-            raise ValueError(f"admission {spec!r}: expected an integer after ':', got {arg!r}") from None
+        n = _int_after_colon("admission", spec, arg)
         if n < 1:
             raise ValueError(f"admission {spec!r}: expected {name}:N with N >= 1, got {n}")
         return AdmissionPolicy(hits=n) if name == "hits" else AdmissionPolicy(hits=1, survive=n)
@@ -98,7 +100,8 @@ def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Deferred:
-    """A record held back by ``survived:N``, to be written if it is still in memory when due."""
+    """A snapshot held back by ``survived:N``, to be written (with its blocks) if it is
+    still in memory when due."""
 
     #: the request clock (opens) at which it is due
     due: int
@@ -107,8 +110,9 @@ class Deferred:
     #: a block's parent hash (a snapshot's: the root), and the digest of its (last) block's tokens
     parent: bytes
     digest: bytes
-    #: a snapshot's blocks before it (each must be known on disk first); None for a block
-    before: tuple[bytes, ...] | None = None
+    #: the blocks before the snapshot, each ``(hash, parent hash, token digest)``: those
+    #: not on disk when it is due are written ahead of it if still held in memory
+    before: tuple[tuple[bytes, bytes, bytes], ...] = ()
 
 
 class AdmissionFilter:
@@ -118,9 +122,10 @@ class AdmissionFilter:
     * :meth:`at_write`: a record is sealed / published: write it now? (False counts a reject)
     * :meth:`hit`: a memory tier served it: write it now? (True at most once while known)
     * :meth:`on_disk`: it is on disk (written or read from there): never admitted again
-    * :meth:`defer` / :meth:`tick` (``survived:N``): a record held back at seal / publish
-      is remembered with what its write needs; each open advances the clock and returns
-      the records due, which the cache writes when a memory tier still holds them
+    * :meth:`defer` / :meth:`tick` (``survived:N``): a snapshot held back at publish is
+      remembered with what its write (and its blocks') needs; each open advances the
+      clock and returns the snapshots due, which the cache writes when a memory tier
+      still holds them and each block before them
     """
 
     def __init__(self, policy: AdmissionPolicy, *, max_tracked: int = 1 << 18) -> None:
@@ -130,30 +135,32 @@ class AdmissionFilter:
         self.max_tracked = max_tracked
         self._hits: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._on_disk: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        #: seen-twice: records sealed / published once and held back
+        #: seen-twice: snapshots published once and held back
         self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         #: writes held back at seal / publish time
         self.rejects = 0
         #: records written later, on a hit (or, survived:N, having survived)
         self.admitted = 0
-        #: survived:N: records held back, oldest first, and the request clock (opens)
+        #: survived:N: snapshots held back, oldest first, and the request clock (opens)
         self._deferred: deque[Deferred] = deque()
         self.clock = 0
-        #: survived:N: records due that no memory tier held any more (never written)
+        #: survived:N: snapshots due that no memory tier held any more, or whose blocks
+        #: were neither in memory nor known on disk (never written)
         self.expired = 0
 
-    def at_write(self, kind: str, h: bytes, before: list[bytes] | None = None) -> bool:
-        """A record is sealed / published: write it now? ``before``: for a snapshot, the
-        hashes of the blocks before it (it is admitted only when each is known on disk)."""
+    def at_write(self, kind: str, h: bytes) -> bool:
+        """A record is sealed / published: write it now? (False counts a reject.) A block
+        never is unless written through: it goes along with an admitted snapshot after it.
+        A snapshot admitted here (``seen-twice``: published a second time) is written with
+        every block before it not known on disk (the caller's part: :meth:`admit` each)."""
         if self.policy.write_through:
             return True
         key = (kind, h)
-        if self.policy.seen_twice and key in self._seen and key not in self._on_disk and (
-                before is None or all(("block", b) in self._on_disk for b in before)):
-            del self._seen[key]
-            self.on_disk(kind, h)
-            return True
-        if self.policy.seen_twice:
+        if kind == "snapshot" and self.policy.seen_twice:
+            if key in self._seen and key not in self._on_disk:
+                del self._seen[key]
+                self.on_disk(kind, h)
+                return True
             self._seen[key] = None
             self._seen.move_to_end(key)
             if len(self._seen) > self.max_tracked:
@@ -161,14 +168,15 @@ class AdmissionFilter:
         self.rejects += 1
         return False
 
-    def defer(self, kind: str, h: bytes, parent: bytes, digest: bytes, before: list[bytes] | None = None) -> None:
-        """``survived:N``: remember a record :meth:`at_write` held back, due N opens from now
+    def defer(self, h: bytes, parent: bytes, digest: bytes,
+              before: Sequence[tuple[bytes, bytes, bytes]] = ()) -> None:
+        """``survived:N``: remember a snapshot :meth:`at_write` held back, due N opens from
+        now, with ``before``: the blocks before it, each ``(hash, parent, digest)``
         (bounded: past ``max_tracked`` the oldest is forgotten, i.e. never written)."""
         n = self.policy.survive
         if n is None:
             return
-        self._deferred.append(Deferred(self.clock + n, kind, h, parent, digest,
-                                       None if before is None else tuple(before)))
+        self._deferred.append(Deferred(self.clock + n, "snapshot", h, parent, digest, tuple(before)))
         if len(self._deferred) > self.max_tracked:
             self._deferred.popleft()
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._spec import _int_after_colon
+
 __all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "EvictionPolicy", "eviction_policy"]
 
 #: The cache's default eviction (issue 22): leaves first, snapshots with their blocks;
@@ -79,10 +81,7 @@ def eviction_policy(spec: str | EvictionPolicy) -> EvictionPolicy:
         return EVICTION_POLICIES[spec]
     name, sep, arg = spec.partition(":")
     if name == "leaf-s3fifo" and sep:
-        try:
-            pct = int(arg)
-        except ValueError:
-            raise ValueError(f"eviction {spec!r}: expected an integer percent after ':', got {arg!r}") from None
+        pct = _int_after_colon("eviction", spec, arg, noun="an integer percent")
         if not 1 <= pct <= 99:
             raise ValueError(f"eviction {spec!r}: expected a small-queue percent in 1..99, got {pct}")
         return EvictionPolicy(name=spec, leaf_first=True, coherent_snapshots=True, small_fraction=pct / 100)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ._spec import _int_after_colon
+
 __all__ = ["DEFAULT_SNAPSHOT_POLICY", "PromptEnds", "SnapshotPolicy", "snapshot_policy"]
 
 #: The cache's default placement (issue 22): snapshots where a prompt leaves the cached
@@ -103,10 +105,7 @@ def snapshot_policy(spec: str | SnapshotPolicy) -> SnapshotPolicy:
     name, sep, arg = spec.partition(":")
     n: int | None = None
     if sep:
-        try:
-            n = int(arg)
-        except ValueError:
-            raise ValueError(f"snapshot_policy {spec!r}: expected an integer after ':', got {arg!r}") from None
+        n = _int_after_colon("snapshot_policy", spec, arg)
         if n < 1:
             raise ValueError(f"snapshot_policy {spec!r}: expected an interval >= 1, got {n}")
     if name == "interval":

@@ -138,6 +138,11 @@ class ReplayConfig:
     #: cache's default is 64): a replay seals blocks far faster than an engine computes
     #: them, so a deeper queue lets the writer sync them in bigger batches
     disk_queue: int = 1024
+    #: wait for the disk writer to land every queued write before each request's lookup.
+    #: Without it the disk figures depend on how far the writer thread got at each lookup
+    #: (which records are on disk, and when the store evicted): a busy machine moves them
+    #: by a few blocks. With it they are deterministic, at one wait per request.
+    sync_disk: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm, Capacity):

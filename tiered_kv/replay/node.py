@@ -216,6 +216,8 @@ class Node:
         ``upto``: only the tiers up to this one)."""
         if self._chain is not None:  # far hits of the last open being promoted into level 0: let them land,
             self._chain.flush()  # so the lookup sees the tiers the open will (promotions only, not uploads)
+        if self.config.sync_disk and self.cache.disk is not None:
+            self.cache.disk.flush()  # every write queued so far lands first: figures independent of its timing
         arr = self.tokens.prompt_array(index, request)
         full = arr.size // self.bt
         hashes = self.cache.hasher.block_hashes(arr[:full * self.bt])
