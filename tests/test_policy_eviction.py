@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -64,14 +65,7 @@ def test_default_policies_resume_exactly_on_every_tier(tmp_path: Path, tiny_layo
         s = cache.stats()
         seen |= {t for t, k in (("host", "blocks_from_host"), ("branch", "snapshots_branch")) if s[k]}
     with TieredKVCache(tiny_layout, num_blocks=14, num_state_slots=1, store=url) as cache:
-        resumed = 0
-        for tokens in prompts:
-            req = cache.open(tokens + [3])
-            P = req.num_cached_tokens
-            resumed += P
-            got = tiny_model.forward(cache, req, (tokens + [3])[P:])
-            cache.close(req)
-            assert (got - tiny_model.naive_logits(tokens + [3])[P:]).abs().max().item() < TOL
+        resumed = _resume_each_exactly(cache, tiny_model, prompts)
         assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0
     assert seen == {"host", "branch"}  # the host tier served, and branch-point snapshots were published
 
@@ -120,14 +114,7 @@ def test_an_evicting_disk_keeps_whole_paths_and_resumes_exactly(tmp_path: Path, 
         assert len(snaps) >= 3
     with TieredKVCache(tiny_layout, num_blocks=14, num_state_slots=1, store=url,
                        store_options={"max_bytes": max_bytes}) as cache:
-        resumed = 0
-        for tokens in reversed(prompts):  # the most recent first: what the disk kept
-            req = cache.open(tokens + [3])
-            P = req.num_cached_tokens
-            resumed += P
-            got = tiny_model.forward(cache, req, (tokens + [3])[P:])
-            cache.close(req)
-            assert (got - tiny_model.naive_logits(tokens + [3])[P:]).abs().max().item() < TOL
+        resumed = _resume_each_exactly(cache, tiny_model, reversed(prompts))  # the most recent first: what the disk kept
         assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0
 
 
@@ -148,6 +135,20 @@ def test_leaf_lru_strands_nothing_where_lru_does(head, hbm: int, host: int | Non
     assert lost["lru"] > 0 and lost["leaf-lru"] == 0
     assert leaf.total.hits >= lru.total.hits  # nothing useful was given up for it
     assert leaf.total.verified_blocks > 0  # and what it served was read back byte-exact
+
+
+def _resume_each_exactly(cache: TieredKVCache, model, prompts: Iterable[list[int]]) -> int:
+    """Open each prompt plus one token, run the reference model from where the cache
+    resumed, and assert its logits equal a full recompute; returns the tokens resumed."""
+    resumed = 0
+    for tokens in prompts:
+        req = cache.open(tokens + [3])
+        P = req.num_cached_tokens
+        resumed += P
+        got = model.forward(cache, req, (tokens + [3])[P:])
+        cache.close(req)
+        assert (got - model.naive_logits(tokens + [3])[P:]).abs().max().item() < TOL
+    return resumed
 
 
 def _prompts(bt: int, n: int, seed: int) -> list[list[int]]:
