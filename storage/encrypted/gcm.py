@@ -8,9 +8,10 @@ every core. A ctypes foreign call releases the GIL for its duration, so the bulk
 the reader threads. The bytes are those of ``cryptography``'s ``AESGCM`` (the same
 OpenSSL primitive): ciphertext followed by its 16-byte tag.
 
-:func:`backend` gives :class:`LibcryptoGcm` where ``libcrypto`` (OpenSSL >= 1.1) loads,
-else :class:`CryptographyGcm` (``cryptography``'s AESGCM, as before), with one log line
-saying so. Both have the same two methods:
+:func:`backend` gives :class:`LibcryptoGcm` where ``libcrypto`` (OpenSSL >= 1.1) loads and
+is at least as new as the OpenSSL ``cryptography`` is built with, else
+:class:`CryptographyGcm` (``cryptography``'s AESGCM, as before; see :func:`load`, and
+``$TIERED_KV_AES_GCM``). Both have the same two methods:
 
     encrypt_into(key, nonce, plaintext, aad, out)      out: len(plaintext) + 16 bytes
     decrypt_into(key, nonce, ciphertext, aad, out) -> bool
@@ -230,29 +231,54 @@ class CryptographyGcm:
 
 
 #: Environment variable choosing the backend: ``libcrypto``, ``cryptography`` or ``auto``
-#: (unset: auto, libcrypto where it loads).
+#: (unset: auto).
 ENV = "TIERED_KV_AES_GCM"
 
 
-def load(name: str | None = None) -> GcmBackend:
-    """:class:`LibcryptoGcm` over the libcrypto ``name`` (default: the system's), else
-    :class:`CryptographyGcm`, logged once per call. ``$TIERED_KV_AES_GCM=cryptography``
-    chooses the latter outright."""
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
+def _cryptography_openssl() -> int:
+    """The OpenSSL version ``cryptography`` is built with (0 if unknown)."""
+    try:
+        from cryptography.hazmat.backends.openssl import backend as ossl
+
+        return int(ossl.openssl_version_number())
+    except Exception:  # noqa: BLE001  (unknown: libcrypto is taken)
+        return 0
+
+
+def load(name: str | None = None, choice: str | None = None) -> GcmBackend:
+    """The AES-256-GCM backend ``choice`` asks (default: ``$TIERED_KV_AES_GCM``, else auto):
+
+    - ``libcrypto``: :class:`LibcryptoGcm` over the libcrypto ``name`` (default: the
+      system's); where it cannot be loaded (or is older than OpenSSL 1.1),
+      :class:`CryptographyGcm`, with one warning;
+    - ``cryptography``: :class:`CryptographyGcm`;
+    - ``auto``: libcrypto only when its OpenSSL is at least as new as the one
+      ``cryptography`` is built with, else cryptography. Why: an older libcrypto can lack
+      the newer GCM kernels, and then loses more per core than releasing the GIL wins back
+      (measured on the dev machine: the system's OpenSSL 3.0.19 decrypts at about 3 GB/s a
+      core, cryptography's bundled 4.0.3 at about 8, so two threads of the former are
+      slower than one of the latter; bench/encryption.py prints both).
+    """
+    choice = (choice or os.environ.get(ENV, "") or "auto").strip().lower()
     if choice not in ("auto", "libcrypto", "cryptography"):
         raise ValueError(f"${ENV}: expected auto, libcrypto or cryptography, got {choice!r}")
     if choice == "cryptography":
-        log.info("AES-GCM: cryptography's AESGCM (${%s})", ENV)
         return CryptographyGcm()
     try:
         path = name or ctypes.util.find_library("crypto")
         if path is None:
             raise OSError("no libcrypto found")
-        return LibcryptoGcm(ctypes.CDLL(path))
+        lib = LibcryptoGcm(ctypes.CDLL(path))
     except (OSError, AttributeError) as e:
         log.warning("AES-GCM: libcrypto unavailable (%s); using cryptography's AESGCM, which holds the "
                     "GIL: encrypted reads decrypt on one core at a time", e)
         return CryptographyGcm()
+    theirs = _cryptography_openssl()
+    if choice == "auto" and lib.version < theirs:
+        log.info("AES-GCM: cryptography's AESGCM (its OpenSSL %#x is newer than libcrypto's %#x, whose GCM "
+                 "may be slower per core; $%s=libcrypto to use it, the GIL released)", theirs, lib.version, ENV)
+        return CryptographyGcm()
+    return lib
 
 
 _backend: GcmBackend | None = None

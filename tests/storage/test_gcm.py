@@ -28,7 +28,7 @@ from tiered_kv.storage import EncryptedStore, LmdbStore  # noqa: E402
 from tiered_kv.storage.encrypted import gcm  # noqa: E402
 from tiered_kv.storage.encrypted.xaes import Xaes256Gcm  # noqa: E402
 
-LIB = gcm.load()
+LIB = gcm.load(choice="libcrypto")
 needs_libcrypto = pytest.mark.skipif(not isinstance(LIB, gcm.LibcryptoGcm), reason="libcrypto not loadable here")
 BACKENDS = [pytest.param(LIB, id="libcrypto", marks=needs_libcrypto), pytest.param(gcm.CryptographyGcm(),
                                                                                      id="cryptography")]
@@ -127,11 +127,26 @@ def test_threads_decrypt_concurrently_with_their_own_contexts() -> None:
 
 def test_fallback_where_libcrypto_cannot_be_loaded(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger=gcm.__name__):
-        be = gcm.load("/nonexistent/libcrypto-missing.so")
+        be = gcm.load("/nonexistent/libcrypto-missing.so", choice="libcrypto")
     assert isinstance(be, gcm.CryptographyGcm)
     assert [r.getMessage() for r in caplog.records if "libcrypto unavailable" in r.getMessage()]
     key, nonce, msg = os.urandom(32), os.urandom(12), os.urandom(300)
     assert _seal(be, key, nonce, msg, b"x") == AESGCM(key).encrypt(nonce, msg, b"x")
+
+
+def test_auto_takes_libcrypto_only_when_not_older_than_cryptographys_openssl(monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
+    monkeypatch.setattr(gcm, "_cryptography_openssl", lambda: 0x7FFFFFFF)
+    assert isinstance(gcm.load(choice="auto"), gcm.CryptographyGcm)
+    assert isinstance(gcm.load(choice="cryptography"), gcm.CryptographyGcm)
+    monkeypatch.setenv(gcm.ENV, "cryptography")
+    assert isinstance(gcm.load(), gcm.CryptographyGcm)
+    monkeypatch.setenv(gcm.ENV, "bogus")
+    with pytest.raises(ValueError, match="TIERED_KV_AES_GCM"):
+        gcm.load()
+    if isinstance(LIB, gcm.LibcryptoGcm):
+        monkeypatch.setattr(gcm, "_cryptography_openssl", lambda: 0)
+        assert isinstance(gcm.load(choice="auto"), gcm.LibcryptoGcm)
 
 
 @pytest.mark.parametrize("be", BACKENDS)
