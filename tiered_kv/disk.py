@@ -119,8 +119,9 @@ class DiskTier:
         self.read_bytes = 0
         self._closed = False
         #: keys the store reported evicted (by this handle's puts: on the writer thread),
-        #: not yet taken by the cache (:meth:`take_evicted`, on the cache's thread)
-        self._evicted: deque[Any] = deque()
+        #: not yet taken by the cache (:meth:`take_evicted`, on the cache's thread); bounded:
+        #: past it the oldest reports are dropped (their memory blocks are not pruned)
+        self._evicted: deque[Any] = deque(maxlen=self.max_tracked_evicted)
         #: keys taken by :meth:`take_evicted` that the store still lacks (not submitted
         #: again since), oldest first, at most ``max_tracked_evicted``
         self._gone: OrderedDict[Any, None] = OrderedDict()
