@@ -603,17 +603,17 @@ class TierMoves:
         return not self._disk_holds_all or self.disk.evicted_from_store(record_key(kind, h))  # type: ignore[union-attr]
 
     def _disk_may_hold(self, h: bytes) -> bool:
-        """Block ``h`` may be on disk, where it still leads to a snapshot: written through
-        and not reported evicted since, or (behind a filter) known on disk. The filter
+        """Block ``h`` may be on disk, where it still leads to a snapshot: written through,
+        or (behind a filter) known on disk, and not reported evicted since. The filter
         writes a block only along with a snapshot at or after it
         (:mod:`tiered_kv.policy.admission`), and the store evicts leaves first, taking
         the blocks that led only to a snapshot with it (and reporting them)."""
         disk = self.disk
         if disk is None:
             return False
-        if disk.admission.policy.write_through:
-            return not disk.evicted_from_store(record_key("block", h))
-        return disk.admission.known_on_disk("block", h)
+        if not (disk.admission.policy.write_through or disk.admission.known_on_disk("block", h)):
+            return False
+        return not disk.evicted_from_store(record_key("block", h))
 
     def _prune_store_evictions(self) -> None:
         """On the cache's thread (``open``, ``close``, ``flush``): take the keys the
@@ -622,18 +622,16 @@ class TierMoves:
         only to them: walking up from each evicted key while a block is unreferenced in
         both memory tiers, has no child there, no snapshot in either, and is not on disk
         (:meth:`_disk_may_hold`). Such a block has no snapshot at or after it in any tier
-        any more, so no resume can use it. The filter forgets what it knew on disk of
-        each key (a snapshot admitted again writes it again)."""
+        any more, so no resume can use it. The admission filter keeps what it knew on disk
+        (forgetting it made ``seen-twice`` write each evicted snapshot again at its next
+        publish: +50 % disk bytes on the synthetic trace); a block it knows that the store
+        evicted is written again ahead of the next snapshot admitted after it
+        (:meth:`_blocks_to_write`)."""
         disk = self.disk
         if disk is None:
             return
         gone = disk.take_evicted()
-        if not gone:
-            return
-        for key in gone:
-            disk.admission.forget("block" if key == record_key("block", key.block_hash) else "snapshot",
-                                  key.block_hash)
-        if not self.eviction.coherent_snapshots:
+        if not gone or not self.eviction.coherent_snapshots:
             return
         self._pruning = True  # (the host evictions below call back into _prune_to_snapshot)
         try:

@@ -206,11 +206,6 @@ class AdmissionFilter:
         if len(self._on_disk) > self.max_tracked:
             self._on_disk.popitem(last=False)
 
-    def forget(self, kind: str, h: bytes) -> None:
-        """The store evicted the record: no longer known on disk (a snapshot admitted
-        again takes it along, or writes it again)."""
-        self._on_disk.pop((kind, h), None)
-
     def hit(self, kind: str, h: bytes) -> bool:
         """Count one memory-tier hit; True when this one admits the record (the caller
         writes it and it is then known on disk)."""
