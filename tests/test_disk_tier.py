@@ -205,3 +205,31 @@ def test_queued_disk_writes_go_in_batches_and_failures_count_per_record(tmp_path
     assert [store.contains(k) for k in keys] == [k != keys[8] for k in keys]
     tier.close()
     store.close()
+
+
+def test_the_store_s_evictions_reach_the_cache_s_thread_through_a_queue(tmp_path: Path) -> None:
+    """The disk tier listens to an LMDB store's evictions (reported on its writer thread)
+    and hands them out on the caller's: take_evicted() gives each key the store evicted
+    once, leaves out what is stored again, and remembers the rest until submitted again.
+    close() stops listening."""
+    from tiered_kv.disk import DiskTier
+    from tiered_kv.storage import LmdbStore, record_size
+
+    layout = presets.tiny()
+    store = LmdbStore(tmp_path / "s", layout_fingerprint=layout.fingerprint, max_bytes=3 * record_size(64))
+    tier = DiskTier(store, layout)
+    assert store.on_evict is not None
+    keys = [RecordKey.block(bytes([i + 1]) * 32) for i in range(5)]
+    payload = torch.zeros(64, dtype=torch.uint8)
+    for k in keys:  # five roots, one leaf each: the two oldest go
+        tier.submit(k, b"\0" * 32, b"\0" * 32, payload)
+        tier.flush()
+    assert tier.take_evicted() == keys[:2] and tier.take_evicted() == []
+    assert tier.evicted_from_store(keys[0]) and tier.evicted_from_store(keys[1])
+    tier.submit(keys[0], b"\0" * 32, b"\0" * 32, payload)  # written again: no longer gone
+    tier.flush()
+    assert not tier.evicted_from_store(keys[0]) and tier.evicted_from_store(keys[1])
+    assert tier.take_evicted() == [keys[2]]  # (keys[0]'s write evicted the oldest left)
+    tier.close()
+    assert store.on_evict is None
+    store.close()

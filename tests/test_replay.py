@@ -209,6 +209,27 @@ def test_an_evicting_disk_behind_an_admission_filter_strands_nothing(conversatio
     assert report.resident()["disk"]["blocks"] > 0 and report.resident()["disk"]["snapshots"] > 0
 
 
+def test_a_disk_far_smaller_than_the_host_strands_nothing_in_memory(conversation: Trace) -> None:
+    """Issue 22 item 2, the store's evictions reported to the cache: with a disk much
+    smaller than the host the store evicts snapshots whose blocks only a memory tier
+    still holds. The LMDB store reports the keys it evicts (after the commit, on the
+    writer thread), the disk tier queues them, and the cache prunes, at its next open /
+    close / flush, the memory blocks that led only to them. Before, this replay ended
+    with 53 MB (model bytes) of host blocks with no snapshot at or after them in any
+    tier, under ``all`` (the filters' case at this size:
+    test_an_evicting_disk_behind_an_admission_filter_strands_nothing)."""
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(200_000), host=Capacity.of_tokens(400_000),
+                       disk=Capacity.of_tokens(300_000), verify_every=3, sync_disk=True)
+    report = replay(conversation, cfg)
+    t = report.total
+    t.check()
+    stats = report.nodes[0].stats
+    assert stats["store_evictions"] > 0 and t.miss_tokens["corrupt"] == 0
+    zero = {"unreachable": 0, "no_snapshot": 0, "unknown": 0, "snapshots_unreachable": 0}
+    assert report.stranded() == {"gpu": zero, "host": zero, "disk": zero}
+    assert report.resident()["host"]["blocks"] > 0 and report.resident()["disk"]["snapshots"] > 0
+
+
 def test_host_only_evictions_are_attributed_to_the_tier_that_lost_them(conversation: Trace) -> None:
     cfg = ReplayConfig(hbm=Capacity.of_tokens(300_000), host=Capacity.of_tokens(1_000_000), verify_every=0)
     t = replay(conversation.head(250), cfg).total

@@ -274,6 +274,7 @@ class TieredKVCache(TierMoves):
         Raises :class:`CacheFullError` when no State slot is free.
         """
         self._check_running("open")
+        self._prune_store_evictions()  # (what the store evicted meanwhile: see tiering)
         tokens = as_token_list(token_ids)
         limit = max(0, len(tokens) - 1)
         if max_cached_tokens is not None:
@@ -378,6 +379,7 @@ class TieredKVCache(TierMoves):
         self._counters["requests_closed"] += 1
         if self.disk is not None and self.disk.admission.policy.survive is not None:
             self._write_survivors()
+        self._prune_store_evictions()
 
     def flush(self, *, uploads: bool = False, timeout_s: float | None = None) -> bool:
         """Wait for every pending copy and disk write submitted so far.
@@ -393,7 +395,9 @@ class TieredKVCache(TierMoves):
         self._check_running("flush")
         self.copies.synchronize()
         if self.disk is not None:
-            return self.disk.flush(uploads=uploads, timeout_s=timeout_s)
+            done = self.disk.flush(uploads=uploads, timeout_s=timeout_s)
+            self._prune_store_evictions()
+            return done
         return True
 
     def shutdown(self) -> None:

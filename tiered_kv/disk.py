@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -118,8 +118,56 @@ class DiskTier:
         self.read_hits = 0
         self.read_bytes = 0
         self._closed = False
+        #: keys the store reported evicted (by this handle's puts: on the writer thread),
+        #: not yet taken by the cache (:meth:`take_evicted`, on the cache's thread); bounded:
+        #: past it the oldest reports are dropped (their memory blocks are not pruned)
+        self._evicted: deque[Any] = deque(maxlen=self.max_tracked_evicted)
+        #: keys taken by :meth:`take_evicted` that the store still lacks (not submitted
+        #: again since), oldest first, at most ``max_tracked_evicted``
+        self._gone: OrderedDict[Any, None] = OrderedDict()
+        self._listens = self._listen_for_evictions()
         #: closes this tier at interpreter exit if close() was not called (see the module docstring)
         self._at_exit = close_at_exit(self.close)
+
+    # ------------------------------------------------------ store evictions
+    def _listen_for_evictions(self) -> bool:
+        """Ask the store to report the keys it evicts (a store with ``on_evict``, the LMDB
+        store, and nobody listening yet). A :class:`~tiered_kv.storage.StoreChain` reports
+        nothing: what its first level evicts its farther levels still hold."""
+        if getattr(self.store, "on_evict", False) is not None:
+            return False
+        self.store.on_evict = self._evicted.extend
+        return True
+
+    #: store-evicted keys remembered by :meth:`evicted_from_store` (the oldest forgotten first)
+    max_tracked_evicted = 1 << 18
+
+    def take_evicted(self) -> list[Any]:
+        """The keys of the records the store evicted since the last call and does not hold
+        again (neither stored nor on their way since), oldest first. This handle's
+        evictions only: another process's, sharing the store, are never seen. For the
+        cache's thread (the writer thread only appends to the queue); the keys taken are
+        remembered (:meth:`evicted_from_store`) until submitted again."""
+        out = []
+        while True:
+            try:
+                out.append(self._evicted.popleft())
+            except IndexError:
+                break
+        if not out:
+            return out
+        out = [k for k, held in zip(out, self.holds_many(out)) if not held]
+        for k in out:
+            self._gone[k] = None
+            self._gone.move_to_end(k)
+        while len(self._gone) > self.max_tracked_evicted:
+            self._gone.popitem(last=False)
+        return out
+
+    def evicted_from_store(self, key: Any) -> bool:
+        """The store reported ``key`` evicted (:meth:`take_evicted`) and it was not
+        submitted since."""
+        return key in self._gone
 
     # ----------------------------------------------------------------- writes
     def submit(self, key: Any, parent_hash: bytes, token_digest: bytes, payload: torch.Tensor,
@@ -137,6 +185,7 @@ class DiskTier:
 
         item = PutItem(key=key, parent_hash=parent_hash, token_digest=token_digest, payload=payload)
         self._check_open("submit")
+        self._gone.pop(key, None)
         while len(self._pending) >= self.max_pending:
             self._pending.popleft().result()
         done: Future[None] = Future()
@@ -351,5 +400,7 @@ class DiskTier:
         self._executor.shutdown(wait=True)
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+        if self._listens and self.store.on_evict == self._evicted.extend:
+            self.store.on_evict = None
         if self._owns_store:
             self.store.close()

@@ -550,7 +550,7 @@ class TierMoves:
         if self.eviction.coherent_snapshots:
             if self.snapshots.ids.evict_hash(h):
                 self._counters["snapshots_evicted_with_block"] += 1
-            if self.host is None and not self._disk_holds_all:  # its parent may now lead to no snapshot
+            if self.host is None and self._disk_lacks("block", h):  # its parent may now lead to no snapshot
                 self._prune_to_snapshot(self.blocks, self.snapshots.ids, self.blocks.evicted_parent)
         hid = self._host_of_block.pop(b, None)
         if hid is not None:  # HiSparse: the host already holds the record
@@ -574,26 +574,95 @@ class TierMoves:
         host = self.host
         if host is not None and host.snapshots is not None and host.snapshots.evict_hash(h):
             self._counters["snapshots_evicted_with_block"] += 1
-        if host is not None and not self._disk_holds_all:  # its parent may now lead to no snapshot
+        if host is not None and self._disk_lacks("block", h):  # its parent may now lead to no snapshot
             self._prune_to_snapshot(host.blocks, host.snapshots, host.blocks.evicted_parent)
 
     def _on_snapshot_evict(self, sid: int, h: bytes) -> None:
         kept = self.host is not None and self.host.put_snapshot(h, self.snapshots.data[sid].cpu())
-        if not kept and not self._disk_holds_all and self.eviction.coherent_snapshots:
+        if not kept and self._disk_lacks("snapshot", h) and self.eviction.coherent_snapshots:
             self._prune_to_snapshot(self.blocks, self.snapshots.ids, h)
 
     def _on_host_snapshot_evict(self, sid: int, h: bytes) -> None:
         """leaf-lru: a host snapshot evicted that the disk below does not hold (there is
         none, or its filter held the snapshot back): its blocks' path goes too."""
         host = self.host
-        if not self._disk_holds_all and host is not None:
+        if self._disk_lacks("snapshot", h) and host is not None:
             self._prune_to_snapshot(host.blocks, host.snapshots, h)
 
     @property
     def _disk_holds_all(self) -> bool:
         """A disk tier below writes every record through (admission ``all``): a record a
-        memory tier drops is still on disk, so no memory tier prunes a path for want of it."""
+        memory tier drops is still on disk, so no memory tier prunes a path for want of it
+        (unless the store reported it evicted: :meth:`_disk_lacks`)."""
         return self.disk is not None and self.disk.admission.policy.write_through
+
+    def _disk_lacks(self, kind: str, h: bytes) -> bool:
+        """A record a memory tier drops may be missing below: there is no disk, or one
+        behind an admission filter, or one writing through whose store reported the record
+        evicted (:meth:`~tiered_kv.disk.DiskTier.take_evicted`)."""
+        return not self._disk_holds_all or self.disk.evicted_from_store(record_key(kind, h))  # type: ignore[union-attr]
+
+    def _disk_may_hold(self, h: bytes) -> bool:
+        """Block ``h`` may be on disk, where it still leads to a snapshot: written through,
+        or (behind a filter) known on disk, and not reported evicted since. The filter
+        writes a block only along with a snapshot at or after it
+        (:mod:`tiered_kv.policy.admission`), and the store evicts leaves first, taking
+        the blocks that led only to a snapshot with it (and reporting them)."""
+        disk = self.disk
+        if disk is None:
+            return False
+        if not (disk.admission.policy.write_through or disk.admission.known_on_disk("block", h)):
+            return False
+        return not disk.evicted_from_store(record_key("block", h))
+
+    def _prune_store_evictions(self) -> None:
+        """On the cache's thread (``open``, ``close``, ``flush``): take the keys the
+        store evicted since the last call (reported on the writer thread, queued by the
+        disk tier) and, with a leaf-first policy, prune the memory-tier blocks that led
+        only to them: walking up from each evicted key while a block is unreferenced in
+        both memory tiers, has no child there, no snapshot in either, and is not on disk
+        (:meth:`_disk_may_hold`). Such a block has no snapshot at or after it in any tier
+        any more, so no resume can use it. The admission filter keeps what it knew on disk
+        (forgetting it made ``seen-twice`` write each evicted snapshot again at its next
+        publish: +50 % disk bytes on the synthetic trace); a block it knows that the store
+        evicted is written again ahead of the next snapshot admitted after it
+        (:meth:`_blocks_to_write`)."""
+        disk = self.disk
+        if disk is None:
+            return
+        gone = disk.take_evicted()
+        if not gone or not self.eviction.coherent_snapshots:
+            return
+        self._pruning = True  # (the host evictions below call back into _prune_to_snapshot)
+        try:
+            for key in gone:
+                self._prune_up_from(key.block_hash)
+        finally:
+            self._pruning = False
+
+    def _prune_up_from(self, h: bytes) -> None:
+        """The walk of :meth:`_prune_store_evictions` from block or snapshot ``h``."""
+        host = self.host.blocks if self.host is not None else None
+        x: bytes | None = h
+        while x is not None:
+            b = self.blocks.lookup(x)
+            hid = host.lookup(x) if host is not None else None
+            if ((b is None and hid is None)
+                    or (b is not None and self.blocks.refcount(b))
+                    or (hid is not None and host.refcount(hid))  # type: ignore[union-attr]
+                    or self.blocks.num_children(x) or (host is not None and host.num_children(x))
+                    or self._snapshot_above_disk(x) or self._disk_may_hold(x)):
+                return
+            parent = self.blocks.parent_hash(b) if b is not None else host.parent_hash(hid)  # type: ignore[union-attr,arg-type]
+            if b is not None:  # (dropped, not offloaded: the host would hold it stranded)
+                self.blocks.uncache(b)
+                mirror = self._host_of_block.pop(b, None)
+                if mirror is not None:
+                    self._drop_host_ref(mirror)
+            if hid is not None:
+                host.evict_hash(x)  # type: ignore[union-attr]
+            self._counters["blocks_evicted_with_snapshot"] += 1
+            x = parent
 
     def _prune_to_snapshot(self, pool: BlockPool, snaps: BlockPool | None, h: bytes | None) -> None:
         """leaf-lru, in a tier with nothing below it that holds every record (no disk, or
@@ -614,7 +683,7 @@ class TierMoves:
                 if (b is None or pool.refcount(b) or pool.num_children(x)
                         or (snaps is not None and snaps.lookup(x) is not None)
                         or self.snapshots.ids.lookup(x) is not None
-                        or (self.disk is not None and self.disk.admission.known_on_disk("block", x))):
+                        or self._disk_may_hold(x)):
                     return
                 parent = pool.parent_hash(b)
                 pool.evict_hash(x)

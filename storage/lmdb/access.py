@@ -15,6 +15,7 @@ the lifetime counters every process shares (``meta`` b"counters").
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,8 @@ from .schema import ATIME, LRU_NS, M_COUNTERS, M_TOTAL, U64, Location, unpack_en
 from .tree import Tree
 
 __all__ = ["ACCESS_QUEUE_MAX", "AccessTimes"]
+
+log = logging.getLogger(__name__)
 
 #: queued access times that make the queue due for a flush
 ACCESS_QUEUE_MAX = 4096
@@ -54,6 +57,9 @@ class AccessTimes:
         self.flush_s = flush_s
         self.guard = guard
         self.tree = Tree(index)
+        #: called with the RecordKeys each eviction of this handle took, after its
+        #: transaction committed, on the thread that evicted (None: nobody listens)
+        self.on_evict: Callable[[list[RecordKey]], None] | None = None
         self.lock = threading.Lock()
         self._queue: dict[bytes, int] = {}
         self._since = time.monotonic()
@@ -116,11 +122,14 @@ class AccessTimes:
         return size
 
     def evict_for(self, txn: lmdb.Transaction, total: int, need: int, freed: list[Location], *,
-                  limit: int | None = None, max_records: int | None = None) -> tuple[int, int]:
+                  limit: int | None = None, max_records: int | None = None,
+                  gone: list[bytes] | None = None) -> tuple[int, int]:
         """Evict records until ``need`` more bytes fit in ``limit`` (default
         ``max_bytes``), or ``max_records`` were evicted: leaves least recently accessed
         first, each with the blocks that led only to it (see :mod:`.tree`); records the
-        eviction guard holds are skipped. Returns (bytes left, records evicted).
+        eviction guard holds are skipped. Returns (bytes left, records evicted); the key
+        bytes of each record evicted are appended to ``gone`` (reported by the caller once
+        the transaction committed: :meth:`report_evicted`).
 
         Raises StoreFullError when a put (``need > 0``) cannot make room because the
         guard holds the rest; ``gc`` (``need == 0``) then stops short of its bound."""
@@ -150,7 +159,10 @@ class AccessTimes:
                     continue  # taken with a path meanwhile
                 total -= self.remove(txn, kb, freed, released)
                 evicted += 1
-                total, evicted = self._take_released(txn, total, evicted, released, freed, guard, max_records)
+                if gone is not None:
+                    gone.append(kb)
+                total, evicted = self._take_released(txn, total, evicted, released, freed, guard, max_records,
+                                                     gone)
         if total + need > bound and (max_records is None or evicted < max_records):
             where = self.index.path
             if kept and need:
@@ -164,8 +176,8 @@ class AccessTimes:
         return total, evicted
 
     def _take_released(self, txn: lmdb.Transaction, total: int, evicted: int, released: list[bytes],
-                       freed: list[Location], guard: EvictionGuard | None, max_records: int | None
-                       ) -> tuple[int, int]:
+                       freed: list[Location], guard: EvictionGuard | None, max_records: int | None,
+                       gone: list[bytes] | None = None) -> tuple[int, int]:
         """Evict the blocks an eviction left without a child (no snapshot, no block after
         them: no resume can use them), up their paths, unless the guard holds them or
         ``max_records`` is reached (they stay, as leaves). Returns (total, evicted)."""
@@ -177,6 +189,8 @@ class AccessTimes:
                     continue
             total -= self.remove(txn, kb, freed, released)
             evicted += 1
+            if gone is not None:
+                gone.append(kb)
         released.clear()
         return total, evicted
 
@@ -192,6 +206,19 @@ class AccessTimes:
             raw = txn.get(kb, db=dbs.atime)
             yield kb, _record_key(kb) if guarded else None, ATIME.unpack(raw)[1] if raw is not None else 0
             ok = cur.next()
+
+    def report_evicted(self, gone: Sequence[bytes]) -> None:
+        """Hand the keys an eviction took (``gone``, from a committed transaction) to
+        :attr:`on_evict`, when set, on the calling thread. A listener that raises is logged,
+        never the store's error: the records are gone either way."""
+        listener = self.on_evict
+        if listener is None or not gone:
+            return
+        keys = [k for k in (_record_key(kb) for kb in gone) if k is not None]
+        try:
+            listener(keys)
+        except Exception:
+            log.exception("the store's on_evict listener failed (the records are evicted all the same)")
 
     def put_total(self, txn: lmdb.Transaction, total: int) -> None:
         """Record the accounted bytes (``meta`` record_bytes)."""

@@ -358,8 +358,9 @@ class Maintenance:
         while True:
             taken = {} if full else self.access.take()  # (a full disk: no page to spare for hints)
             freed: list[Location] = []
+            keys: list[bytes] = []
             try:
-                n, gone, left = self.index.run(lambda txn: self._evict(txn, taken, freed, max_bytes, batch),
+                n, gone, left = self.index.run(lambda txn: self._evict(txn, taken, freed, max_bytes, batch, keys),
                                                write=True)
             except StoreFullError:
                 self.access.restore(taken)
@@ -373,6 +374,7 @@ class Maintenance:
                 self.access.restore(taken)
                 raise
             self.segments.punch(freed)
+            self.access.report_evicted(keys)
             evicted += n
             freed_bytes += gone
             if left <= max_bytes or n == 0:
@@ -386,12 +388,14 @@ class Maintenance:
         return out
 
     def _evict(self, txn: lmdb.Transaction, taken: dict[bytes, int], freed: list[Location], max_bytes: int,
-               batch: int) -> tuple[int, int, int]:
+               batch: int, keys: list[bytes]) -> tuple[int, int, int]:
         """One gc transaction: the queued access times, then up to ``batch`` evictions
-        towards ``max_bytes``. Returns (evicted, bytes freed, bytes left)."""
+        towards ``max_bytes`` (their key bytes into ``keys``, emptied first: a transaction
+        retried starts over). Returns (evicted, bytes freed, bytes left)."""
+        keys.clear()
         self.access.apply(txn, taken)
         total = self.index.get_total(txn)
-        left, n = self.access.evict_for(txn, total, 0, freed, limit=max_bytes, max_records=batch)
+        left, n = self.access.evict_for(txn, total, 0, freed, limit=max_bytes, max_records=batch, gone=keys)
         self.access.put_total(txn, left)
         return n, total - left, left
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -211,6 +211,21 @@ class LmdbStore(BlockStore):
             self.close()
             raise
         self._maintenance.keep_reserve()
+
+    @property
+    def on_evict(self) -> Callable[[list[RecordKey]], None] | None:
+        """Told the keys of the records this handle's evictions took (a put's or ``gc``'s;
+        not those of the recovery at open), once the eviction's transaction committed, on
+        the thread that evicted (a put's caller: a disk tier's writer thread). None (the
+        default): nobody is told. Another process's evictions are never reported here: a
+        listener learns only what this handle evicted. The transaction is over when it runs
+        (it may read the store); it should be quick (a put waits for it), and one that
+        raises is logged."""
+        return self._access.on_evict
+
+    @on_evict.setter
+    def on_evict(self, listener: Callable[[list[RecordKey]], None] | None) -> None:
+        self._access.on_evict = listener
 
     @property
     def index_rebuild(self) -> dict[str, Any] | None:

@@ -99,9 +99,10 @@ class Writes:
         finally:
             if batch.appended is not None:  # not committed (the store closed before its turn)
                 self.segments.give_up([batch.appended])
-        results, evicted, corrupt, written, freed = outcome
+        results, evicted, corrupt, written, freed, gone = outcome
         self.segments.punch(freed)
         self.stats.add(puts=sum(results), put_bytes=written, evictions=evicted, corrupt=corrupt)
+        self.access.report_evicted(gone)
         return results
 
     def _prepare(self, items: list[PutItem]) -> PutBatch:
@@ -249,14 +250,16 @@ class Writes:
 
     def index_puts(self, txn: lmdb.Transaction, items: Sequence[PutItem], kbs: list[bytes], sizes: list[int],
                    seen: list[bytes | None], new: list[int], locs: dict[int, tuple[Location, bytes]]
-                   ) -> tuple[list[bool], int, int, int, list[Location]]:
+                   ) -> tuple[list[bool], int, int, int, list[Location], list[bytes]]:
         """Index one ``put_many``'s records (in the group's transaction). Returns
-        ``(results, evicted, corrupt replaced, bytes written, locations to punch)``."""
+        ``(results, evicted, corrupt replaced, bytes written, locations to punch, key bytes
+        evicted)``."""
         self.faults.hit(FaultPoint.INDEX_BATCH, kbs)
         records = self.index.dbs.records  # type: ignore[union-attr]
         access = self.access
         total = self.index.get_total(txn)
         freed: list[Location] = []
+        gone: list[bytes] = []
         results: list[bool] = []
         evicted = corrupt = written = 0
         new_set = set(new)
@@ -277,7 +280,7 @@ class Writes:
                     continue
                 corrupt += 1  # the corrupt record we saw: replaced
                 total -= access.remove(txn, kb, freed)
-            total, n = access.evict_for(txn, total, size, freed)
+            total, n = access.evict_for(txn, total, size, freed, gone=gone)
             evicted += n
             txn.put(kb, pack_entry(loc, checksum), db=records)
             access.touch(txn, kb, access.now_ns(), size=size)
@@ -287,7 +290,7 @@ class Writes:
             written += size
             results.append(True)
         access.put_total(txn, total)
-        return results, evicted, corrupt, written, freed
+        return results, evicted, corrupt, written, freed, gone
 
     # ------------------------------------------------------------------ delete
     def delete(self, kb: bytes) -> bool:

@@ -304,3 +304,34 @@ def test_two_processes_writing_one_store_keep_one_consistent_tree(tmp_path: Path
         assert s["lifetime_evictions"] > 0 and 0 < s["records"] <= 40
         got = store.verify()
         assert got["index_problems"] == [] and got["corrupt"] == 0
+
+
+def test_the_store_reports_the_keys_each_eviction_took_after_it_committed(tmp_path: Path) -> None:
+    """``on_evict`` (off by default) is told, per put or gc, exactly the keys that left the
+    index, once the transaction committed (they are gone when it runs); a listener that
+    raises is logged and the put still succeeds."""
+    p = chain("p", 3)
+    items = path_items(p, snaps_at={0, 2})  # b0 s0 b1 b2 s2
+    q = block(chain("q", 1)[0], ROOT)
+    told: list[tuple[list[RecordKey], set[RecordKey]]] = []
+    with LmdbStore(tmp_path / "s", layout_fingerprint=FP, max_bytes=5 * ONE) as store:
+        assert store.on_evict is None
+        store.put_many(items)
+        store.on_evict = lambda keys: told.append((keys, set(store)))
+        read(store, items[:2])
+        store.put_many([q])  # s2, then b2, b1 with it
+        assert len(told) == 1
+        keys, present = told[0]
+        assert len(keys) == 3 and set(keys) == {RecordKey.snapshot(p[2]), RecordKey.block(p[2]), RecordKey.block(p[1])}
+        assert not present & set(keys)
+        told.clear()
+        store.gc(ONE)  # of b0, s0 and q, two go
+        assert len(told) == 1 and len(told[0][0]) == store.stats()["evictions"] - 3
+        assert not set(told[0][0]) & set(store)
+
+        def fails(keys: list[RecordKey]) -> None:
+            raise RuntimeError("listener")
+
+        store.on_evict = fails
+        assert store.put_many([block(chain("r", 1)[0], ROOT), block(chain("r2", 1)[0], ROOT)]) == [True, True]
+        store.on_evict = None
