@@ -438,8 +438,9 @@ class Keyring:
     @staticmethod
     def open_into(opened: Opened, ciphertext: Any, aad: bytes, out: Any) -> bool:
         """Decrypt ``ciphertext`` (with its tag) into ``out``; False when the tag fails, and
-        ``out`` is then zeroed. The bulk AES-GCM runs with the GIL released (:mod:`.gcm`:
-        libcrypto through ctypes), so the reader threads open envelopes in parallel."""
+        ``out`` is then zeroed. The bulk AES-GCM is :func:`.gcm.backend`'s: libcrypto through
+        ctypes (the GIL released, reader threads in parallel) where the system OpenSSL is not
+        older than ``cryptography``'s, else ``cryptography`` (holds the GIL)."""
         if opened.version == LEGACY_ENVELOPE_VERSION:
             return gcm.backend().decrypt_into(opened.keys.legacy_key, opened.nonce, ciphertext, aad, out)
         return opened.keys.xaes.open_into(opened.nonce, ciphertext, aad, out)

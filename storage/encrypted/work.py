@@ -1,9 +1,9 @@
 """The threads and buffers of an encrypted level: (de)cryption spread over a pool and the
 calling thread, and per-thread arenas that envelopes are sealed and read into.
 
-The bulk AES-GCM releases the GIL where libcrypto loads (storage/encrypted/gcm.py: ctypes;
-``cryptography`` 50's AESGCM, the fallback, holds it), so the envelopes of one call are sealed
-and opened on several threads; the arenas are reused from call to call (up to the chunk bound:
+The bulk AES-GCM releases the GIL where storage/encrypted/gcm.py chose libcrypto (ctypes; a
+system OpenSSL not older than ``cryptography``'s; ``cryptography`` 50's AESGCM, chosen
+elsewhere, holds it), so the envelopes of one call are sealed and opened on several threads; the arenas are reused from call to call (up to the chunk bound:
 a larger call gets buffers of its own), so a hot read allocates nothing.
 """
 

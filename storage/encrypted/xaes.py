@@ -19,8 +19,8 @@ Flash blocks) the chance of a repeated (subkey, nonce) pair is below 2^-96. The 
 vectors of the specification are checked by ``tests/storage/test_crypto_primitives.py``.
 
 The bulk AES-256-GCM of :meth:`Xaes256Gcm.seal_into` and :meth:`Xaes256Gcm.open_into` is
-:mod:`.gcm`'s (libcrypto through ctypes: the GIL released, so reader threads decrypt in
-parallel; ``cryptography`` where libcrypto cannot be loaded). The subkey derivation is two AES block encryptions (one ECB call of 32 bytes); the
+:mod:`.gcm`'s (libcrypto through ctypes, the GIL released so reader threads decrypt in
+parallel, where the system OpenSSL is not older than ``cryptography``'s; else ``cryptography``). The subkey derivation is two AES block encryptions (one ECB call of 32 bytes); the
 encryptor is kept per thread, so sealing and opening cost one AES-GCM context per
 envelope more than plain AES-GCM (a couple of microseconds against ~100 us of AES-GCM
 for a 0.5 MB record).
@@ -91,12 +91,12 @@ class Xaes256Gcm:
 
     def seal_into(self, nonce: bytes, plaintext: Any, aad: bytes | None, out: Any) -> None:
         """Encrypt ``plaintext`` into ``out`` (its length + 16 bytes: ciphertext, then tag)
-        with :func:`.gcm.backend` (the GIL released where libcrypto loads)."""
+        with :func:`.gcm.backend` (the GIL released where it chose libcrypto)."""
         backend().encrypt_into(self.subkey(nonce), bytes(nonce[12:]), plaintext, aad, out)
 
     def open_into(self, nonce: bytes, ciphertext: Any, aad: bytes | None, out: Any) -> bool:
         """Decrypt ``ciphertext`` (with its tag) into ``out``; False when the tag fails, and
-        ``out`` is then zeroed (:func:`.gcm.backend`, the GIL released where libcrypto loads)."""
+        ``out`` is then zeroed (:func:`.gcm.backend`, the GIL released where it chose libcrypto)."""
         return backend().decrypt_into(self.subkey(nonce), bytes(nonce[12:]), ciphertext, aad, out)
 
     def decryptor(self, nonce: bytes, aad: bytes) -> Any:
