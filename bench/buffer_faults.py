@@ -2,6 +2,7 @@
 transparent huge pages) against shared (Python's default anonymous mmap, 4 KiB shmem pages).
 
     python bench/buffer_faults.py [--mib 74] [--rounds 3] [--per-round 10]
+    python bench/buffer_faults.py --quick     # 1 round of 5 each (make bench)
 
 A store stages each writer thread's batch in one page-aligned buffer of at least 8 MiB
 (storage/os/libc.py ``aligned_buffer``, storage/lmdb/segments.py): a fresh store, or a
@@ -50,8 +51,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mib", type=int, default=74, help="buffer size (default 74: a 64-page SGLang batch)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-round", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="1 round of 5 samples each")
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
+    if a.quick:
+        a.rounds, a.per_round = 1, 5
     load0 = os.getloadavg()
     ms: dict[str, list[float]] = {"private": [], "shared": []}
     vm: dict[str, dict[str, int]] = {k: dict.fromkeys(_VMSTAT, 0) for k in ms}
