@@ -107,6 +107,13 @@ class ReadEngine:
             self._swept = time.monotonic()
             self.files.forget_removed()
 
+    def release_buffers(self) -> None:
+        """Drop every thread's bounce buffer (at least ``MAX_EXTENT``, 1 MiB, each):
+        the store closed. A thread-local buffer otherwise lives as long as this engine,
+        which a closed store's owner may keep referenced. A read still in flight keeps the
+        buffer it holds until it returns."""
+        self._local = threading.local()
+
     def bounce(self, nbytes: int) -> np.ndarray:
         """This thread's page-aligned bounce buffer for ``O_DIRECT``, at least ``nbytes``."""
         buf = getattr(self._local, "bounce", None)

@@ -560,6 +560,11 @@ class SegmentFiles:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._files.close()
+        # Each writing thread's staging buffer (>= 8 MiB) and each reading thread's bounce
+        # buffer would otherwise live as long as this object, which the closed store's owner
+        # may keep: drop them with the store.
+        self._local = threading.local()
+        self.reads.release_buffers()
 
 
 def _punch_gaps(fd: int, live: Sequence[tuple[int, int]], end: int) -> int:

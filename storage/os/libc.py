@@ -101,6 +101,20 @@ def cached_pages(fd: int, offset: int, length: int) -> tuple[int, int] | None:
 HUGE_PAGE = 2 << 20
 
 
+#: ``TIERED_KV_DIRECT_BUFFERS=shared`` maps the O_DIRECT buffers as shared memory again
+#: (Python's default anonymous mmap, which THP does not back): a diagnostic, to compare
+#: the two in one session (bench/disk.py, tests_integrations/sglang/bench_backend.py).
+SHARED_BUFFERS = os.environ.get("TIERED_KV_DIRECT_BUFFERS", "private") == "shared"
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """``size`` bytes of anonymous memory (zeroed, page-aligned): private, unless
+    :data:`SHARED_BUFFERS`."""
+    if SHARED_BUFFERS:
+        return mmap.mmap(-1, size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """A page-aligned ``[nbytes] uint8`` array (anonymous mmap), for O_DIRECT transfers.
 
@@ -108,11 +122,16 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     (``MADV_HUGEPAGE``, 2 MiB-aligned): a block device takes a bounded number of pieces of
     memory per request (virtio-blk: 254), so an O_DIRECT transfer into scattered 4 KiB
     pages is cut into requests of at most ~1 MiB, into huge pages into requests as large as
-    the device takes (docs/disk-reads.md). Where THP is off it is an ordinary buffer."""
+    the device takes (docs/disk-reads.md). Where THP is off it is an ordinary buffer.
+
+    The mapping is private (``MAP_PRIVATE``): Python's default anonymous mmap is shared
+    memory, which THP backs only where ``shmem_enabled`` allows it (``never`` by default),
+    so ``MADV_HUGEPAGE`` on it would do nothing. Nothing shares these buffers with a child
+    process: each is one thread's bounce or staging buffer."""
     size = max(ALIGN, align_up(nbytes))
     if size < HUGE_PAGE // 2 or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.frombuffer(mmap.mmap(-1, size), np.uint8)
-    mm = mmap.mmap(-1, size + HUGE_PAGE)
+        return np.frombuffer(_anonymous(size), np.uint8)
+    mm = _anonymous(size + HUGE_PAGE)
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except OSError:

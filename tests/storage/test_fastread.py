@@ -671,3 +671,36 @@ def test_aligned_buffers_of_a_huge_page_or_more_start_on_one() -> None:
     assert big.ctypes.data % (libc.HUGE_PAGE if hasattr(__import__("mmap"), "MADV_HUGEPAGE") else 4096) == 0
     big[:] = 7
     assert int(big.sum()) == 7 * big.nbytes
+
+
+def _smaps_field(address: int, field: str) -> int | None:
+    """``field`` (e.g. THPeligible) of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == f"{field}:":
+                return int(line.split()[1])
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+def test_aligned_buffers_are_private_memory_that_thp_may_back() -> None:
+    """The buffers map private anonymous memory: a shared anonymous mapping is shmem,
+    which THP backs only where shmem_enabled allows (``never`` by default), so its
+    MADV_HUGEPAGE would do nothing (docs/disk-reads.md)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[never]" in thp or libc.SHARED_BUFFERS:
+        pytest.skip("THP off, or TIERED_KV_DIRECT_BUFFERS=shared")
+    big = libc.aligned_buffer(4 << 20)
+    eligible = _smaps_field(big.ctypes.data, "THPeligible")
+    if eligible is None:
+        pytest.skip("this kernel's smaps has no THPeligible")
+    assert eligible == 1
