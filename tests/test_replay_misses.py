@@ -1,4 +1,4 @@
-"""The replay's accounting of a resume shorter than its lookup said.
+"""The replay's accounting of a resume shorter than its lookup said, and the admission report.
 
 Between a request's lookup and its open's reads a record can go: the store evicts it (for
 a put of the disk writer, or ``gc``), or it is damaged. Each case is made to happen on a
@@ -11,7 +11,8 @@ disk), never timed:
 * the store evicting the path before the open asks for it (nothing is read: no counter
   moves) is **evicted from disk** too (it was an AssertionError);
 * a record really corrupt (a flipped byte: the store counts it corrupt) is still **corrupt**;
-* a shortfall with every record still held and nothing failed stays an AssertionError.
+* a shortfall with every record still held and nothing failed stays an AssertionError;
+* the text report prints the admission filter's counters beside the disk bytes.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Any
 import pytest
 
 from tiered_kv.lookup import Tier
-from tiered_kv.replay import Capacity, ReplayConfig
+from tiered_kv.replay import Capacity, ReplayConfig, replay
 from tiered_kv.replay.node import Node
-from tiered_kv.replay.trace import TraceRequest
+from tiered_kv.replay.trace import Trace, TraceRequest
 from tiered_kv.storage import RecordKey
 from tiered_kv.storage.lmdb import unpack_entry
 from tiered_kv.storage.lmdb.segments import segment_name
@@ -169,3 +170,39 @@ def test_a_shortfall_nothing_explains_is_a_broken_invariant(tmp_path: Path) -> N
 
     with pytest.raises(AssertionError, match="every record of the difference is still held"):
         second_serve(tmp_path, meddle)
+
+
+# ------------------------------------------------------------------------------ the report
+def test_the_report_shows_the_admission_counters_beside_the_disk_bytes() -> None:
+    """Two passes over 6 prompts of 4 blocks under ``seen-twice``, through a GPU of 8
+    blocks: the first pass publishes each snapshot once (held back: rejects), the second
+    computes them again (each admitted with its blocks); the text and the JSON report
+    the counters as the disk tier has them."""
+    reqs = [TraceRequest(timestamp_ms=i, input_length=4 * BT + 10, output_length=1,
+                         hash_ids=tuple(range(10 * p, 10 * p + 5))) for i, p in enumerate([*range(6), *range(6)])]
+    trace = Trace("two-passes", tuple(reqs), BT)
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(100_000), gpu_blocks=8, gpu_snapshots=2,
+                       disk=Capacity.of_tokens(1_000_000), admission_policy="seen-twice", snapshot_policy="interval:2",
+                       verify_every=0, sync_disk=True)
+    report = replay(trace, cfg)
+    adm, io = report.admission(), report.store_bytes()
+    stats = report.nodes[0].stats
+    assert adm == {"rejected": stats["admission_rejects"], "admitted": stats["admission_admitted"],
+                   "expired": stats["admission_expired"]}
+    assert adm["rejected"] > 0 and adm["admitted"] > 0 and adm["expired"] == 0
+    assert io is not None and io["written"] > 0
+    from tiered_kv.planner import format_bytes
+
+    text = report.text()
+    assert (f"disk written {format_bytes(io['written'])}, read {format_bytes(io['read'])}" in text)
+    assert (f"admission seen-twice: {adm['rejected']:,} records held back at seal / publish, "
+            f"{adm['admitted']:,} admitted later" in text)
+    d = report.to_dict()
+    assert d["admission_counters"] == adm and d["store_bytes"] == io
+
+
+def test_a_report_without_a_store_has_no_admission_line() -> None:
+    trace = Trace("one", (FIRST,), BT)
+    report = replay(trace, ReplayConfig(hbm=Capacity.of_tokens(100_000), verify_every=0))
+    assert report.admission() is None and report.store_bytes() is None
+    assert "admission all:" not in report.text() and report.to_dict()["admission_counters"] is None
