@@ -206,3 +206,18 @@ def test_a_report_without_a_store_has_no_admission_line() -> None:
     report = replay(trace, ReplayConfig(hbm=Capacity.of_tokens(100_000), verify_every=0))
     assert report.admission() is None and report.store_bytes() is None
     assert "admission all:" not in report.text() and report.to_dict()["admission_counters"] is None
+
+
+def test_cli_policy_table_has_the_admission_counters(capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered_kv.cli.main import ExitCode, main
+
+    code = main(["replay", "--trace", "bundled:conversation", "--limit", "40", "--hbm-tokens", "500K",
+                 "--disk-tokens", "1M", "--admission", "all", "--admission", "seen-twice"])
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OK, err
+    assert "admission all: 0 records held back" in out and "admission seen-twice: " in out
+    table = out[out.index("snapshot policy   "):].splitlines()
+    head = table[0].split()
+    assert head[-3:] == ["rejects", "admitted", "expired"]
+    rows = {line.split()[2]: line.split() for line in table[1:]}
+    assert rows["all"][-3:] == ["0", "0", "0"] and int(rows["seen-twice"][-3]) > 0
