@@ -55,6 +55,7 @@ def test_filter_counts_rejects_and_admits_after_n_hits_once() -> None:
     assert not twice.at_write("block", b"x") and not twice.at_write("block", b"x")
     # ... a snapshot computed again is (the caller writes its blocks ahead of it)
     assert not twice.at_write("snapshot", b"y") and twice.at_write("snapshot", b"y") and twice.rejects == 3
+    assert twice.admitted == 1  # (counted as a snapshot admitted on a hit is)
     assert twice.known_on_disk("snapshot", b"y") and not twice.at_write("snapshot", b"y")  # (on disk: never twice)
     everything = AdmissionFilter(admission_policy("all"))
     assert everything.at_write("block", b"a") and everything.rejects == 0 and not everything.hit("block", b"a")

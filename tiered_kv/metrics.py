@@ -42,7 +42,9 @@ tiered_kv_snapshots_published_total counter snapshots published, label ``where``
                                             a prompt left the cached prefix tree), other
 tiered_kv_disk_admission_rejects_total counter records the disk admission filter held back
                                             when sealed / published (not written then)
-tiered_kv_disk_admitted_total      counter  records the filter wrote later, on a memory-tier hit
+tiered_kv_disk_admitted_total      counter  records the filter wrote later: a snapshot on a memory-
+                                            tier hit, published again (seen-twice) or having
+                                            survived, and the blocks it took along
 tiered_kv_disk_admission_expired_total counter ``survived:N``: records held back that were due
                                             when no memory tier held them any more (never written)
 =================================  =======  ==================================================
@@ -161,7 +163,8 @@ def collect(s: Mapping[str, int], g: TierGauges) -> MetricsSnapshot:
     rejects = Metric("tiered_kv_disk_admission_rejects_total", "counter",
                      "Records the disk admission filter held back when sealed or published.")
     admitted = Metric("tiered_kv_disk_admitted_total", "counter",
-                      "Records the disk admission filter wrote later, on a memory-tier hit.")
+                      "Records the disk admission filter wrote later (a snapshot on a hit, published again "
+                      "or having survived, and its blocks).")
     expired = Metric("tiered_kv_disk_admission_expired_total", "counter",
                      "Records held back by survived:N that were due when no memory tier held them (never written).")
 

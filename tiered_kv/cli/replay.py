@@ -233,7 +233,7 @@ def _print(args: argparse.Namespace, reports: list[Any], as_json: dict[str, Any]
 def _policy_table(reports: list[Any]) -> str:
     lines = [f"{'snapshot policy':<20} {'eviction':<12} {'admission':<12} {'hit rate':>9} {'every boundary':>15} "
              f"{'of it':>7} {'max':>8} {'snap/block bytes: memory':>25} {'all tiers':>10} {'stranded':>10} "
-             f"{'disk written':>13} {'disk read':>10} {'rejects':>8}"]
+             f"{'disk written':>13} {'disk read':>10} {'rejects':>8} {'admitted':>9} {'expired':>8}"]
     for r in reports:
         t, res = r.total, r.resident()
 
@@ -244,22 +244,15 @@ def _policy_table(reports: list[Any]) -> str:
 
         stranded = sum(sum(v.values()) for v in r.stranded().values())
         of_it = t.hits / t.resident_tokens if t.resident_tokens else 0.0
-        written, read = _disk_bytes(r)
-        rejects = sum(int(n.stats.get("admission_rejects", 0)) for n in r.nodes)
+        io, adm = r.store_bytes(), r.admission() or {"rejected": 0, "admitted": 0, "expired": 0}
+        written, read = ("-", "-") if io is None else (format_bytes(io["written"]), format_bytes(io["read"]))
         lines.append(f"{r.config.snapshot().label:<20} {r.config.eviction().label:<12} {r.config.admission().label:<12} "
                      f"{100 * t.rate(t.hits):8.2f}% {100 * t.rate(t.resident_tokens):14.2f}% {100 * of_it:6.1f}% "
                      f"{100 * t.rate(t.max_tokens):7.2f}% {ratio(('gpu', 'host')):>25.3f} {ratio(None):>10.3f} "
-                     f"{format_bytes(stranded):>10} {written:>13} {read:>10} {rejects:>8}")
+                     f"{format_bytes(stranded):>10} {written:>13} {read:>10} {adm['rejected']:>8} "
+                     f"{adm['admitted']:>9} {adm['expired']:>8}")
     return "\n".join(lines)
 
-
-def _disk_bytes(r: Any) -> tuple[str, str]:
-    """Model bytes written to and read from the node's store (disk, or shared without
-    one), blocks and snapshots together: ``-`` without a store."""
-    moved = r.moved()
-    written = [sum(v.values()) for k, v in moved.items() if k in ("gpu->disk", "gpu->shared")]
-    read = [sum(v.values()) for k, v in moved.items() if k in ("disk->memory", "shared->memory")]
-    return (format_bytes(sum(written)) if written else "-", format_bytes(sum(read)) if read else "-")
 
 
 def _parse_sweep(text: str) -> tuple[str, list[Any]]:

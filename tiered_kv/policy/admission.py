@@ -139,7 +139,8 @@ class AdmissionFilter:
         self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         #: writes held back at seal / publish time
         self.rejects = 0
-        #: records written later, on a hit (or, survived:N, having survived)
+        #: records written later: a snapshot on a hit (seen-twice: also at its second
+        #: publish; survived:N: also having survived) and the blocks it takes along
         self.admitted = 0
         #: survived:N: snapshots held back, oldest first, and the request clock (opens)
         self._deferred: deque[Deferred] = deque()
@@ -151,15 +152,16 @@ class AdmissionFilter:
     def at_write(self, kind: str, h: bytes) -> bool:
         """A record is sealed / published: write it now? (False counts a reject.) A block
         never is unless written through: it goes along with an admitted snapshot after it.
-        A snapshot admitted here (``seen-twice``: published a second time) is written with
-        every block before it not known on disk (the caller's part: :meth:`admit` each)."""
+        A snapshot admitted here (``seen-twice``: published a second time; counted in
+        :attr:`admitted`) is written with every block before it not known on disk (the
+        caller's part: :meth:`admit` each)."""
         if self.policy.write_through:
             return True
         key = (kind, h)
         if kind == "snapshot" and self.policy.seen_twice:
             if key in self._seen and key not in self._on_disk:
                 del self._seen[key]
-                self.on_disk(kind, h)
+                self.admit(kind, h)
                 return True
             self._seen[key] = None
             self._seen.move_to_end(key)

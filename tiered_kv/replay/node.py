@@ -41,9 +41,15 @@ from .trace import Trace, TraceRequest
 
 __all__ = ["Node", "NodeResult", "Served", "fast_gil_switch", "shared_url_for"]
 
-#: failure counters of cache.stats() that explain a resume shorter than the lookup's
-_CORRUPT_COUNTERS = ("disk_read_failures", "store_corrupt", "store_auth_failures")
+#: Counters of cache.stats() that explain a resume shorter than the lookup's (see
+#: :meth:`Node._explain_short`). A record that failed the store's checks: corrupt (the
+#: store unindexed it) or, encrypted, its tag did not verify.
+_CORRUPT_COUNTERS = ("store_corrupt", "store_auth_failures")
+#: a chain's far level timed out, was down or failed
 _UNAVAILABLE_COUNTERS = ("store_timeouts", "store_level_unavailable", "store_level_errors")
+#: a resume's read from the store failed, for any reason: one of the above, or a plain miss
+#: (the record was gone: the store evicted it after the lookup, e.g. for a writer's put)
+_READ_FAILURES = ("disk_read_failures",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +266,7 @@ class Node:
             held = max(held, P)
             seen = max(seen, held)
         elif short:
-            t.miss_tokens[self._explain_short(index, P, predicted)] += short * bt
+            t.miss_tokens[self._explain_short(index, P, predicted, look, hashes)] += short * bt
         tiers = _block_tiers(look, P)
         if P and self._should_verify(tiers):
             self._verify(req, hashes[:P], tiers)
@@ -331,20 +337,74 @@ class Node:
 
     def _failure_counts(self) -> dict[str, int]:
         stats = self.cache.stats()
-        return {k: int(stats.get(k) or 0) for k in (*_CORRUPT_COUNTERS, *_UNAVAILABLE_COUNTERS)}
+        return {k: int(stats.get(k) or 0) for k in (*_CORRUPT_COUNTERS, *_UNAVAILABLE_COUNTERS, *_READ_FAILURES)}
 
-    def _explain_short(self, index: int, got: int, predicted: int) -> str:
-        """Why the open resumed fewer blocks than the lookup said: the failure counters
-        that moved since the last time (a broken invariant if none did)."""
+    def _explain_short(self, index: int, got: int, predicted: int, look: ResumeLookup, hashes: list[bytes]) -> str:
+        """Why the open resumed ``got`` blocks where the lookup said ``predicted``, from the
+        counters that moved since the last time and the records now held:
+
+        * ``corrupt``: a record failed the store's checks (``store_corrupt``,
+          ``store_auth_failures``);
+        * ``unavailable``: a far level timed out, was down or failed;
+        * ``evicted_X``: a record of the shortfall (a block in ``[got, predicted)``, else the
+          snapshot at ``predicted``) is held by no tier now: X, the farthest tier it had
+          reached (:meth:`_evicted_from`), lost it between the lookup and the read. The
+          store evicted it (the read failed as a plain miss, which the cache counts in
+          ``disk_read_failures`` and the store in ``misses``, not ``corrupt``), or before
+          the open asked for it (nothing was read: no counter moved), or the open's own
+          allocations evicted a memory copy the disk did not hold;
+        * a read failure with nothing lost (the record was evicted, then written again
+          since): evicted from the store's tier.
+
+        Anything else is a broken invariant: AssertionError."""
         now = self._failure_counts()
         moved = {k for k in now if now[k] > self._failures[k]}
         self._failures = now
         if moved & set(_CORRUPT_COUNTERS):
             return "corrupt"
-        if moved:
+        if moved & set(_UNAVAILABLE_COUNTERS):
             return "unavailable"
+        lost = self._lost_tier(look, hashes, got, predicted)
+        if lost is not None:
+            return f"evicted_{lost.label}"
+        if moved & set(_READ_FAILURES):
+            return f"evicted_{self._deepest.label}"
         raise AssertionError(f"{self.name} request {index}: open resumed {got} blocks, the lookup said {predicted}, "
-                             f"and no read failed")
+                             f"no read failed and every record of the difference is still held")
+
+    def _lost_tier(self, look: ResumeLookup, hashes: list[bytes], got: int, predicted: int) -> Tier | None:
+        """The tier that lost the first record of the shortfall no tier holds now: a block
+        of ``hashes[got:predicted]``, else the snapshot at ``predicted``; None when every
+        one is still held."""
+        for h in hashes[got:predicted]:
+            if not self._holds("block", h):
+                return self._evicted_from(h)
+        h = hashes[predicted - 1]
+        if self._holds("snapshot", h):
+            return None
+        adm = self.cache.disk.admission if self.cache.disk is not None else None
+        if self._deepest >= Tier.DISK and (adm is None or adm.policy.write_through
+                                           or adm.known_on_disk("snapshot", h)):
+            return self._deepest
+        near = look.snapshot_tiers[look.tiers[-1]]
+        return Tier.GPU if near is None else near
+
+    def _holds(self, kind: str, h: bytes) -> bool:
+        """Some tier of this node holds record ``h`` of ``kind`` now (a memory pool, or the store)."""
+        c = self.cache
+        if kind == "block":
+            pools = [c.blocks] + ([c.host.blocks] if c.host is not None else [])
+        else:
+            pools = [c.snapshots.ids] + ([c.host.snapshots] if c.host is not None and c.host.snapshots is not None
+                                         else [])
+        if any(p.lookup(h) is not None for p in pools):
+            return True
+        if c.disk is None:
+            return False
+        from ..storage import RecordKey
+
+        key = RecordKey.block(h) if kind == "block" else RecordKey.snapshot(h)
+        return bool(c.disk.contains_many([key])[0])
 
     # ------------------------------------------------------------------ verification
     def _should_verify(self, tiers: tuple[Tier, ...]) -> bool:

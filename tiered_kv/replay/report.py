@@ -66,6 +66,28 @@ class ReplayReport:
         """Bytes moved per path between tiers, summed over nodes."""
         return self._summed("moved")
 
+    def store_bytes(self) -> dict[str, int] | None:
+        """Model bytes written to and read from the nodes' store (the disk, or the shared
+        level without one), blocks and snapshots together: ``{"written": .., "read": ..}``;
+        None without a store."""
+        moved = self.moved()
+        written = [sum(v.values()) for k, v in moved.items() if k in ("gpu->disk", "gpu->shared")]
+        read = [sum(v.values()) for k, v in moved.items() if k in ("disk->memory", "shared->memory")]
+        if not written and not read:
+            return None
+        return {"written": sum(written), "read": sum(read)}
+
+    def admission(self) -> dict[str, int] | None:
+        """The disk admission filter's counters, summed over nodes (None without a store):
+        ``rejected`` (records held back at seal / publish), ``admitted`` (written later: on
+        a memory-tier hit, published a second time, or having survived), ``expired``
+        (``survived:N``: due when no memory tier held them any more, never written); see
+        :mod:`tiered_kv.policy.admission`."""
+        if not any("admission_rejects" in n.stats for n in self.nodes):
+            return None
+        names = {"rejected": "admission_rejects", "admitted": "admission_admitted", "expired": "admission_expired"}
+        return {k: sum(int(n.stats.get(v, 0)) for n in self.nodes) for k, v in names.items()}
+
     def _summed(self, what: str) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for i, n in enumerate(self.nodes):
@@ -105,6 +127,8 @@ class ReplayReport:
             "moved_bytes": self.moved(),
             "stranded_bytes": self.stranded(),
             "store_write_errors": sum(int(n.stats.get("disk_write_errors", 0)) for n in self.nodes),
+            "store_bytes": self.store_bytes(),
+            "admission_counters": self.admission(),
             "route": self.route,
             "fleet_max_hit_rate": (self.fleet_max_tokens / self.prompt_tokens
                                    if self.fleet_max_tokens is not None and self.prompt_tokens else None),
@@ -173,6 +197,15 @@ def format_report(r: ReplayReport) -> str:
                 lines.append(f"  {path:<38} {kinds['records']:>12,} records (blocks and snapshots)")
             else:
                 lines.append(f"  {path:<38} {format_bytes(kinds['blocks']):>12} {format_bytes(kinds['snapshots']):>12}")
+    io, adm = r.store_bytes(), r.admission()
+    if io is not None:
+        store = "disk" if c.disk is not None else "shared level"
+        lines += ["", f"{store} written {format_bytes(io['written'])}, read {format_bytes(io['read'])} (model bytes, "
+                      f"blocks and snapshots)"]
+        if adm is not None:
+            lines.append(f"  admission {c.admission().label}: {adm['rejected']:,} records held back at seal / "
+                         f"publish, {adm['admitted']:,} admitted later (hit, seen twice or survived), "
+                         f"{adm['expired']:,} expired (survived:N: no memory tier held them when due)")
     errors = sum(int(n.stats.get("disk_write_errors", 0)) for n in r.nodes)
     uploads_lost = sum(int(n.stats.get("store_failed_uploads", 0)) + int(n.stats.get("store_dropped_uploads", 0))
                        for n in r.nodes)

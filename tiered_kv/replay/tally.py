@@ -12,16 +12,25 @@ prompt, counted from its start (see :mod:`tiered_kv.lookup` for ``resident`` and
         when the replay started), capped at limit: what an unbounded cache would resume
 
     0 ........ P ........ R ........ A ........ M ........................ L tokens
-    |  hit     | corrupt  | no       | evicted  | never seen (incl. the partial last block
-    |  (tier   | or       | snapshot | (from X) |  and the one token always computed)
-    |  of each | unavail- |          |          |
-    |  block)  | able     |          |          |
+    |  hit     | corrupt, | no       | evicted  | never seen (incl. the partial last block
+    |  (tier   | unavail- | snapshot | (from X) |  and the one token always computed)
+    |  of each | able or  |          |          |
+    |  block)  | evicted  |          |          |
 
 * **hit**, per tier: block i < P counts for the nearest tier that held it (the cache loads
   nearest first);
-* **corrupt**: R - P when the open read fewer than the lookup promised because a record
-  failed verification (the store counted it corrupt; the cache a read failure);
-  **unavailable** the same because a far level timed out or was down;
+* R - P, when the open resumed fewer than the lookup promised just before
+  (``Node._explain_short``): **corrupt** when a record failed the store's checks (the
+  store counted it in ``corrupt`` or, encrypted, ``auth_failures``); **unavailable** when
+  a far level timed out, was down or failed; **evicted from X** when a record of the
+  difference went between the lookup and the read, and no tier holds it now: the store
+  evicted it (for a put of the disk writer, or ``gc``) and the read was a plain miss
+  (the cache counts it in ``disk_read_failures``, the store in ``misses``, not
+  ``corrupt``), or the open found it gone before reading anything; X is the farthest
+  tier it had reached, as below. A failed read is not by itself corruption: the LMDB
+  store tells the two apart (a record whose index entry changed under the read is a
+  miss). A difference that none of these explains (every record still held, nothing
+  failed) is a broken invariant: the replay stops (AssertionError);
 * **no snapshot**: A - R: the blocks were there, but no tier held a State snapshot at any
   boundary past R (what every-boundary resume would have added);
 * **evicted from X**: M - A: block A had been seen, no tier holds it now; X is the farthest
@@ -34,7 +43,8 @@ upload can land between the lookup and the open and the open resumes more than R
 node then accounts with R = P (and A, M at least P), the blocks no tier of its own held and
 the snapshot counted for the shared level, and ``late_tokens`` says how many tokens that was.
 
-So ``hit + corrupt + unavailable + no_snapshot + evicted + never_seen = L`` exactly; the
+So ``hit + corrupt + unavailable + no_snapshot + evicted + never_seen = L`` exactly (the
+evicted tokens of R - P and of M - A are one count per tier); the
 trace maximum (an unbounded cache, every boundary resumable) is ``M``, and the
 every-boundary hit rate of this run is ``A`` (what the same resident blocks would give if
 every boundary had a snapshot).
