@@ -120,8 +120,8 @@ __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
 
 log = logging.getLogger(__name__)
 
-#: Record headers read per batch at a scan (on the I/O threads).
-_HEADER_BATCH = 1024
+#: Record headers one I/O task reads at a scan (the tasks run on the I/O threads).
+_HEADER_BATCH = 256
 
 
 class ZarrStore(BlockStore):
@@ -296,12 +296,22 @@ class ZarrStore(BlockStore):
                 return None
             return parent_key(key, parsed.parent_hash)
 
+        def batch(chunk: Sequence[tuple[RecordKey, int]]) -> list[RecordKey | None]:
+            got: list[RecordKey | None] = []
+            for record in chunk:
+                try:
+                    got.append(parent(record))
+                except Exception:  # an I/O error: unlinked, like an unreadable header
+                    got.append(None)
+            return got
+
+        # Batches of records per I/O task: one task per header costs more than the read.
+        chunks = [records[i:i + _HEADER_BATCH] for i in range(0, len(records), _HEADER_BATCH)]
+        outcomes = self._io.map(batch, chunks)
+        raise_first(outcomes)
         out: dict[RecordKey, RecordKey] = {}
-        for start in range(0, len(records), _HEADER_BATCH):
-            chunk = records[start:start + _HEADER_BATCH]
-            for (key, _), got in zip(chunk, self._io.map(parent, chunk)):
-                if isinstance(got, RecordKey):
-                    out[key] = got  # (an I/O error: unlinked, like an unreadable header)
+        for chunk, got in zip(chunks, outcomes):
+            out.update((key, p) for (key, _), p in zip(chunk, got) if p is not None)
         return out
 
     def _now_ns(self) -> int:
