@@ -98,7 +98,6 @@ from ..api import (
     check_open,
     payload_of_record,
     scatter_via_temporaries,
-    select_victims,
 )
 from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
 from ..format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, parse_header, record_size
