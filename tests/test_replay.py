@@ -230,6 +230,28 @@ def test_a_disk_far_smaller_than_the_host_strands_nothing_in_memory(conversation
     assert report.resident()["host"]["blocks"] > 0 and report.resident()["disk"]["snapshots"] > 0
 
 
+@pytest.mark.parametrize(("disk_tokens", "before"), [(1_000_000, "19.7 MB of disk blocks behind a missing one and "
+                                                                  "7.3 MB of snapshots"),
+                                                     (300_000, "53.2 MB of host blocks with no snapshot after them")])
+def test_an_evicting_zarr_disk_strands_nothing(conversation: Trace, tmp_path: Path, disk_tokens: int,
+                                               before: str) -> None:
+    """Issue 22 item 2 on a Zarr disk: the Zarr store evicts leaves first over its
+    in-memory tree (storage/zarr/tree.py) and reports what it evicts (``on_evict``), so
+    neither the disk nor a memory tier ends with bytes no resume can use. With the
+    store's former plain LRU and no reports, these replays ended with ``before``
+    stranded (model bytes; 1M: on the disk, 300K: in the host tier)."""
+    cfg = ReplayConfig(hbm=Capacity.of_tokens(200_000), host=Capacity.of_tokens(400_000),
+                       disk=Capacity.of_tokens(disk_tokens), verify_every=3, sync_disk=True,
+                       disk_url=f"zarr://{tmp_path / 'disk'}")
+    report = replay(conversation, cfg)
+    t = report.total
+    t.check()
+    assert report.nodes[0].stats["store_evictions"] > 1000 and t.miss_tokens["corrupt"] == 0
+    zero = {"unreachable": 0, "no_snapshot": 0, "unknown": 0, "snapshots_unreachable": 0}
+    assert report.stranded() == {"gpu": zero, "host": zero, "disk": zero}
+    assert report.resident()["disk"]["blocks"] > 0 and report.resident()["host"]["blocks"] > 0
+
+
 def test_host_only_evictions_are_attributed_to_the_tier_that_lost_them(conversation: Trace) -> None:
     cfg = ReplayConfig(hbm=Capacity.of_tokens(300_000), host=Capacity.of_tokens(1_000_000), verify_every=0)
     t = replay(conversation.head(250), cfg).total

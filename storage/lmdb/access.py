@@ -24,7 +24,7 @@ from typing import Any
 import lmdb
 
 from ..api.counters import StoreStats
-from ..api.eviction import EvictionGuard, select_victims
+from ..api.eviction import EvictionGuard, evict_leaves_first
 from ..errors import StoreError, StoreFullError
 from ..format.record import RecordKey
 from .environment import Index
@@ -139,30 +139,20 @@ class AccessTimes:
         guard = self.guard()
         dbs = self.index.dbs
         assert dbs is not None
-        released: list[bytes] = []
-        evicted = kept = 0
 
-        def done() -> bool:
-            return total + need <= bound or (max_records is not None and evicted >= max_records)
+        def remove(kb: bytes, released: list[bytes]) -> int | None:
+            if txn.get(kb, db=dbs.records) is None:
+                return None
+            return self.remove(txn, kb, freed, released)
 
-        for db in (dbs.lru, dbs.parked):  # leaves; only then (the guard holds them) the rest
-            if db is None or done():
-                continue
-            left = None if max_records is None else max_records - evicted
-            victims, _, walked_past = select_victims(self._walk(txn, db, guard is not None), total + need - bound,
-                                                     guard, max_records=left)
-            kept += walked_past
-            for kb in victims:
-                if done():
-                    break  # (the blocks taken with a path made room already)
-                if txn.get(kb, db=dbs.records) is None:
-                    continue  # taken with a path meanwhile
-                total -= self.remove(txn, kb, freed, released)
-                evicted += 1
-                if gone is not None:
-                    gone.append(kb)
-                total, evicted = self._take_released(txn, total, evicted, released, freed, guard, max_records,
-                                                     gone)
+        orders = [lambda db=db: self._walk(txn, db, guard is not None)  # leaves; only then the rest
+                  for db in (dbs.lru, dbs.parked) if db is not None]
+        taken, got, kept = evict_leaves_first(orders, total + need - bound, remove, guard, key_of=_record_key,
+                                              max_records=max_records)
+        total -= got
+        evicted = len(taken)
+        if gone is not None:
+            gone.extend(taken)
         if total + need > bound and (max_records is None or evicted < max_records):
             where = self.index.path
             if kept and need:
@@ -173,25 +163,6 @@ class AccessTimes:
             if not kept:
                 raise StoreError(f"{where}: accounting broken: {total} bytes recorded but no "
                                  f"record left to evict")
-        return total, evicted
-
-    def _take_released(self, txn: lmdb.Transaction, total: int, evicted: int, released: list[bytes],
-                       freed: list[Location], guard: EvictionGuard | None, max_records: int | None,
-                       gone: list[bytes] | None = None) -> tuple[int, int]:
-        """Evict the blocks an eviction left without a child (no snapshot, no block after
-        them: no resume can use them), up their paths, unless the guard holds them or
-        ``max_records`` is reached (they stay, as leaves). Returns (total, evicted)."""
-        while released and (max_records is None or evicted < max_records):
-            kb = released.pop()
-            if guard is not None:
-                key = _record_key(kb)
-                if key is not None and key in guard([key]):
-                    continue
-            total -= self.remove(txn, kb, freed, released)
-            evicted += 1
-            if gone is not None:
-                gone.append(kb)
-        released.clear()
         return total, evicted
 
     def _walk(self, txn: lmdb.Transaction, db: Any, guarded: bool) -> Iterator[tuple[bytes, RecordKey | None, int]]:

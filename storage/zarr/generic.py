@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format.record import RecordKey, RecordMeta, decode_record
+from ..format.record import HEADER_BYTES, RecordKey, RecordMeta, decode_record
 from .objects import DIR_KINDS, META_KEY, Objects, key_of
 
 __all__ = ["ZarrApiObjects"]
@@ -20,14 +20,25 @@ class ZarrApiObjects(Objects):
     """Records under any zarr Store, through the zarr Store API (sync wrappers)."""
 
     local = False
+    #: headers by a byte-range ``get`` (every zarr v3 Store takes ``byte_range``)
+    reads_headers = True
 
     def __init__(self, store: Any) -> None:
+        from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
         self.store = store
         self._sync = sync
         self._proto = default_buffer_prototype()
+        self._header_range = RangeByteRequest(0, HEADER_BYTES)
+
+    def read_header(self, name: str) -> bytes | None:
+        buf = self._sync(self.store.get(name, prototype=self._proto, byte_range=self._header_range))
+        if buf is None:
+            return None
+        header = buf.to_bytes()
+        return header if len(header) == HEADER_BYTES else None
 
     def _get(self, name: str) -> np.ndarray | None:
         buf = self._sync(self.store.get(name, prototype=self._proto))

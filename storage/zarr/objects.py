@@ -127,6 +127,8 @@ class Objects(abc.ABC):
     remote: bool = False
     #: :meth:`read_stream` is implemented (records can be streamed to sinks).
     streams: bool = False
+    #: :meth:`read_header` is implemented (a scan can link records from their headers).
+    reads_headers: bool = False
 
     @abc.abstractmethod
     def read_meta(self) -> bytes | None: ...
@@ -171,6 +173,11 @@ class Objects(abc.ABC):
 
     def sync(self) -> None:
         """Make the objects written since the last call durable."""
+
+    def read_header(self, name: str) -> bytes | None:
+        """The first ``HEADER_BYTES`` bytes of object ``name``, read without moving its
+        access time where the objects keep one; None if it is absent or shorter."""
+        raise NotImplementedError(f"{type(self).__name__}: no header reads")
 
     def read_stream(self, name: str) -> tuple[int, Iterator[np.ndarray]] | None:
         """Object ``name``'s size and its bytes in order as they arrive (1-D uint8 chunks,

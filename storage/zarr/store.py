@@ -50,6 +50,15 @@ store) can share one group without coordinating. The records of one call are wri
   the zarr Store API: ``set_if_not_exists`` and ``get``. Two racing writers of one key may
   both report True there (the store keeps one of the two, both valid).
 
+Eviction: leaves first over the records' prefix tree, as the LMDB store's (see
+:mod:`.tree`: the least recently used record with no resident child, with the blocks that
+led only to it; an interior record only when the eviction guard holds every leaf); what
+an eviction takes is reported to :attr:`ZarrStore.on_evict`. The tree lives in memory:
+links come from puts and reads, and, when the store evicts (``max_bytes`` set), a scan
+reads the header of each record it has no link for (local: one ``pread``, ``O_NOATIME``;
+another zarr Store: a byte-range ``get``; an S3 bucket reads none: what it lists unlinked
+stays plain LRU).
+
 LRU: on a local directory the last access of a record is its file's atime, set
 explicitly (``os.utime``) on every hit and write, so it survives restarts and is shared by
 every process without an index file; a scan rebuilds the in-memory LRU order from it. The
@@ -73,9 +82,9 @@ directory), :mod:`~.bucket` (an S3 bucket), :mod:`~.generic` (any other zarr Sto
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,10 +98,9 @@ from ..api import (
     check_open,
     payload_of_record,
     scatter_via_temporaries,
-    select_victims,
 )
 from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
-from ..format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, record_size
+from ..format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, parse_header, record_size
 from .objects import (
     ATTR,
     META_KEY,
@@ -105,8 +113,14 @@ from .objects import (
 from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing
 from ..format.writer import StoreWriter
 from .targets import local_dir, make_objects
+from .tree import RecordTree, Victim, parent_key
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
+
+log = logging.getLogger(__name__)
+
+#: Record headers one I/O task reads at a scan (the tasks run on the I/O threads).
+_HEADER_BATCH = 256
 
 
 class ZarrStore(BlockStore):
@@ -116,7 +130,8 @@ class ZarrStore(BlockStore):
     an S3-compatible bucket prefix (``zarr+s3://bucket/prefix?endpoint=...&region=...``, an
     :class:`~tiered_kv.storage.s3.S3Location`, an obstore ``S3Store`` or a
     ``zarr.storage.ObjectStore`` over one); or any other ``zarr.abc.store.Store`` instance.
-    ``max_bytes``: bound on the stored records (None: unbounded), LRU-evicted.
+    ``max_bytes``: bound on the stored records (None: unbounded), evicted leaves first in
+    LRU order (see the module docstring).
     ``io_threads``: records of one ``put_many`` / ``get_many`` are written / read
     concurrently by this many threads (their fsyncs, reads or requests overlap).
     ``stale_partial_s``: age after which a scan removes a temporary file left by a killed
@@ -177,8 +192,9 @@ class ZarrStore(BlockStore):
                       else getattr(self._objects, "where", None) or repr(url_or_path))
         self._stats = StoreStats()
         self._lock = threading.Lock()
-        self._index: OrderedDict[RecordKey, tuple[int, int]] = OrderedDict()  # LRU first: (bytes, ns)
-        self._total = 0
+        #: the resident records: sizes, access times, the prefix tree eviction walks (tree.py)
+        self._tree = RecordTree()
+        self._on_evict: Callable[[list[RecordKey]], None] | None = None
         self._written_since_scan = 0
         self._last_ns = 0
         self._scanned_ns: int | None = None
@@ -240,74 +256,124 @@ class ZarrStore(BlockStore):
 
     # ------------------------------------------------------------------ index
     def _rescan(self) -> None:
-        found = sorted(self._objects.scan(), key=lambda t: t[2])
+        """Rebuild the tree from a listing: every record's size and stored access time
+        (this handle's own later accesses kept), its link kept where this handle has one,
+        else, when the store evicts, read from its header (:meth:`_read_parents`)."""
+        found = self._objects.scan()
+        if self.max_bytes is not None and self._objects.reads_headers:
+            with self._lock:
+                unlinked = [(key, size) for key, size, _ in found if self._tree.parent_of(key) is None]
+            read = self._read_parents(unlinked)
+        else:
+            read = {}
         with self._lock:
-            index: OrderedDict[RecordKey, tuple[int, int]] = OrderedDict()
+            old = self._tree
+            records = []
             for key, size, ns in found:
                 # accesses this process made after the scan started are newer than the files say
-                mine = self._index.get(key)
-                index[key] = (size, max(ns, mine[1] if mine else 0))
-            self._index = OrderedDict(sorted(index.items(), key=lambda kv: kv[1][1]))
-            self._total = sum(size for size, _ in index.values())
+                mine = old.get(key)
+                records.append((key, size, max(ns, mine[1] if mine else 0)))
+            self._tree = RecordTree.build(records, {**read, **old.links()})
             self._written_since_scan = 0
             self._scanned_ns = time.time_ns()
+
+    def _read_parents(self, records: Sequence[tuple[RecordKey, int]]) -> dict[RecordKey, RecordKey]:
+        """The parents of ``records`` (key, stored bytes) from their headers (one small
+        read each, on the I/O threads: see :meth:`~.objects.Objects.read_header`); a record
+        whose header is absent, unreadable or not its own stays out (an unlinked leaf)."""
+
+        def parent(record: tuple[RecordKey, int]) -> RecordKey | None:
+            key, size = record
+            header = self._objects.read_header(object_name(key))
+            if header is None:
+                return None
+            try:
+                parsed = parse_header(header, size)
+            except CorruptRecordError:
+                return None  # (a read of it finds it corrupt and removes it)
+            if parsed.kind != key.kind or parsed.block_hash != key.block_hash:
+                return None
+            return parent_key(key, parsed.parent_hash)
+
+        def batch(chunk: Sequence[tuple[RecordKey, int]]) -> list[RecordKey | None]:
+            got: list[RecordKey | None] = []
+            for record in chunk:
+                try:
+                    got.append(parent(record))
+                except Exception:  # an I/O error: unlinked, like an unreadable header
+                    got.append(None)
+            return got
+
+        # Batches of records per I/O task: one task per header costs more than the read.
+        chunks = [records[i:i + _HEADER_BATCH] for i in range(0, len(records), _HEADER_BATCH)]
+        outcomes = self._io.map(batch, chunks)
+        raise_first(outcomes)
+        out: dict[RecordKey, RecordKey] = {}
+        for chunk, got in zip(chunks, outcomes):
+            out.update((key, p) for (key, _), p in zip(chunk, got) if p is not None)
+        return out
 
     def _now_ns(self) -> int:
         with self._lock:
             self._last_ns = max(time.time_ns(), self._last_ns + 1)
             return self._last_ns
 
-    def _accessed(self, key: RecordKey, size: int) -> None:
+    def _accessed(self, key: RecordKey, size: int, parent: RecordKey | None = None) -> None:
+        """``key`` was read or written now; ``parent``: its parent in the tree, from the
+        put or the header read."""
         ns = self._now_ns()
         self._objects.touch(object_name(key), ns)
         with self._lock:
-            old = self._index.pop(key, None)
-            self._index[key] = (size, ns)
-            self._total += size - (old[0] if old else 0)
+            self._tree.touch(key, size, ns)
+            if parent is not None:
+                self._tree.link(key, parent)
 
     def _forget(self, key: RecordKey) -> None:
         with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._total -= old[0]
+            self._tree.remove(key)
+
+    @property
+    def on_evict(self) -> Callable[[list[RecordKey]], None] | None:
+        """Told the keys of the records this handle's evictions took (a put's or ``gc``'s),
+        once they are removed, on the thread that evicted (a put's caller: a disk tier's
+        writer thread). None (the default): nobody is told. Another process's evictions
+        are never reported here: a listener learns only what this handle evicted. It
+        should be quick (a put waits for it); one that raises is logged, and the eviction
+        stands. The same contract as :attr:`.LmdbStore.on_evict`."""
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, listener: Callable[[list[RecordKey]], None] | None) -> None:
+        self._on_evict = listener
+
+    def _report_evicted(self, victims: Sequence[Victim]) -> None:
+        listener = self._on_evict
+        if listener is None or not victims:
+            return
+        try:
+            listener([v.key for v in victims])
+        except Exception:
+            log.exception("the store's on_evict listener failed (the records are evicted all the same)")
 
     def _make_room(self, need: int) -> int:
-        """Evict least recently accessed records until ``need`` more bytes fit."""
+        """Evict records until ``need`` more bytes fit, leaves first (see tree.py); returns
+        how many this call removed."""
         if self.max_bytes is None:
             return 0
         assert self._rescan_bytes is not None
         if self._written_since_scan >= self._rescan_bytes:
             self._rescan()
         with self._lock:
-            victims, kept = self._take_victims(self._total + need - self.max_bytes)
-            if self._total + need > self.max_bytes and kept:
-                self._restore_victims(victims)
+            victims, kept = self._tree.evict(self._tree.total + need - self.max_bytes, self.eviction_guard)
+            if self._tree.total + need > self.max_bytes and kept:
+                self._tree.restore(victims)
                 raise StoreFullError(
-                    f"{self.where}: no room for {need} bytes: records take {self._total} of {self.max_bytes} "
+                    f"{self.where}: no room for {need} bytes: records take {self._tree.total} of {self.max_bytes} "
                     f"bytes and the {kept} least recently used that could go are held by the store's eviction "
                     f"guard (uploads to a farther level still pending); nothing was written by this call")
-        return sum(self._objects.remove(object_name(key)) for key, _ in victims)
-
-    def _take_victims(self, excess: int) -> tuple[list[tuple[RecordKey, tuple[int, int]]], int]:
-        """Take least recently accessed records worth ``excess`` bytes out of the index,
-        skipping those the eviction guard holds; (their entries, guarded records walked
-        past). Caller holds the lock."""
-        if excess <= 0:
-            return [], 0
-        candidates = ((key, key, size) for key, (size, _) in self._index.items())
-        keys, _, kept = select_victims(candidates, excess, self.eviction_guard)
-        victims = [(key, self._index.pop(key)) for key in keys]
-        self._total -= sum(entry[0] for _, entry in victims)
-        return victims, kept
-
-    def _restore_victims(self, victims: list[tuple[RecordKey, tuple[int, int]]]) -> None:
-        """Undo :meth:`_take_victims` (nothing is evicted after all), LRU order kept.
-        Caller holds the lock."""
-        if not victims:
-            return
-        rest = list(self._index.items())
-        self._index = OrderedDict(sorted([*victims, *rest], key=lambda kv: kv[1][1]))
-        self._total += sum(entry[0] for _, entry in victims)
+        removed = sum(self._objects.remove(object_name(v.key)) for v in victims)
+        self._report_evicted(victims)
+        return removed
 
     # ------------------------------------------------------------------ writes
     def _existing_is_valid(self, key: RecordKey, size: int) -> bool | None:
@@ -360,9 +426,9 @@ class ZarrStore(BlockStore):
                 continue  # a repeated key in one call: the first occurrence writes
             first[key] = i
             with self._lock:
-                known = key in self._index
+                known = key in self._tree
             if known and self._existing_is_valid(key, size):
-                self._accessed(key, size)  # write-once: keep it, count the access
+                self._accessed(key, size, parent_key(key, items[i].parent_hash))  # write-once: keep it
             else:
                 todo.append(i)
         self._stats.add(evictions=self._make_room(sum(prepared[i][2] for i in todo)))
@@ -381,7 +447,7 @@ class ZarrStore(BlockStore):
                     with self._lock:
                         self._written_since_scan += size
                     self._stats.add(puts=1, put_bytes=size)
-                self._accessed(key, size)
+                self._accessed(key, size, parent_key(key, items[i].parent_hash))
         finally:
             self._objects.sync()
         if error is not None:
@@ -428,7 +494,7 @@ class ZarrStore(BlockStore):
                 self._stats.add(misses=1)
                 metas.append(None)
             else:
-                self._accessed(key, outcome.record_bytes)
+                self._accessed(key, outcome.record_bytes, parent_key(key, outcome.parent_hash))
                 self._stats.add(hits=1)
                 metas.append(outcome)
         return metas
@@ -443,11 +509,17 @@ class ZarrStore(BlockStore):
         keys = list(keys)
         if len(payload_bytes) != len(keys):
             raise ValueError(f"payload_bytes: expected one per key ({len(keys)}), got {len(payload_bytes)}")
+        parents: list[RecordKey | None] = [None] * len(keys)  # from each header read
+
+        def opened(i: int, meta: RecordMeta) -> PayloadSink:
+            parents[i] = parent_key(keys[i], meta.parent_hash)
+            return open_sink(i, meta)
+
         outcomes = self._io.map(lambda i: self._objects.read_to_sink(
             object_name(keys[i]), keys[i], self.layout_fingerprint, payload_bytes[i],
-            lambda meta: open_sink(i, meta)), range(len(keys)))
+            lambda meta: opened(i, meta)), range(len(keys)))
         results: list[Any] = []
-        for key, n, outcome in zip(keys, payload_bytes, outcomes):
+        for key, n, parent, outcome in zip(keys, payload_bytes, parents, outcomes):
             if isinstance(outcome, CorruptRecordError):
                 self._objects.remove(object_name(key))  # (immutable: a bad one stays bad)
                 self._forget(key)
@@ -461,7 +533,7 @@ class ZarrStore(BlockStore):
             elif outcome is Unread.OTHER_SIZE:
                 self._stats.add(misses=1)
             else:
-                self._accessed(key, record_size(n))
+                self._accessed(key, record_size(n), parent)
                 self._stats.add(hits=1)
             results.append(outcome)
         return results
@@ -481,13 +553,13 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         self._rescan()
         with self._lock:
-            return iter(list(self._index))
+            return iter(list(self._tree.oldest_first()))
 
     def __len__(self) -> int:
         check_open(self._closed, self.where)
         self._rescan()
         with self._lock:
-            return len(self._index)
+            return len(self._tree)
 
     def recent(self, n: int) -> list[RecordKey]:
         """The ``n`` most recent records, newest first: by last write on an object store
@@ -498,7 +570,7 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         self._rescan()
         with self._lock:
-            keys = list(self._index)  # oldest first
+            keys = list(self._tree.oldest_first())
         return keys[::-1][:n]
 
     def stats(self) -> dict[str, Any]:
@@ -509,11 +581,11 @@ class ZarrStore(BlockStore):
         if not self._objects.remote:
             self._rescan()
         with self._lock:
-            times = [ns for _, ns in self._index.values()]
+            times = self._tree.access_times()
             out: dict[str, Any] = {
                 "backend": "zarr+s3" if self._objects.remote else "zarr", "path": self.where,
                 "layout_fingerprint": self.layout_fingerprint,
-                "records": len(self._index), "bytes": self._total, "max_bytes": self.max_bytes,
+                "records": len(self._tree), "bytes": self._tree.total, "max_bytes": self.max_bytes,
                 "oldest_access_ns": min(times) if times else None,
                 "newest_access_ns": max(times) if times else None,
                 "listed_ns": self._scanned_ns, "writer": self.writer_info,
@@ -527,7 +599,7 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         keys = list(keys)
         with self._lock:
-            known = [self._index.get(key) for key in keys]
+            known = [self._tree.get(key) for key in keys]
         todo = [i for i, entry in enumerate(known) if entry is None]
         sizes = self._io.map(lambda i: self._objects.size_of(object_name(keys[i])), todo)
         raise_first(sizes)
@@ -541,7 +613,7 @@ class ZarrStore(BlockStore):
         check_open(self._closed, self.where)
         self._rescan()
         with self._lock:
-            keys = list(self._index)
+            keys = list(self._tree.oldest_first())
         fp = self.layout_fingerprint
 
         def check(key: RecordKey) -> CorruptRecordError | bool:
@@ -571,21 +643,22 @@ class ZarrStore(BlockStore):
         return {"checked": checked, "corrupt": len(corrupt), "removed": removed, "corrupt_keys": corrupt}
 
     def gc(self, max_bytes: int) -> dict[str, Any]:
-        """Evict least recently accessed records until at most ``max_bytes`` remain (see
-        :meth:`BlockStore.gc`). Access order: this handle's accesses, then the stored one
-        (local: the files' atime; object store: last-modified, i.e. write order)."""
+        """Evict records, leaves first (see tree.py), until at most ``max_bytes`` remain
+        (see :meth:`BlockStore.gc`). Access order: this handle's accesses, then the stored
+        one (local: the files' atime; object store: last-modified, i.e. write order)."""
         check_open(self._closed, self.where)
         self._check_gc_bound(max_bytes)
         self._rescan()
         with self._lock:  # (records the eviction guard holds stay: gc may stop above its bound)
-            victims = [(key, size) for key, (size, _) in self._take_victims(self._total - max_bytes)[0]]
-        removed = self._io.map(lambda v: self._objects.remove(object_name(v[0])), victims)
+            victims = self._tree.evict(self._tree.total - max_bytes, self.eviction_guard)[0]
+        removed = self._io.map(lambda v: self._objects.remove(object_name(v.key)), victims)
+        self._report_evicted([v for v, r in zip(victims, removed) if not isinstance(r, BaseException)])
         raise_first(removed)
         evicted = sum(1 for r in removed if r)
-        freed = sum(size for (_, size), r in zip(victims, removed) if r)
+        freed = sum(v.size for v, r in zip(victims, removed) if r)
         self._stats.add(evictions=evicted)
         with self._lock:
-            return {"evicted": evicted, "freed_bytes": freed, "bytes": self._total, "records": len(self._index)}
+            return {"evicted": evicted, "freed_bytes": freed, "bytes": self._tree.total, "records": len(self._tree)}
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
