@@ -137,6 +137,7 @@ class EncryptedStore(StoreWrapper):
         self._counters = Counters(_COUNTERS)
         self._sizes: dict[RecordKind, int] = {}  # payload size of each kind, as seen
         self._guard: EvictionGuard | None = None
+        self._on_evict: Callable[[list[RecordKey]], None] | None = None
         self._opener = Opener(self.keyring, self.layout_fingerprint)
         #: the fault points of its rekey batches (:class:`~.rekey_journal.RekeyPoint`): a test seam
         self.faults = Faults()
@@ -159,6 +160,36 @@ class EncryptedStore(StoreWrapper):
     def eviction_guard(self, guard: EvictionGuard | None) -> None:
         self._guard = guard
         self._inner.eviction_guard = None if guard is None else self._names_guard
+
+    @property
+    def on_evict(self) -> Callable[[list[RecordKey]], None] | None:
+        """Told the keys of the records the backend's evictions took, with the backend's
+        contract (:attr:`.LmdbStore.on_evict`, :attr:`.ZarrStore.on_evict`): once they are
+        gone, on the evicting thread. The backend reports names; each is mapped back to a
+        key with no read, under every key given (as the eviction guard's are), so the key
+        of the record is among those reported and the others are random keys that no
+        cache holds. ``AttributeError`` (as for a store without the attribute) where the
+        backend reports nothing, so that a listener knows it would never be told."""
+        if getattr(self._inner, "on_evict", False) is False:
+            raise AttributeError(f"{self.where}: the backend ({type(self._inner).__name__}) reports no evictions")
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, listener: Callable[[list[RecordKey]], None] | None) -> None:
+        if getattr(self._inner, "on_evict", False) is False:
+            raise AttributeError(f"{self.where}: the backend ({type(self._inner).__name__}) reports no evictions")
+        self._on_evict = listener
+        self._inner.on_evict = None if listener is None else self._names_evicted
+
+    def _names_evicted(self, names: list[RecordKey]) -> None:
+        """The backend's eviction listener: the names it evicted, told as keys."""
+        listener = self._on_evict
+        if listener is not None:
+            listener(self._keys_of_names(names))
+
+    def _keys_of_names(self, names: Sequence[RecordKey]) -> list[RecordKey]:
+        """Every key each of ``names`` maps back to, under every key given (no read)."""
+        return [k.key_of(name) for name in names for k in self.keyring.keys]
 
     def _names_guard(self, names: Sequence[RecordKey]) -> set[RecordKey]:
         """The backend's eviction guard: which of ``names`` the guard given holds. Each
