@@ -49,3 +49,19 @@ def verify_all(store, *, sizes: dict[RecordKey, int] | None = None) -> int:
         assert meta is not None, f"{key!r} listed but not readable"
         np.testing.assert_array_equal(out, payload_for(key, out.nbytes))
     return len(keys)
+
+
+def row_impls() -> list[str]:
+    """The row-read implementations this build has: "python" (get_many with views) and,
+    where the extension is built, "native"."""
+    from tiered_kv.storage.os import fastread
+
+    return ["python"] + (["native"] if fastread.native_read_verify_rows is not None else [])
+
+
+def use_row_impl(name: str, monkeypatch) -> str:
+    """Make row reads take implementation ``name`` (of :func:`row_impls`) for one test."""
+    from tiered_kv.storage.os import fastread
+
+    monkeypatch.setattr(fastread, "read_verify_rows", fastread.native_read_verify_rows if name == "native" else None)
+    return name

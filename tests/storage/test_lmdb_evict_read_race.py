@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from storage_helpers import FP, digest_for, item_for, make_key, payload_for
-from tiered_kv.storage import LmdbStore, RowScatter, fastread, record_size
+from storage_helpers import FP, digest_for, item_for, make_key, payload_for, row_impls, use_row_impl
+from tiered_kv.storage import LmdbStore, RowScatter, record_size
 from tiered_kv.storage.lmdb.segments import ALIGN
 
 PAYLOAD = 30_000
@@ -38,15 +38,10 @@ MAX_BYTES = N * record_size(PAYLOAD) + record_size(PAYLOAD) // 2
 #: a segment seals after about two records: gc unlinks the ones nothing indexed is left in
 SEGMENT_BYTES = 2 * PADDED
 
-IMPLS = ["python"] + (["native"] if fastread.native_read_verify_rows is not None else [])
-
-
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=row_impls())
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each row-read implementation in turn: the native one, or get_many with views."""
-    monkeypatch.setattr(fastread, "read_verify_rows",
-                        fastread.native_read_verify_rows if request.param == "native" else None)
-    return request.param
+    return use_row_impl(request.param, monkeypatch)
 
 
 @pytest.fixture

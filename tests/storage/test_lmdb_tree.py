@@ -9,7 +9,6 @@ N records makes the N+1-th put evict exactly as many as the order says.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
@@ -17,43 +16,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from storage_helpers import FP, digest_for, payload_for
-from tiered_kv.storage import LmdbStore, PutItem, RecordKey, StoreFullError, record_size
-
-N = 64
-ONE = record_size(N)
-ROOT = hashlib.sha256(b"namespace").digest()
-
-
-def chain(name: str, n: int, parent: bytes = ROOT) -> list[bytes]:
-    """``n`` block hashes of one path below ``parent``."""
-    out = []
-    for i in range(n):
-        parent = hashlib.sha256(parent + f"{name}{i}".encode()).digest()
-        out.append(parent)
-    return out
-
-
-def block(h: bytes, parent: bytes) -> PutItem:
-    key = RecordKey.block(h)
-    return PutItem(key, parent_hash=parent, token_digest=digest_for(key), payload=payload_for(key, N))
-
-
-def snap(h: bytes, parent: bytes) -> PutItem:
-    key = RecordKey.snapshot(h)
-    return PutItem(key, parent_hash=parent, token_digest=digest_for(key), payload=payload_for(key, N))
-
-
-def path_items(hashes: list[bytes], snaps_at: Collection[int], parent: bytes = ROOT) -> list[PutItem]:
-    """The blocks of a path root first, each followed by its snapshot where asked."""
-    items = []
-    for i, h in enumerate(hashes):
-        p = parent if i == 0 else hashes[i - 1]
-        items.append(block(h, p))
-        if i in snaps_at:
-            items.append(snap(h, p))
-    return items
-
+from storage_helpers import FP
+from tree_helpers import N, ONE, ROOT, block, chain, path_items
+from tiered_kv.storage import LmdbStore, PutItem, RecordKey, StoreFullError
 
 def held(store: LmdbStore) -> set[tuple[str, int]]:
     return {(k.kind.name, k.block_hash[:4].hex()) for k in store}  # type: ignore[misc]
@@ -261,6 +226,7 @@ import hashlib, sys
 import numpy as np
 sys.path.insert(0, sys.argv[3])
 from storage_helpers import FP, digest_for, payload_for
+from tree_helpers import N, ONE, ROOT, block, chain, path_items, snap
 from tiered_kv.storage import LmdbStore, PutItem, RecordKey
 where, order = sys.argv[1], sys.argv[2]
 root = hashlib.sha256(b"namespace").digest()

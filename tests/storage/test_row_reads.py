@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from _util import lmdb_raw_read, lmdb_raw_write
-from storage_helpers import FP, digest_for, item_for, make_key, payload_for
+from storage_helpers import FP, digest_for, item_for, make_key, payload_for, row_impls, use_row_impl
 from tiered_kv.storage import LmdbStore, RowScatter, ZarrStore, fastread
 
 PAYLOAD = 30_000
@@ -20,15 +20,10 @@ PAYLOAD = 30_000
 CUTS = [0, 144, 145, 9_000, 20_001, PAYLOAD]
 N = 12
 
-IMPLS = ["python"] + (["native"] if fastread.native_read_verify_rows is not None else [])
-
-
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=row_impls())
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each implementation in turn: the native row read, or get_many with views."""
-    monkeypatch.setattr(fastread, "read_verify_rows",
-                        fastread.native_read_verify_rows if request.param == "native" else None)
-    return request.param
+    return use_row_impl(request.param, monkeypatch)
 
 
 def _rows(n: int, *, slots: list[int] | None = None) -> tuple[RowScatter, list[np.ndarray]]:

@@ -20,46 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from storage_helpers import FP, digest_for, payload_for
-from tiered_kv.storage import PutItem, RecordKey, StoreFullError, ZarrStore, record_size
+from storage_helpers import FP
+from tree_helpers import N, ONE, ROOT, block, chain, path_items
+from tiered_kv.storage import PutItem, RecordKey, StoreFullError, ZarrStore
 from tiered_kv.storage.api import GUARD_SCAN_MAX
 from tiered_kv.storage.zarr.objects import object_name
 from tiered_kv.storage.zarr.tree import RecordTree, parent_key
-
-N = 64
-ONE = record_size(N)
-ROOT = hashlib.sha256(b"namespace").digest()
-
-
-def chain(name: str, n: int, parent: bytes = ROOT) -> list[bytes]:
-    """``n`` block hashes of one path below ``parent``."""
-    out = []
-    for i in range(n):
-        parent = hashlib.sha256(parent + f"{name}{i}".encode()).digest()
-        out.append(parent)
-    return out
-
-
-def block(h: bytes, parent: bytes) -> PutItem:
-    key = RecordKey.block(h)
-    return PutItem(key, parent_hash=parent, token_digest=digest_for(key), payload=payload_for(key, N))
-
-
-def snap(h: bytes, parent: bytes) -> PutItem:
-    key = RecordKey.snapshot(h)
-    return PutItem(key, parent_hash=parent, token_digest=digest_for(key), payload=payload_for(key, N))
-
-
-def path_items(hashes: list[bytes], snaps_at: Collection[int], parent: bytes = ROOT) -> list[PutItem]:
-    """The blocks of a path root first, each followed by its snapshot where asked."""
-    items = []
-    for i, h in enumerate(hashes):
-        p = parent if i == 0 else hashes[i - 1]
-        items.append(block(h, p))
-        if i in snaps_at:
-            items.append(snap(h, p))
-    return items
-
 
 def held(store: ZarrStore) -> set[RecordKey]:
     return set(store)
