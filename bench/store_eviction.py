@@ -15,7 +15,9 @@ which a store alone does not see (`tiered-kv replay` measures it, docs/policies.
 
 The baseline is the same worker run on another source tree (``--baseline-src``, e.g. a
 checkout of the commit before the tree: ``git worktree add /tmp/base 8e116f3``), in the
-same run, rounds interleaved (this tree, then the baseline). Writes
+same run, rounds interleaved (each case going first in turn). Each worker imports the
+store from its own tree and says which file it measured (the editable install would
+otherwise give both the installed one: the 1.04 of 2026-12-01 measured one store twice). Writes
 bench/results/store_eviction.json and .png.
 
     python bench/store_eviction.py --baseline-src /tmp/base --rounds 5
@@ -40,10 +42,43 @@ RESULTS = ROOT / "bench" / "results"
 BLOCK, SNAP, PATH_BLOCKS = 15_401, 28_472, 8
 
 
+#: the source tree a worker measures (set by :func:`run_in`)
+_SRC_ENV = "TIERED_KV_BENCH_SRC"
+
+
+def _storage_from(src: Path) -> str:
+    """Import ``tiered_kv`` and ``tiered_kv.storage`` from the tree ``src``; returns the
+    storage package's file. PYTHONPATH alone is not enough: the project's editable install
+    maps ``tiered_kv.storage`` (``storage/`` in a checkout, by ``package-dir``) to the
+    installed tree whatever PYTHONPATH says, so before this both cases measured the
+    installed store."""
+    import importlib.util
+
+    import tiered_kv
+
+    if not Path(tiered_kv.__file__).resolve().is_relative_to(src):
+        raise SystemExit(f"tiered_kv imported from {tiered_kv.__file__}, not from {src}")
+    if "tiered_kv.storage" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("tiered_kv.storage", src / "storage" / "__init__.py",
+                                                      submodule_search_locations=[str(src / "storage")])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["tiered_kv.storage"] = module
+        spec.loader.exec_module(module)
+        tiered_kv.storage = module  # type: ignore[attr-defined]
+    from tiered_kv.storage import lmdb
+
+    where = Path(lmdb.__file__).resolve()
+    if not where.is_relative_to(src):
+        raise SystemExit(f"tiered_kv.storage.lmdb imported from {where}, not from {src}")
+    return str(where)
+
+
 def worker(paths: int) -> dict:
     """One store, ``paths`` paths written; run inside the source tree being measured."""
     import numpy as np
 
+    storage_file = _storage_from(Path(os.environ[_SRC_ENV]).resolve())
     from tiered_kv.storage import LmdbStore, PutItem, RecordKey, record_size
 
     root = hashlib.sha256(b"bench").digest()
@@ -92,11 +127,11 @@ def worker(paths: int) -> dict:
         store.close()
     return {"put_ms_median": 1e3 * statistics.median(times), "evicting_puts": len(times),
             "evictions": s["evictions"], "records": s["records"], "blocks_unreachable": unreachable,
-            "snapshots_unreachable": snaps_orphan}
+            "snapshots_unreachable": snaps_orphan, "storage_file": storage_file}
 
 
 def run_in(src: Path, paths: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src)}
+    env = {**os.environ, "PYTHONPATH": str(src), _SRC_ENV: str(src)}
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--paths", str(paths)],
                          cwd=src, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -108,7 +143,10 @@ def main() -> None:
     ap.add_argument("--paths", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline-src", type=Path, help="the source tree of the baseline (plain LRU store)")
+    ap.add_argument("--quick", action="store_true", help="300 paths, 1 round (make bench)")
     args = ap.parse_args()
+    if args.quick:
+        args.paths, args.rounds = 300, 1
     if args.worker:
         print(json.dumps(worker(args.paths)))
         return
@@ -118,9 +156,12 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {name: [] for name in cases}
     load = [os.getloadavg()]
     for r in range(args.rounds):
-        for name, src in cases.items():
+        order = list(cases.items())
+        for name, src in (order if r % 2 == 0 else order[::-1]):  # each goes first in turn
             got = run_in(src, args.paths)
             rounds[name].append(got)
+            if r == 0:
+                print(f"{name}: the store measured is {got['storage_file']}", flush=True)
             print(f"round {r + 1} {name:<24} put {got['put_ms_median']:7.3f} ms (median of {got['evicting_puts']}), "
                   f"{got['evictions']} evicted, unreachable: {got['blocks_unreachable']} blocks, "
                   f"{got['snapshots_unreachable']} snapshots", flush=True)
