@@ -60,7 +60,10 @@ def main() -> None:
     ap.add_argument("--payload", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where the store goes (default: a temporary directory)")
+    ap.add_argument("--quick", action="store_true", help="2,000 records, 2 rounds (make bench)")
     args = ap.parse_args()
+    if args.quick:
+        args.records, args.rounds = 2_000, 2
     with tempfile.TemporaryDirectory(prefix="zarr-open-", dir=args.dir) as tmp:
         where = Path(tmp) / "s"
         todo = items(args.records, args.payload)
