@@ -29,6 +29,7 @@ always recomputed). ``snapshot_interval=N`` alone selects the original policy,
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 from collections.abc import Sequence
@@ -53,8 +54,8 @@ from .policy.admission import AdmissionPolicy, admission_policy
 from .policy.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policy
 from .policy.snapshots import DEFAULT_SNAPSHOT_POLICY, SnapshotPolicy
 from .policy.snapshots import snapshot_policy as policy_by_name
-from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
-from .request import Request, as_token_list
+from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array, uint32_array_bytes
+from .request import Request, as_token_list, checked_tokens
 from .resume_reader import prepare_destination
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
@@ -702,7 +703,7 @@ class TieredKVCache(TierMoves):
         boundary is what a snapshot needs), and their blocks must have been reserved.
         """
         req = self._live(request)
-        tokens = as_token_list(token_ids)
+        tokens, arr = checked_tokens(token_ids)
         bt = self.layout.block_tokens
         n0 = req.num_tokens
         n1 = n0 + len(tokens)
@@ -717,17 +718,23 @@ class TieredKVCache(TierMoves):
                              f"request has {len(req.block_ids)}; call reserve() first")
         req.token_ids.extend(tokens)
         if n1 == boundary:
-            self._seal(req)
+            self._seal(req, arr if len(tokens) == bt else None)
 
     # --------------------------------------------------------- seal/snapshot
-    def _seal(self, req: Request) -> None:
-        """The request's open block is full: hash it, publish it, mirror and persist it."""
+    def _seal(self, req: Request, whole: array.array | None = None) -> None:
+        """The request's open block is full: hash it, publish it, mirror and persist it.
+
+        ``whole``: the block's ids as the C array ``advance`` checked them in, when they
+        came in one call (then they are the last ``block_tokens`` ids: no second conversion).
+        """
         bt = self.layout.block_tokens
         k = req.num_sealed_blocks
         b = req.block_ids[k]
         parent = req.block_hashes[-1] if req.block_hashes else self.hasher.root
-        block_tokens = req.token_ids[k * bt:(k + 1) * bt]
-        data = checked_token_bytes(block_tokens)  # (advance checked the ids)
+        if whole is not None and len(req.token_ids) == (k + 1) * bt:
+            data = uint32_array_bytes(whole)
+        else:
+            data = checked_token_bytes(req.token_ids[k * bt:(k + 1) * bt])  # (advance checked the ids)
         h = self.hasher.chain(parent, data)
         req.block_hashes.append(h)
         self._counters["blocks_sealed"] += 1
