@@ -60,7 +60,7 @@ from .resume_reader import prepare_destination
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
 from .transfer import CopyEngine, CopyHandle
-from .write_path import EntryWriter, PartSet, host_entry_ids
+from .write_path import EntryWriter, PartSet, Placement, host_entry_ids, host_entry_list
 
 __all__ = ["Request", "TieredKVCache"]
 
@@ -126,6 +126,9 @@ class TieredKVCache(TierMoves):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
+        #: the layout's sizes the write path reads on every call (properties of a frozen layout)
+        self._entry_bytes, self._indexer_bytes = layout.entry_bytes, layout.indexer_bytes
+        self._csa_per_block, self._hca_per_block = layout.csa_entries_per_block, layout.hca_entries_per_block
         self.device = resolve_device(device)
         num_blocks = as_int("num_blocks", num_blocks, minimum=1)
         num_state_slots = as_int("num_state_slots", num_state_slots, minimum=1)
@@ -484,18 +487,21 @@ class TieredKVCache(TierMoves):
         """
         reqs, batched = self._live_batch(requests)
         parts = self._write_parts(LayerKind.CSA, layers)
-        ids = self._write_ids(entry_ids, reqs, batched)
-        L = self.layout
-        lead = self._write_lead(parts, batched, len(reqs), ids.shape[1])
-        self._check_bytes("kv", kv, (*lead, L.entry_bytes))
-        self._check_bytes("keys", keys, (*lead, L.indexer_bytes))
-        E = L.csa_entries_per_block
-        place = self._writer.place(reqs, ids, E, padded=batched)
+        ids, row = self._write_ids(entry_ids, reqs, batched)
+        m = len(row) if ids is None else ids.shape[1]
+        lead = self._write_lead(parts, batched, len(reqs), m)
+        entry_bytes, indexer_bytes = self._entry_bytes, self._indexer_bytes
+        self._check_bytes("kv", kv, (*lead, entry_bytes))
+        self._check_bytes("keys", keys, (*lead, indexer_bytes))
+        E = self._csa_per_block
+        place, ids = self._place(reqs, ids, row, entry_ids, E, batched)
         if self.hisparse is not None:
+            if ids is None:
+                ids = host_entry_ids("entry_ids", entry_ids, 1)[None]
             self._writer.check_open_block(reqs, ids, E, batched)
-        n, flat = parts.parts.size, ids.size
         if not (parts.batched and not batched):  # (else already [n, m, bytes]: no reshape to pay for)
-            keys, kv = keys.reshape(n, flat, L.indexer_bytes), kv.reshape(n, flat, L.entry_bytes)
+            n, flat = parts.parts.size, len(reqs) * m
+            keys, kv = keys.reshape(n, flat, indexer_bytes), kv.reshape(n, flat, entry_bytes)
         self._writer.scatter(self.classical.indexer, parts, place, keys)
         # HiSparse: the CSA KV part holds each State slot's open block
         self._writer.scatter(self.classical.csa_kv, parts, place, kv, by_slot=self.hisparse is not None)
@@ -510,12 +516,13 @@ class TieredKVCache(TierMoves):
         """
         reqs, batched = self._live_batch(requests)
         parts = self._write_parts(LayerKind.HCA, layers)
-        ids = self._write_ids(entry_ids, reqs, batched)
-        L = self.layout
-        self._check_bytes("kv", kv, (*self._write_lead(parts, batched, len(reqs), ids.shape[1]), L.entry_bytes))
-        place = self._writer.place(reqs, ids, L.hca_entries_per_block, padded=batched)
+        ids, row = self._write_ids(entry_ids, reqs, batched)
+        m = len(row) if ids is None else ids.shape[1]
+        entry_bytes = self._entry_bytes
+        self._check_bytes("kv", kv, (*self._write_lead(parts, batched, len(reqs), m), entry_bytes))
+        place, _ = self._place(reqs, ids, row, entry_ids, self._hca_per_block, batched)
         if not (parts.batched and not batched):  # (else already [n, m, bytes])
-            kv = kv.reshape(parts.parts.size, ids.size, L.entry_bytes)
+            kv = kv.reshape(parts.parts.size, len(reqs) * m, entry_bytes)
         self._writer.scatter(self.classical.hca_kv, parts, place, kv)
 
     def _live_batch(self, requests: Request | Sequence[Request]) -> tuple[list[Request], bool]:
@@ -527,14 +534,30 @@ class TieredKVCache(TierMoves):
         return [self._live(r) for r in requests], True
 
     @staticmethod
-    def _write_ids(entry_ids: object, reqs: list[Request], batched: bool) -> np.ndarray:
-        """Host entry ids as ``[B, m]`` int64."""
+    def _write_ids(entry_ids: object, reqs: list[Request], batched: bool) -> tuple[np.ndarray | None, list[int] | None]:
+        """Host entry ids as ``[B, m]`` int64, or (one request's host int64 tensor, the
+        common case) as the list of its ids: ``(ids, None)`` or ``(None, row)``."""
         if not batched:
-            return host_entry_ids("entry_ids", entry_ids, 1)[None]
+            row = host_entry_list(entry_ids)
+            if row is not None:
+                return None, row
+            return host_entry_ids("entry_ids", entry_ids, 1)[None], None
         ids = host_entry_ids("entry_ids", entry_ids, 2)
         if ids.shape[0] != len(reqs):
             raise ValueError(f"entry_ids: expected [B, m] with B = {len(reqs)} requests, got {list(ids.shape)}")
-        return ids
+        return ids, None
+
+    def _place(self, reqs: list[Request], ids: np.ndarray | None, row: list[int] | None, entry_ids: object,
+               per_block: int, batched: bool) -> tuple[Placement, np.ndarray | None]:
+        """:meth:`EntryWriter.place` of a write's ids as :meth:`_write_ids` gave them; the
+        ``[B, m]`` array too when it was made (a row that is not one run needs it)."""
+        if row is not None:
+            place = self._writer.place_run(reqs[0], row, per_block)
+            if place is not None:
+                return place, ids
+            ids = host_entry_ids("entry_ids", entry_ids, 1)[None]
+        assert ids is not None
+        return self._writer.place(reqs, ids, per_block, padded=batched), ids
 
     def _write_parts(self, kind: LayerKind, layers: int | Sequence[int]) -> PartSet:
         plain = type(layers) in (tuple, int, list) or (isinstance(layers, (int, Sequence))
@@ -554,7 +577,9 @@ class TieredKVCache(TierMoves):
     @staticmethod
     def _write_lead(parts: PartSet, batched: bool, B: int, m: int) -> tuple[int, ...]:
         """Leading dims of kv / keys: ``[n,] [B,] m``."""
-        return (*((parts.parts.size,) if parts.batched else ()), *((B,) if batched else ()), m)
+        if parts.batched:
+            return (parts.parts.size, B, m) if batched else (parts.parts.size, m)
+        return (B, m) if batched else (m,)
 
     def block_table(self, requests: Request | Sequence[Request], *, max_blocks: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
