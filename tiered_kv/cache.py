@@ -485,6 +485,10 @@ class TieredKVCache(TierMoves):
         the destinations are computed there, so the call never waits for the device. kv and
         keys are uint8 on the cache's device.
         """
+        cp = self.classical
+        if self._write_run(LayerKind.CSA, requests, layers, entry_ids, (cp.indexer, cp.csa_kv), (keys, kv),
+                           (self._indexer_bytes, self._entry_bytes), self._csa_per_block):
+            return
         reqs, batched = self._live_batch(requests)
         parts = self._write_parts(LayerKind.CSA, layers)
         ids, row = self._write_ids(entry_ids, reqs, batched)
@@ -514,6 +518,9 @@ class TieredKVCache(TierMoves):
         request and layer; the batch form is ``entry_ids [B, m]`` (-1 = padding) and
         ``kv [n, B, m, entry_bytes]``.
         """
+        if self._write_run(LayerKind.HCA, requests, layers, entry_ids, (self.classical.hca_kv,), (kv,),
+                           (self._entry_bytes,), self._hca_per_block):
+            return
         reqs, batched = self._live_batch(requests)
         parts = self._write_parts(LayerKind.HCA, layers)
         ids, row = self._write_ids(entry_ids, reqs, batched)
@@ -524,6 +531,45 @@ class TieredKVCache(TierMoves):
         if not (parts.batched and not batched):  # (else already [n, m, bytes])
             kv = kv.reshape(parts.parts.size, len(reqs) * m, entry_bytes)
         self._writer.scatter(self.classical.hca_kv, parts, place, kv)
+
+    def _write_run(self, kind: LayerKind, request: object, layers: object, entry_ids: object,
+                   pools: tuple[torch.Tensor, ...], srcs: tuple[object, ...], nbytes: tuple[int, ...],
+                   per_block: int) -> bool:
+        """The prefill write, checked and done in one pass: one request, a tuple of
+        consecutive ``kind`` layers, a host int64 ``[m]`` tensor of consecutive entry ids
+        in one of the request's unsealed blocks, ``srcs`` of exactly the expected
+        ``[n, m, nbytes]`` (uint8, on the device), no HiSparse. Then the bytes are copied
+        exactly as the general path's single run copies them (a block's row of every part
+        through one select, else a slice) and True is returned. Anything else returns False
+        having done nothing (the general path then checks everything and refuses what it
+        must, in its order); the only error raised here is the request's own, which the
+        general path would raise first too."""
+        if type(request) is not Request or type(layers) is not tuple or self.hisparse is not None:
+            return False
+        req = self._live(request)
+        row = host_entry_list(entry_ids)
+        if not row:
+            return False
+        parts = self._writer.part_set(kind, layers)
+        if parts is None or parts.start is None:
+            return False
+        first, m = row[0], len(row)
+        k = first // per_block
+        if (first < 0 or k != (first + m - 1) // per_block or not req.num_sealed_blocks <= k < len(req.block_ids)
+                or (m > 1 and row != list(range(first, first + m)))):
+            return False
+        n, device = parts.parts.size, self.device
+        for src, nb in zip(srcs, nbytes):
+            if not (type(src) is torch.Tensor and src.dtype is torch.uint8 and src.shape == (n, m, nb)
+                    and src.device == device):
+                return False
+        b, p0, off = req.block_ids[k], parts.start, first % per_block
+        for pool, src in zip(pools, srcs):
+            if p0 == 0 and n == pool.shape[0] and off == 0 and m == per_block:
+                pool.select(1, b).copy_(src)  # type: ignore[arg-type]
+            else:
+                pool[p0:p0 + n, b, off:off + m].copy_(src)  # type: ignore[arg-type]
+        return True
 
     def _live_batch(self, requests: Request | Sequence[Request]) -> tuple[list[Request], bool]:
         """(live requests, whether a sequence was passed)."""
