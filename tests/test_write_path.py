@@ -155,6 +155,53 @@ def test_batched_write_errors(tiny_layout) -> None:
         cache.write_csa([r0, r1], csa, ids, kv, keys)
 
 
+def _outcome(f, *args) -> str:
+    try:
+        f(*args)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def test_one_run_writes_match_the_general_path(tiny_layout) -> None:
+    """One request's host int64 tensor of ids with a tuple of layers (the one-pass path of
+    prefill) stores and refuses exactly what the same write does given its ids as a list
+    (the general path): whole blocks, runs at an offset, later or reordered layers, and ids
+    sealed, unreserved, repeated, out of order, or with tensors of the wrong shape or dtype."""
+    L = tiny_layout
+    g = torch.Generator().manual_seed(4)
+    E, bt = L.csa_entries_per_block, L.block_tokens
+    a, b = make_cache(L), make_cache(L)
+    (ra,), (rb,) = open_reserved(a, 1, 2 * bt), open_reserved(b, 1, 2 * bt)
+    csa, hca = tuple(L.csa_layers), tuple(L.hca_layers)
+    cases = [torch.arange(0, E), torch.arange(3, 7), torch.arange(E - 1, E + 1), torch.arange(E, 2 * E),
+             torch.arange(2 * E, 3 * E), torch.tensor([2, 2]), torch.tensor([5, 4]), torch.tensor([-1]),
+             torch.zeros(0, dtype=torch.int64), torch.arange(E, 2 * E)]
+    checked = 0
+    for step, ids in enumerate(cases):
+        if step == len(cases) - 1:  # block 0 sealed: its ids are refused, block 1's still written
+            for c, r in ((a, ra), (b, rb)):
+                c.advance(r, list(range(bt)))
+            ids = torch.arange(0, 2)
+        m = ids.numel()
+        for layers in (csa, csa[1:], csa[::-1]):
+            n = len(layers)
+            kv, keys = random_bytes(g, n, m, L.entry_bytes), random_bytes(g, n, m, L.indexer_bytes)
+            for args in ((kv, keys), (kv[:, :, :-1], keys), (kv, keys.to(torch.int8))):
+                got = _outcome(a.write_csa, ra, layers, ids, *args)
+                assert got == _outcome(b.write_csa, rb, list(layers), ids.tolist(), *args)
+                checked += got == "ok"
+        hid = ids[:1] // E
+        hkv = random_bytes(g, len(hca), hid.numel(), L.entry_bytes)
+        assert _outcome(a.write_hca, ra, hca, hid, hkv) == _outcome(b.write_hca, rb, list(hca), hid.tolist(), hkv)
+        for x, y in zip(pools(a), pools(b)):
+            assert torch.equal(x, y)
+    assert checked >= 12  # (the writes that landed, each compared byte for byte)
+    a.close(ra)
+    b.close(rb)
+    assert _outcome(a.write_csa, ra, csa, cases[0], kv, keys) == _outcome(b.write_csa, rb, list(csa), [0], kv, keys)
+
+
 def test_hisparse_batched_write_only_to_the_open_block(tiny_layout) -> None:
     L = tiny_layout
     cache = make_cache(L, hisparse=True)

@@ -466,6 +466,8 @@ class BlockPool:
 
     # -------------------------------------------------------------- internals
     def _check_id(self, op: str, block_id: int) -> None:
+        if type(block_id) is int and 0 <= block_id < self.num_blocks:
+            return  # the common case, in one expression (every operation checks its id)
         if (
             isinstance(block_id, bool)
             or not isinstance(block_id, int)

@@ -29,6 +29,7 @@ always recomputed). ``snapshot_interval=N`` alone selects the original policy,
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 from collections.abc import Sequence
@@ -53,13 +54,13 @@ from .policy.admission import AdmissionPolicy, admission_policy
 from .policy.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policy
 from .policy.snapshots import DEFAULT_SNAPSHOT_POLICY, SnapshotPolicy
 from .policy.snapshots import snapshot_policy as policy_by_name
-from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array
-from .request import Request, as_token_list
+from .prefix import PrefixHasher, checked_token_bytes, digest_token_bytes, token_array, uint32_array_bytes
+from .request import Request, as_token_list, checked_tokens
 from .resume_reader import prepare_destination
 from .state_pool import SnapshotPool, StatePool, StateView
 from .tiering import TierMoves, record_key
 from .transfer import CopyEngine, CopyHandle
-from .write_path import EntryWriter, PartSet, host_entry_ids
+from .write_path import EntryWriter, PartSet, Placement, host_entry_ids, host_entry_list
 
 __all__ = ["Request", "TieredKVCache"]
 
@@ -125,6 +126,9 @@ class TieredKVCache(TierMoves):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
+        #: the layout's sizes the write path reads on every call (properties of a frozen layout)
+        self._entry_bytes, self._indexer_bytes = layout.entry_bytes, layout.indexer_bytes
+        self._csa_per_block, self._hca_per_block = layout.csa_entries_per_block, layout.hca_entries_per_block
         self.device = resolve_device(device)
         num_blocks = as_int("num_blocks", num_blocks, minimum=1)
         num_state_slots = as_int("num_state_slots", num_state_slots, minimum=1)
@@ -481,20 +485,27 @@ class TieredKVCache(TierMoves):
         the destinations are computed there, so the call never waits for the device. kv and
         keys are uint8 on the cache's device.
         """
+        cp = self.classical
+        if self._write_run(LayerKind.CSA, requests, layers, entry_ids, (cp.indexer, cp.csa_kv), (keys, kv),
+                           (self._indexer_bytes, self._entry_bytes), self._csa_per_block):
+            return
         reqs, batched = self._live_batch(requests)
         parts = self._write_parts(LayerKind.CSA, layers)
-        ids = self._write_ids(entry_ids, reqs, batched)
-        L = self.layout
-        lead = self._write_lead(parts, batched, len(reqs), ids.shape[1])
-        self._check_bytes("kv", kv, (*lead, L.entry_bytes))
-        self._check_bytes("keys", keys, (*lead, L.indexer_bytes))
-        E = L.csa_entries_per_block
-        place = self._writer.place(reqs, ids, E, padded=batched)
+        ids, row = self._write_ids(entry_ids, reqs, batched)
+        m = len(row) if ids is None else ids.shape[1]
+        lead = self._write_lead(parts, batched, len(reqs), m)
+        entry_bytes, indexer_bytes = self._entry_bytes, self._indexer_bytes
+        self._check_bytes("kv", kv, (*lead, entry_bytes))
+        self._check_bytes("keys", keys, (*lead, indexer_bytes))
+        E = self._csa_per_block
+        place, ids = self._place(reqs, ids, row, entry_ids, E, batched)
         if self.hisparse is not None:
+            if ids is None:
+                ids = host_entry_ids("entry_ids", entry_ids, 1)[None]
             self._writer.check_open_block(reqs, ids, E, batched)
-        n, flat = parts.parts.size, ids.size
         if not (parts.batched and not batched):  # (else already [n, m, bytes]: no reshape to pay for)
-            keys, kv = keys.reshape(n, flat, L.indexer_bytes), kv.reshape(n, flat, L.entry_bytes)
+            n, flat = parts.parts.size, len(reqs) * m
+            keys, kv = keys.reshape(n, flat, indexer_bytes), kv.reshape(n, flat, entry_bytes)
         self._writer.scatter(self.classical.indexer, parts, place, keys)
         # HiSparse: the CSA KV part holds each State slot's open block
         self._writer.scatter(self.classical.csa_kv, parts, place, kv, by_slot=self.hisparse is not None)
@@ -507,15 +518,58 @@ class TieredKVCache(TierMoves):
         request and layer; the batch form is ``entry_ids [B, m]`` (-1 = padding) and
         ``kv [n, B, m, entry_bytes]``.
         """
+        if self._write_run(LayerKind.HCA, requests, layers, entry_ids, (self.classical.hca_kv,), (kv,),
+                           (self._entry_bytes,), self._hca_per_block):
+            return
         reqs, batched = self._live_batch(requests)
         parts = self._write_parts(LayerKind.HCA, layers)
-        ids = self._write_ids(entry_ids, reqs, batched)
-        L = self.layout
-        self._check_bytes("kv", kv, (*self._write_lead(parts, batched, len(reqs), ids.shape[1]), L.entry_bytes))
-        place = self._writer.place(reqs, ids, L.hca_entries_per_block, padded=batched)
+        ids, row = self._write_ids(entry_ids, reqs, batched)
+        m = len(row) if ids is None else ids.shape[1]
+        entry_bytes = self._entry_bytes
+        self._check_bytes("kv", kv, (*self._write_lead(parts, batched, len(reqs), m), entry_bytes))
+        place, _ = self._place(reqs, ids, row, entry_ids, self._hca_per_block, batched)
         if not (parts.batched and not batched):  # (else already [n, m, bytes])
-            kv = kv.reshape(parts.parts.size, ids.size, L.entry_bytes)
+            kv = kv.reshape(parts.parts.size, len(reqs) * m, entry_bytes)
         self._writer.scatter(self.classical.hca_kv, parts, place, kv)
+
+    def _write_run(self, kind: LayerKind, request: object, layers: object, entry_ids: object,
+                   pools: tuple[torch.Tensor, ...], srcs: tuple[object, ...], nbytes: tuple[int, ...],
+                   per_block: int) -> bool:
+        """The prefill write, checked and done in one pass: one request, a tuple of
+        consecutive ``kind`` layers, a host int64 ``[m]`` tensor of consecutive entry ids
+        in one of the request's unsealed blocks, ``srcs`` of exactly the expected
+        ``[n, m, nbytes]`` (uint8, on the device), no HiSparse. Then the bytes are copied
+        exactly as the general path's single run copies them (a block's row of every part
+        through one select, else a slice) and True is returned. Anything else returns False
+        having done nothing (the general path then checks everything and refuses what it
+        must, in its order); the only error raised here is the request's own, which the
+        general path would raise first too."""
+        if type(request) is not Request or type(layers) is not tuple or self.hisparse is not None:
+            return False
+        req = self._live(request)
+        row = host_entry_list(entry_ids)
+        if not row:
+            return False
+        parts = self._writer.part_set(kind, layers)
+        if parts is None or parts.start is None:
+            return False
+        first, m = row[0], len(row)
+        k = first // per_block
+        if (first < 0 or k != (first + m - 1) // per_block or not req.num_sealed_blocks <= k < len(req.block_ids)
+                or (m > 1 and row != list(range(first, first + m)))):
+            return False
+        n, device = parts.parts.size, self.device
+        for src, nb in zip(srcs, nbytes):
+            if not (type(src) is torch.Tensor and src.dtype is torch.uint8 and src.shape == (n, m, nb)
+                    and src.device == device):
+                return False
+        b, p0, off = req.block_ids[k], parts.start, first % per_block
+        for pool, src in zip(pools, srcs):
+            if p0 == 0 and n == pool.shape[0] and off == 0 and m == per_block:
+                pool.select(1, b).copy_(src)  # type: ignore[arg-type]
+            else:
+                pool[p0:p0 + n, b, off:off + m].copy_(src)  # type: ignore[arg-type]
+        return True
 
     def _live_batch(self, requests: Request | Sequence[Request]) -> tuple[list[Request], bool]:
         """(live requests, whether a sequence was passed)."""
@@ -526,14 +580,30 @@ class TieredKVCache(TierMoves):
         return [self._live(r) for r in requests], True
 
     @staticmethod
-    def _write_ids(entry_ids: object, reqs: list[Request], batched: bool) -> np.ndarray:
-        """Host entry ids as ``[B, m]`` int64."""
+    def _write_ids(entry_ids: object, reqs: list[Request], batched: bool) -> tuple[np.ndarray | None, list[int] | None]:
+        """Host entry ids as ``[B, m]`` int64, or (one request's host int64 tensor, the
+        common case) as the list of its ids: ``(ids, None)`` or ``(None, row)``."""
         if not batched:
-            return host_entry_ids("entry_ids", entry_ids, 1)[None]
+            row = host_entry_list(entry_ids)
+            if row is not None:
+                return None, row
+            return host_entry_ids("entry_ids", entry_ids, 1)[None], None
         ids = host_entry_ids("entry_ids", entry_ids, 2)
         if ids.shape[0] != len(reqs):
             raise ValueError(f"entry_ids: expected [B, m] with B = {len(reqs)} requests, got {list(ids.shape)}")
-        return ids
+        return ids, None
+
+    def _place(self, reqs: list[Request], ids: np.ndarray | None, row: list[int] | None, entry_ids: object,
+               per_block: int, batched: bool) -> tuple[Placement, np.ndarray | None]:
+        """:meth:`EntryWriter.place` of a write's ids as :meth:`_write_ids` gave them; the
+        ``[B, m]`` array too when it was made (a row that is not one run needs it)."""
+        if row is not None:
+            place = self._writer.place_run(reqs[0], row, per_block)
+            if place is not None:
+                return place, ids
+            ids = host_entry_ids("entry_ids", entry_ids, 1)[None]
+        assert ids is not None
+        return self._writer.place(reqs, ids, per_block, padded=batched), ids
 
     def _write_parts(self, kind: LayerKind, layers: int | Sequence[int]) -> PartSet:
         plain = type(layers) in (tuple, int, list) or (isinstance(layers, (int, Sequence))
@@ -553,7 +623,9 @@ class TieredKVCache(TierMoves):
     @staticmethod
     def _write_lead(parts: PartSet, batched: bool, B: int, m: int) -> tuple[int, ...]:
         """Leading dims of kv / keys: ``[n,] [B,] m``."""
-        return (*((parts.parts.size,) if parts.batched else ()), *((B,) if batched else ()), m)
+        if parts.batched:
+            return (parts.parts.size, B, m) if batched else (parts.parts.size, m)
+        return (B, m) if batched else (m,)
 
     def block_table(self, requests: Request | Sequence[Request], *, max_blocks: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
@@ -702,7 +774,7 @@ class TieredKVCache(TierMoves):
         boundary is what a snapshot needs), and their blocks must have been reserved.
         """
         req = self._live(request)
-        tokens = as_token_list(token_ids)
+        tokens, arr = checked_tokens(token_ids)
         bt = self.layout.block_tokens
         n0 = req.num_tokens
         n1 = n0 + len(tokens)
@@ -717,17 +789,23 @@ class TieredKVCache(TierMoves):
                              f"request has {len(req.block_ids)}; call reserve() first")
         req.token_ids.extend(tokens)
         if n1 == boundary:
-            self._seal(req)
+            self._seal(req, arr if len(tokens) == bt else None)
 
     # --------------------------------------------------------- seal/snapshot
-    def _seal(self, req: Request) -> None:
-        """The request's open block is full: hash it, publish it, mirror and persist it."""
+    def _seal(self, req: Request, whole: array.array | None = None) -> None:
+        """The request's open block is full: hash it, publish it, mirror and persist it.
+
+        ``whole``: the block's ids as the C array ``advance`` checked them in, when they
+        came in one call (then they are the last ``block_tokens`` ids: no second conversion).
+        """
         bt = self.layout.block_tokens
         k = req.num_sealed_blocks
         b = req.block_ids[k]
         parent = req.block_hashes[-1] if req.block_hashes else self.hasher.root
-        block_tokens = req.token_ids[k * bt:(k + 1) * bt]
-        data = checked_token_bytes(block_tokens)  # (advance checked the ids)
+        if whole is not None and len(req.token_ids) == (k + 1) * bt:
+            data = uint32_array_bytes(whole)
+        else:
+            data = checked_token_bytes(req.token_ids[k * bt:(k + 1) * bt])  # (advance checked the ids)
         h = self.hasher.chain(parent, data)
         req.block_hashes.append(h)
         self._counters["blocks_sealed"] += 1

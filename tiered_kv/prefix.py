@@ -20,7 +20,7 @@ from .layout import KVLayout
 from .storage.format.record import HASH_BYTES
 
 __all__ = ["HASH_BYTES", "PrefixHasher", "block_token_digests", "checked_token_bytes", "digest_token_bytes",
-           "token_array", "token_digest", "tokens_to_bytes"]
+           "token_array", "token_digest", "tokens_to_bytes", "uint32_array_bytes"]
 
 _MAX_TOKEN = 2**32 - 1
 #: A C ``unsigned int`` array is little-endian uint32 here (then its bytes are the hashed ones).
@@ -57,6 +57,17 @@ def checked_token_bytes(token_ids: list[int]) -> bytes:
     if _NATIVE_LE_U32:  # the C array's bytes are already the little-endian uint32 ones
         return array.array("I", token_ids).tobytes()
     return token_array(token_ids).astype("<u4", copy=False).tobytes()
+
+
+def uint32_array_bytes(ids: array.array) -> bytes:
+    """:func:`tokens_to_bytes` of ids already in a C unsigned-int array of 4-byte items
+    (as :func:`tiered_kv.request.checked_tokens` returns them): the array's bytes where
+    they are little-endian, else byte-swapped."""
+    if _NATIVE_LE_U32:
+        return ids.tobytes()
+    swapped = array.array("I", ids)
+    swapped.byteswap()
+    return swapped.tobytes()
 
 
 def token_digest(token_ids: Sequence[int] | np.ndarray) -> bytes:

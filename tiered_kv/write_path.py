@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .block_table import BlockTables
     from .request import Request
 
-__all__ = ["EntryWriter", "PartSet", "Placement", "host_entry_ids"]
+__all__ = ["EntryWriter", "PartSet", "Placement", "host_entry_ids", "host_entry_list"]
 
 
 def host_entry_ids(what: str, ids: object, ndim: int) -> np.ndarray:
@@ -61,6 +61,15 @@ def host_entry_ids(what: str, ids: object, ndim: int) -> np.ndarray:
             raise ValueError(f"{what}: expected a {ndim}-D int64 tensor of entry ids, "
                              f"got {arr.dtype} {list(arr.shape)}")
     return arr.astype(np.int64, copy=False)
+
+
+def host_entry_list(ids: object) -> list[int] | None:
+    """The ids of a host int64 ``[m]`` tensor as a list (one C call: no numpy array, which
+    costs more than the list on this hot path, made per write), or None for any other ids
+    (then :func:`host_entry_ids` reads them, and refuses what it must)."""
+    if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu and ids.dim() == 1:
+        return ids.tolist()
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,16 +174,26 @@ class EntryWriter:
         ``padded``) and locate them. Entries must lie in the requests' unsealed blocks."""
         B, m = ids.shape
         if B == 1 and m:  # one request: most often one run of consecutive ids in one block
-            row = ids[0].tolist()
-            first = row[0]
-            if row == list(range(first, first + m)):
-                req = reqs[0]
-                k = first // per_block
-                if first >= 0 and k == (first + m - 1) // per_block and k < len(req.block_ids):
-                    if k < req.num_sealed_blocks:
-                        self._sealed_error(req, k)
-                    return Placement(m, [Run(req.block_ids[k], req.slot, first % per_block, 0, m)])
+            place = self.place_run(reqs[0], ids[0].tolist(), per_block)
+            if place is not None:
+                return place
         return self._place_many(reqs, ids, per_block, padded)
+
+    def place_run(self, req: Request, row: list[int], per_block: int) -> Placement | None:
+        """:meth:`place` of one request's ids ``row`` (a list) when they are one run of
+        consecutive ids in one of its unsealed blocks (raises if that block is sealed);
+        None for any other ids (then :meth:`place` decides, or refuses them)."""
+        if not row:
+            return None
+        first = row[0]
+        m = len(row)
+        if m == 1 or row == list(range(first, first + m)):
+            k = first // per_block
+            if first >= 0 and k == (first + m - 1) // per_block and k < len(req.block_ids):
+                if k < req.num_sealed_blocks:
+                    self._sealed_error(req, k)
+                return Placement(m, [Run(req.block_ids[k], req.slot, first % per_block, 0, m)])
+        return None
 
     def _place_many(self, reqs: Sequence[Request], ids: np.ndarray, per_block: int, padded: bool) -> Placement:
         B, m = ids.shape
@@ -281,16 +300,19 @@ class EntryWriter:
         runs = place.runs
         if parts.start is not None and runs and (len(runs) == 1 or pool.device.type == "cpu"):
             p0 = parts.start
-            whole_parts = p0 == 0 and n == pool.shape[0]
+            shape = pool.shape
+            whole_parts = p0 == 0 and n == shape[0]
             for r in runs:
                 # (each torch view costs a few us: a block's whole row of every part, the common
                 # prefill case, is one select; the source is sliced only when it is not all of it)
                 where = r.slot if by_slot else r.block
-                if whole_parts and r.offset == 0 and r.count == pool.shape[2]:
+                if whole_parts and r.offset == 0 and r.count == shape[2]:
                     dst = pool.select(1, where)
                 else:
                     dst = pool[p0:p0 + n, where, r.offset:r.offset + r.count]
-                dst.copy_(src if r.src == 0 and r.count == src.shape[1] else src[:, r.src:r.src + r.count])
+                # (src's axis 1 holds B * m entries; with no padding they are the M valid ones)
+                whole_src = r.src == 0 and r.count == M and place.select is None
+                dst.copy_(src if whole_src else src[:, r.src:r.src + r.count])
             return
         _, NB, E, nbytes = pool.shape
         blk, off = place.arrays(by_slot)
