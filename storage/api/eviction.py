@@ -8,18 +8,20 @@ put walks past guarded records are the same everywhere.
 Both keep a prefix tree of their records (LMDB: storage/lmdb/tree.py, in its index; Zarr:
 storage/zarr/tree.py, in memory) and evict leaves first with :func:`evict_leaves_first`:
 the least recently used leaf the guard does not hold, then the blocks that led only to it
-up its path, and an interior record only when the guard holds every leaf.
+up its path, and an interior record only when the guard holds every leaf. What an
+eviction took goes to the store's ``on_evict`` through :func:`tell_evicted`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TypeVar
 
 from ..format.record import RecordKey
 
-__all__ = ["GUARD_SCAN_MAX", "EvictionGuard", "evict_leaves_first", "select_victims"]
+__all__ = ["GUARD_SCAN_MAX", "EvictListener", "EvictionGuard", "evict_leaves_first", "select_victims", "tell_evicted"]
 
 #: Which of some eviction candidates (``RecordKey`` s, least recently used first) must stay:
 #: returns that subset. Called inside the evicting store's write path, so it must be quick
@@ -30,6 +32,23 @@ _GUARD_BATCH = 256
 #: Guarded records an eviction walks past before it gives up (a put then raises
 #: StoreFullError): bounds the cost of a put when level 0 is full of pending uploads.
 GUARD_SCAN_MAX = 1 << 16
+
+log = logging.getLogger(__name__)
+
+#: Told the keys of the records an eviction took (a store's ``on_evict``).
+EvictListener = Callable[[list[RecordKey]], None]
+
+
+def tell_evicted(listener: EvictListener | None, keys: list[RecordKey]) -> None:
+    """Hand ``keys`` (what an eviction took, already removed) to a store's ``on_evict``
+    ``listener``, when set and there are any, on the calling thread. A listener that
+    raises is logged, never the store's error: the records are gone either way."""
+    if listener is None or not keys:
+        return
+    try:
+        listener(keys)
+    except Exception:
+        log.exception("the store's on_evict listener failed (the records are evicted all the same)")
 
 
 H = TypeVar("H")

@@ -15,7 +15,6 @@ the lifetime counters every process shares (``meta`` b"counters").
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 import lmdb
 
 from ..api.counters import StoreStats
-from ..api.eviction import EvictionGuard, evict_leaves_first
+from ..api.eviction import EvictionGuard, evict_leaves_first, tell_evicted
 from ..errors import StoreError, StoreFullError
 from ..format.record import RecordKey
 from .environment import Index
@@ -32,8 +31,6 @@ from .schema import ATIME, LRU_NS, M_COUNTERS, M_TOTAL, U64, Location, unpack_en
 from .tree import Tree
 
 __all__ = ["ACCESS_QUEUE_MAX", "AccessTimes"]
-
-log = logging.getLogger(__name__)
 
 #: queued access times that make the queue due for a flush
 ACCESS_QUEUE_MAX = 4096
@@ -182,14 +179,8 @@ class AccessTimes:
         """Hand the keys an eviction took (``gone``, from a committed transaction) to
         :attr:`on_evict`, when set, on the calling thread. A listener that raises is logged,
         never the store's error: the records are gone either way."""
-        listener = self.on_evict
-        if listener is None or not gone:
-            return
-        keys = [k for k in (_record_key(kb) for kb in gone) if k is not None]
-        try:
-            listener(keys)
-        except Exception:
-            log.exception("the store's on_evict listener failed (the records are evicted all the same)")
+        if self.on_evict is not None and gone:
+            tell_evicted(self.on_evict, [k for k in (_record_key(kb) for kb in gone) if k is not None])
 
     def put_total(self, txn: lmdb.Transaction, total: int) -> None:
         """Record the accounted bytes (``meta`` record_bytes)."""

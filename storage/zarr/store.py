@@ -82,7 +82,6 @@ directory), :mod:`~.bucket` (an S3 bucket), :mod:`~.generic` (any other zarr Sto
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +98,7 @@ from ..api import (
     payload_of_record,
     scatter_via_temporaries,
 )
+from ..api.eviction import tell_evicted
 from ..errors import CorruptRecordError, LayoutMismatchError, StoreError, StoreFullError
 from ..format.record import RecordKey, RecordMeta, decode_record, fingerprint_field, parse_header, record_size
 from .objects import (
@@ -113,11 +113,9 @@ from .objects import (
 from ..format.sealed_level import SEALED_LEVEL, check_opener, parse_sealing
 from ..format.writer import StoreWriter
 from .targets import local_dir, make_objects
-from .tree import RecordTree, Victim, parent_key
+from .tree import RecordTree, parent_key
 
 __all__ = ["STORE_FORMAT_VERSION", "ZarrStore"]
-
-log = logging.getLogger(__name__)
 
 #: Record headers one I/O task reads at a scan (the tasks run on the I/O threads).
 _HEADER_BATCH = 256
@@ -346,15 +344,6 @@ class ZarrStore(BlockStore):
     def on_evict(self, listener: Callable[[list[RecordKey]], None] | None) -> None:
         self._on_evict = listener
 
-    def _report_evicted(self, victims: Sequence[Victim]) -> None:
-        listener = self._on_evict
-        if listener is None or not victims:
-            return
-        try:
-            listener([v.key for v in victims])
-        except Exception:
-            log.exception("the store's on_evict listener failed (the records are evicted all the same)")
-
     def _make_room(self, need: int) -> int:
         """Evict records until ``need`` more bytes fit, leaves first (see tree.py); returns
         how many this call removed."""
@@ -372,7 +361,7 @@ class ZarrStore(BlockStore):
                     f"bytes and the {kept} least recently used that could go are held by the store's eviction "
                     f"guard (uploads to a farther level still pending); nothing was written by this call")
         removed = sum(self._objects.remove(object_name(v.key)) for v in victims)
-        self._report_evicted(victims)
+        tell_evicted(self._on_evict, [v.key for v in victims])
         return removed
 
     # ------------------------------------------------------------------ writes
@@ -652,7 +641,7 @@ class ZarrStore(BlockStore):
         with self._lock:  # (records the eviction guard holds stay: gc may stop above its bound)
             victims = self._tree.evict(self._tree.total - max_bytes, self.eviction_guard)[0]
         removed = self._io.map(lambda v: self._objects.remove(object_name(v.key)), victims)
-        self._report_evicted([v for v, r in zip(victims, removed) if not isinstance(r, BaseException)])
+        tell_evicted(self._on_evict, [v.key for v, r in zip(victims, removed) if not isinstance(r, BaseException)])
         raise_first(removed)
         evicted = sum(1 for r in removed if r)
         freed = sum(v.size for v, r in zip(victims, removed) if r)
