@@ -32,6 +32,9 @@ def test_names_parse_to_policies() -> None:
     assert admission_policy("all") == AdmissionPolicy(hits=0) and admission_policy("all").write_through
     assert admission_policy("second-hit").hits == 1 and admission_policy("second-hit").label == "second-hit"
     assert admission_policy("hits:3").label == "hits:3"
+    assert admission_policy("retraced").label == "retraced" and admission_policy("retraced").seen_twice
+    with pytest.raises(ValueError, match="retrace needs seen_twice"):
+        AdmissionPolicy(hits=1, retrace=True)
     for bad in ("hits:0", "hits:x", "hits", "first-hit"):
         with pytest.raises(ValueError, match="admission"):
             admission_policy(bad)
@@ -57,6 +60,15 @@ def test_filter_counts_rejects_and_admits_after_n_hits_once() -> None:
     assert not twice.at_write("snapshot", b"y") and twice.at_write("snapshot", b"y") and twice.rejects == 3
     assert twice.admitted == 1  # (counted as a snapshot admitted on a hit is)
     assert twice.known_on_disk("snapshot", b"y") and not twice.at_write("snapshot", b"y")  # (on disk: never twice)
+    retraced = AdmissionFilter(admission_policy("retraced"))
+    assert not retraced.retraces(b"s")  # nothing held back at s yet
+    assert not retraced.at_write("snapshot", b"s") and retraced.retraces(b"s")  # held back: sealing it again retraces
+    assert not twice.retraces(b"zz") and not twice.at_write("snapshot", b"t", retraced=True)  # (seen-twice ignores it)
+    # a snapshot of the request that retraced s is written at once (its blocks with it) ...
+    assert retraced.at_write("snapshot", b"t", retraced=True) and retraced.admitted == 1
+    assert not retraced.at_write("snapshot", b"t", retraced=True)  # ... once: it is on disk now
+    retraced.on_disk("snapshot", b"s")
+    assert not retraced.retraces(b"s")  # on disk: a resume reads it, nothing to retrace
     everything = AdmissionFilter(admission_policy("all"))
     assert everything.at_write("block", b"a") and everything.rejects == 0 and not everything.hit("block", b"a")
 
@@ -102,7 +114,7 @@ def test_second_hit_writes_on_the_hit_and_a_fresh_cache_resumes_exactly(tmp_path
         assert cache.stats()["disk_writes"] == before
 
 
-@pytest.mark.parametrize("admission", ["hits:2", "seen-twice", "survived:3"])
+@pytest.mark.parametrize("admission", ["hits:2", "seen-twice", "retraced", "survived:3"])
 def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Path, tiny_layout, tiny_model) -> None:
     """hits:2 (and seen-twice: written when computed again) on a prefix tree whose prompts share starts of different lengths: blocks
     are hit more often than the snapshots past them, and a snapshot admitted takes every
@@ -149,6 +161,41 @@ def test_snapshot_never_on_disk_without_its_blocks(admission: str, tmp_path: Pat
             resumed += P
             assert (got - tiny_model.naive_logits(t + [7])[P:]).abs().max().item() < TOL
         assert resumed > 0 and cache.stats()["blocks_from_disk"] > 0
+
+
+@pytest.mark.parametrize("admission", ["seen-twice", "retraced"])
+def test_retraced_writes_the_next_turn_of_a_path_recomputed_and_a_fresh_cache_resumes_it(
+        admission: str, tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """A conversation's turns: the first turn's snapshot (at its prompt's end) is held
+    back, the GPU pool drops the turn, and the next turn (the first one's prompt and
+    more) recomputes it. It seals the block where that snapshot was held back: it
+    retraced the path, so under ``retraced`` its own snapshot goes to disk with its whole
+    path, and a fresh cache resumes a third turn from there with the full-recompute
+    logits. ``seen-twice`` writes nothing: no snapshot was published twice."""
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 's'}"
+    turn1 = random_tokens(3 * bt + 5, seed=31)
+    turn2 = turn1 + random_tokens(2 * bt + 1, seed=32)
+    opts: dict = {"num_blocks": 8, "num_state_slots": 1, "num_snapshots": 2, "store": url, "admission": admission}
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        assert serve_once(tiny_model, cache, turn1)[0] == 0
+        for i in range(3):  # other prompts push the first turn out of the GPU pool
+            serve_once(tiny_model, cache, random_tokens(3 * bt + 5, seed=40 + i))
+        P, got = serve_once(tiny_model, cache, turn2)
+        assert P == 0 and (got - tiny_model.naive_logits(turn2)).abs().max().item() < TOL  # recomputed
+        cache.flush()
+        blocks, snaps = _on_disk(cache)
+        hashes = cache.hasher.block_hashes(turn2[:5 * bt])
+        if admission == "seen-twice":
+            assert not blocks and not snaps and cache.stats()["disk_writes"] == 0
+            return
+        assert snaps == {hashes[-1]} and blocks == set(hashes)  # the turn's path, up to its snapshot
+        assert cache.stats()["admission_admitted"] == 6
+    with TieredKVCache(tiny_layout, **opts) as cache:  # a fresh process: only the disk
+        turn3 = turn2 + [5, 6, 7]
+        P, got = serve_once(tiny_model, cache, turn3)
+        assert P == 5 * bt and cache.stats()["blocks_from_disk"] == 5 and cache.stats()["snapshots_from_disk"] == 1
+        assert (got - tiny_model.naive_logits(turn3)[P:]).abs().max().item() < TOL
 
 
 def test_admission_is_validated_without_a_disk(tiny_layout) -> None:

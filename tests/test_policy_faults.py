@@ -118,7 +118,7 @@ def test_full_store_keeps_serving_exactly_under_every_policy(tmp_path: Path, sna
 
 
 #: the disk admission filters, under the cache's default policies
-FILTERS = ["second-hit", "seen-twice", "survived:1"]
+FILTERS = ["second-hit", "seen-twice", "retraced", "survived:1"]
 
 
 @pytest.mark.parametrize("admission", FILTERS)

@@ -112,6 +112,7 @@ class TieredKVCache(TierMoves):
             ``"all"`` (the default: every sealed block and published snapshot is written
             through), ``"second-hit"`` (a record reaches the disk once a memory tier has
             served it), ``"seen-twice"`` (that, or when it is computed a second time),
+            ``"retraced"`` (that, or a snapshot of a request that recomputed a known path),
             ``"hits:N"`` or ``"survived:N"`` (second-hit, or once it has lived N requests
             in a memory tier). Rejects: ``stats()["admission_rejects"]``.
     """
@@ -815,7 +816,10 @@ class TieredKVCache(TierMoves):
             parts, ids = self._mirror_to_host(req, b, h), [0]
         if not self.blocks.cache(b, h, parent):
             self._counters["blocks_duplicate"] += 1
-        if self.disk is not None and self.disk.admission.at_write("block", h):
+        disk = self.disk
+        if disk is not None and req._retraced_at is None and disk.admission.retraces(h):
+            req._retraced_at = k
+        if disk is not None and disk.admission.at_write("block", h):
             # A private record (a host tier's may be recycled before the write), copied
             # asynchronously; the writer thread waits for the copy's event.
             record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
@@ -929,7 +933,7 @@ class TieredKVCache(TierMoves):
         bt = self.layout.block_tokens
         parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
         digest = digest_token_bytes(checked_token_bytes(req.token_ids[(k - 1) * bt:k * bt]))
-        if adm.at_write("snapshot", h):
+        if adm.at_write("snapshot", h, retraced=self._retraced(req, k)):
             for i in [] if adm.policy.write_through else self._blocks_to_write(req.block_hashes[:k]):
                 bh = req.block_hashes[i]  # the path segment it ends, ahead of it
                 adm.admit("block", bh)
@@ -941,6 +945,12 @@ class TieredKVCache(TierMoves):
                        digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
                       for i, bh in enumerate(req.block_hashes[:k])]
             adm.defer(h, parent, digest, before)
+
+    def _retraced(self, req: Request, k: int) -> bool:
+        """Whether request ``req``'s path up to boundary ``k`` was retraced, as the
+        admission filter ``retraced`` counts it: a block before ``k`` was computed again
+        where a snapshot had been held back."""
+        return req._retraced_at is not None and req._retraced_at < k
 
     # ----------------------------------------------------------------- stats
     def metrics(self) -> MetricsSnapshot:

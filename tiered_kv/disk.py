@@ -65,7 +65,7 @@ class DiskTier:
             store created here.
         admission: the disk admission filter (:mod:`tiered_kv.policy.admission`):
             ``"all"`` (every record written through, the default), ``"second-hit"``,
-            ``"seen-twice"``, ``"hits:N"`` or ``"survived:N"``. The cache asks :attr:`admission` before it submits a record
+            ``"seen-twice"``, ``"retraced"``, ``"hits:N"`` or ``"survived:N"``. The cache asks :attr:`admission` before it submits a record
             and again when a memory tier serves one; rejects are counted in :meth:`stats`.
     """
 

@@ -43,8 +43,9 @@ tiered_kv_snapshots_published_total counter snapshots published, label ``where``
 tiered_kv_disk_admission_rejects_total counter records the disk admission filter held back
                                             when sealed / published (not written then)
 tiered_kv_disk_admitted_total      counter  records the filter wrote later: a snapshot on a memory-
-                                            tier hit, published again (seen-twice) or having
-                                            survived, and the blocks it took along
+                                            tier hit, published again (seen-twice), by a
+                                            request that retraced a path (retraced)
+                                            or having survived, and the blocks it took along
 tiered_kv_disk_admission_expired_total counter ``survived:N``: records held back that were due
                                             when no memory tier held them any more (never written)
 =================================  =======  ==================================================

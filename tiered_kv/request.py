@@ -44,6 +44,11 @@ class Request:
     #: The boundary (in blocks) where the prompt leaves the cached prefix tree, when the
     #: snapshot policy publishes branch points there (see :mod:`tiered_kv.policy.snapshots`).
     _branch_at: int | None = field(default=None, repr=False)
+    #: The first block (index) of this request's path that an earlier request reused,
+    #: as the disk admission filter ``retraced`` counts it (sealed again where a snapshot
+    #: was held back): the snapshots it publishes after it are written (see
+    #: ``AdmissionFilter.retraces``).
+    _retraced_at: int | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

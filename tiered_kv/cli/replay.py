@@ -87,7 +87,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"eviction policy (default {DEFAULT_EVICTION}, the cache's own): lru, leaf-lru, "
                         f"leaf-s3fifo[:SMALL%%]; repeat to compare")
     p.add_argument("--admission", action="append", metavar="NAME[:N]",
-                   help="disk admission filter: all (default), second-hit, hits:N, seen-twice, survived:N; "
+                   help="disk admission filter: all (default), second-hit, hits:N, seen-twice, retraced, "
+                        "survived:N; "
                         "repeat to compare")
     p.add_argument("--scale", type=_common.positive_int, metavar="N",
                    help="force the stand-in layout's scale (default: the largest exact one)")

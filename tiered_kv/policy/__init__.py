@@ -8,7 +8,8 @@
   the same over S3-FIFO's small / main / ghost queues; ``lru``, the original).
 * :mod:`.admission`: which records reach the disk tier (``all``, the default and the
   original; ``second-hit`` / ``hits:N``: only once a memory tier has served them;
-  ``seen-twice``; ``survived:N``: once hit, or once it has lived N requests in memory).
+  ``seen-twice``; ``retraced``: that, or a snapshot of a request that recomputed a held-back path;
+  ``survived:N``: once hit, or once it has lived N requests in memory).
 
 The cache holds the pools and the index and asks the policy; a policy holds no tensors.
 """

@@ -17,6 +17,13 @@ block reaches the disk only along with a snapshot at or after it on its path::
                   tiers: N opens after it was published, a snapshot a memory tier (GPU or
                   host) still holds is written, if each block before it is still in a
                   memory tier or known on disk; one evicted sooner never is
+    retraced      seen-twice, or a snapshot published by a request after it recomputed
+                  (sealed again) a block at which an earlier request published a snapshot
+                  that was held back and is not on disk: the request retraced a path that
+                  was wanted again when no tier could serve it, so the path it extends is
+                  written with its snapshots, blocks and all. seen-twice waits for the same
+                  snapshot to be published twice, which a conversation's next turn (whose
+                  prompt ends further on) never does
 
 Coherent path segments: a snapshot admitted takes along every block before it that is
 not known to be on disk (written here or read from there), queued ahead of it on the one
@@ -52,6 +59,9 @@ class AdmissionPolicy:
     seen_twice: bool = False
     #: also written once it has lived this many requests (opens) in a memory tier (None: never)
     survive: int | None = None
+    #: also written: a snapshot its request published after it recomputed a block at
+    #: which a snapshot was held back before (``retraced``). Needs ``seen_twice``.
+    retrace: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.hits, bool) or not isinstance(self.hits, int) or self.hits < 0:
@@ -61,11 +71,15 @@ class AdmissionPolicy:
             raise ValueError(f"admission policy: expected survive None or an int >= 1, got {s!r}")
         if s is not None and self.hits == 0:
             raise ValueError("admission policy: survive needs hits >= 1 (with hits 0 every record is written through)")
+        if self.retrace and not self.seen_twice:
+            raise ValueError("admission policy: retrace needs seen_twice (its memory of held-back snapshots)")
 
     @property
     def label(self) -> str:
         if self.survive is not None:
             return f"survived:{self.survive}"
+        if self.retrace:
+            return "retraced"
         if self.seen_twice:
             return "seen-twice"
         return {0: "all", 1: "second-hit"}.get(self.hits, f"hits:{self.hits}")
@@ -77,12 +91,13 @@ class AdmissionPolicy:
 
 ADMISSION_POLICIES: dict[str, AdmissionPolicy] = {
     "all": AdmissionPolicy(hits=0), "second-hit": AdmissionPolicy(hits=1),
-    "seen-twice": AdmissionPolicy(hits=1, seen_twice=True)}
+    "seen-twice": AdmissionPolicy(hits=1, seen_twice=True),
+    "retraced": AdmissionPolicy(hits=1, seen_twice=True, retrace=True)}
 
 
 def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
-    """``all``, ``second-hit``, ``seen-twice``, ``hits:N`` or ``survived:N`` -> the
-    :class:`AdmissionPolicy`."""
+    """``all``, ``second-hit``, ``seen-twice``, ``retraced``, ``hits:N`` or ``survived:N``
+    -> the :class:`AdmissionPolicy`."""
     if isinstance(spec, AdmissionPolicy):
         return spec
     if not isinstance(spec, str):
@@ -95,7 +110,8 @@ def admission_policy(spec: str | AdmissionPolicy) -> AdmissionPolicy:
         if n < 1:
             raise ValueError(f"admission {spec!r}: expected {name}:N with N >= 1, got {n}")
         return AdmissionPolicy(hits=n) if name == "hits" else AdmissionPolicy(hits=1, survive=n)
-    raise ValueError(f"admission: expected 'all', 'second-hit', 'seen-twice', 'hits:N' or 'survived:N', got {spec!r}")
+    raise ValueError("admission: expected 'all', 'second-hit', 'seen-twice', 'retraced', 'hits:N' or "
+                     f"'survived:N', got {spec!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +136,8 @@ class AdmissionFilter:
     ``"block"`` or ``"snapshot"``; pure Python, no tensors.
 
     * :meth:`at_write`: a record is sealed / published: write it now? (False counts a reject)
+    * :meth:`retraces` (``retraced``): a block sealed again where a snapshot was held
+      back: the request's snapshots after that point are written
     * :meth:`hit`: a memory tier served it: write it now? (True at most once while known)
     * :meth:`on_disk`: it is on disk (written or read from there): never admitted again
     * :meth:`defer` / :meth:`tick` (``survived:N``): a snapshot held back at publish is
@@ -149,18 +167,19 @@ class AdmissionFilter:
         #: were neither in memory nor known on disk (never written)
         self.expired = 0
 
-    def at_write(self, kind: str, h: bytes) -> bool:
+    def at_write(self, kind: str, h: bytes, *, retraced: bool = False) -> bool:
         """A record is sealed / published: write it now? (False counts a reject.) A block
         never is unless written through: it goes along with an admitted snapshot after it.
-        A snapshot admitted here (``seen-twice``: published a second time; counted in
-        :attr:`admitted`) is written with every block before it not known on disk (the
-        caller's part: :meth:`admit` each)."""
+        A snapshot admitted here (``seen-twice``: published a second time; ``retraced``:
+        also when ``retraced``, the caller's verdict on its request, which sealed a block
+        :meth:`retraces` before it; counted in :attr:`admitted`) is written with
+        every block before it not known on disk (the caller's part: :meth:`admit` each)."""
         if self.policy.write_through:
             return True
         key = (kind, h)
         if kind == "snapshot" and self.policy.seen_twice:
-            if key in self._seen and key not in self._on_disk:
-                del self._seen[key]
+            if (key in self._seen or (retraced and self.policy.retrace)) and key not in self._on_disk:
+                self._seen.pop(key, None)
                 self.admit(kind, h)
                 return True
             self._seen[key] = None
@@ -169,6 +188,16 @@ class AdmissionFilter:
                 self._seen.popitem(last=False)
         self.rejects += 1
         return False
+
+    def retraces(self, h: bytes) -> bool:
+        """``retraced``: a block ``h`` is sealed (computed) again; True when
+        an earlier request published a snapshot at it that was held back and is not on
+        disk: the sealing request retraces a path that was computed before and that no
+        tier could serve, so its later snapshots are to be written (``retraced``)."""
+        if not self.policy.retrace:
+            return False
+        key = ("snapshot", h)
+        return key in self._seen and key not in self._on_disk
 
     def defer(self, h: bytes, parent: bytes, digest: bytes,
               before: Sequence[tuple[bytes, bytes, bytes]] = ()) -> None:

@@ -31,6 +31,8 @@ Disk admission filters (``--admission NAME``, :mod:`tiered_kv.policy.admission`)
 * ``hits:N``: after N such hits.
 * ``seen-twice``: ``second-hit``, or when a record is computed a second time.
 * ``survived:N``: ``second-hit``, or once a record has lived N requests in a memory tier.
+* ``retraced``: ``seen-twice``, or a snapshot of a request that recomputed a block where a
+  snapshot was held back before (it retraced a known path).
 """
 
 from __future__ import annotations
@@ -118,6 +120,14 @@ def _seen_twice(arg: int | None) -> Policy:
                   cache_options={"admission": "seen-twice"})
 
 
+def _retraced(arg: int | None) -> Policy:
+    if arg is not None:
+        raise ValueError(f"admission policy retraced: expected no argument, got {arg}")
+    return Policy(label="retraced", description="seen-twice, or the snapshots of a request that recomputed a "
+                                                "block where a snapshot was held back before",
+                  cache_options={"admission": "retraced"})
+
+
 def _survived(arg: int | None) -> Policy:
     if arg is None or arg < 1:
         raise ValueError(f"admission policy survived:N: expected N >= 1 requests, got {arg}")
@@ -139,7 +149,8 @@ SNAPSHOT_POLICIES: dict[str, Callable[[int | None], Policy]] = {
 EVICTION_POLICIES: dict[str, Callable[[int | None], Policy]] = {
     "lru": _lru, "leaf-lru": _leaf_lru, "leaf-s3fifo": _leaf_s3fifo}
 ADMISSION_POLICIES: dict[str, Callable[[int | None], Policy]] = {
-    "all": _all, "second-hit": _second_hit, "seen-twice": _seen_twice, "hits": _hits, "survived": _survived}
+    "all": _all, "second-hit": _second_hit, "seen-twice": _seen_twice, "retraced": _retraced,
+    "hits": _hits, "survived": _survived}
 
 
 def snapshot_policy(spec: str) -> Policy:
