@@ -34,6 +34,9 @@ beside, not the target.
                      record verified alike, the index lookups, the expectations and the
                      results' metadata left out: store / this is what the Python of
                      get_many costs per batch
+    ... no xxh3      diagnostic: the same, every check but the payload's xxh3, which is not
+                     computed: this / the verified one is what hashing every byte costs (the
+                     ceiling of any verified read against readv)
     lmcache          LMCache 0.5.6 LocalDiskBackend (one file per chunk, no checksum), in a
                      child process of its own venv (--lmcache-python, default
                      .venv-lmcache/bin/python): the same payloads put, then read back hot
@@ -161,6 +164,9 @@ class Readers:
         verifier = PartsVerifier(FINGERPRINT)
         self.expects = [verifier.expectation(k, loc.length, checksum, d)
                         for k, (loc, checksum), d in zip(self.keys, locs, self.digests)]
+        #: the same checks but the payload's xxh3 (the engine-no-xxh3 diagnostic)
+        self.expects_unhashed = [verifier.expectation(k, loc.length, checksum, d, hashed=False)
+                                 for k, (loc, checksum), d in zip(self.keys, locs, self.digests)]
         self.engine_threads = self.store._segments.reads.hot_threads
 
     def close(self) -> None:
@@ -180,15 +186,17 @@ class Readers:
             if not all(metas):
                 raise RuntimeError("store get_many: a stored record was a miss")
 
-    def engine_alone(self, dest: np.ndarray) -> None:
+    def engine_alone(self, dest: np.ndarray, *, unhashed: bool = False) -> None:
         """The store's native batch read (``VerifyBatch``, the threads ``get_many`` uses) fed
         the same records in the same batches, every record verified the same way, with the
         lookups, the expectations and the results' metadata left out: what ``get_many``
-        costs beyond it is Python per batch (diagnostic, not a target)."""
+        costs beyond it is Python per batch (diagnostic, not a target). ``unhashed``: every
+        check but the payload's xxh3, which is not computed (what the hash costs)."""
         from tiered_kv.storage.format.record import CHECKSUM_BYTES, HEADER_BYTES
         from tiered_kv.storage.os import fastread
 
         outs = self.views(dest)
+        expects = self.expects_unhashed if unhashed else self.expects
         heads = np.empty((self.batch, HEADER_BYTES), np.uint8)
         tails = np.empty((self.batch, CHECKSUM_BYTES), np.uint8)
         for a in range(0, self.n, self.batch):
@@ -196,9 +204,12 @@ class Readers:
             native = fastread.VerifyBatch(b - a, self.engine_threads, False)
             for k, i in enumerate(range(a, b)):
                 fd, off = self.places[i]
-                native.add(fd, off - self.header_bytes, [heads[k], outs[i], tails[k]], self.expects[i])
+                native.add(fd, off - self.header_bytes, [heads[k], outs[i], tails[k]], expects[i])
             if any(st != fastread.VERIFIED for st in native.finish()):
                 raise RuntimeError("engine alone: a stored record did not verify")
+
+    def engine_unhashed(self, dest: np.ndarray) -> None:
+        self.engine_alone(dest, unhashed=True)
 
     def _readv(self, outs: list[np.ndarray], lo: int, hi: int) -> None:
         for i in range(lo, hi):
@@ -304,6 +315,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                        "readv_one": readers.readv_one}
     if native_engine():
         readers_by_name["engine_alone"] = readers.engine_alone
+        readers_by_name["engine_unhashed"] = readers.engine_unhashed
     runs = [(name, kind) for kind in DESTINATIONS for name in readers_by_name]
     times: dict[str, list[float]] = {f"{n}/{k}": [] for n, k in runs}
     cpu: dict[str, list[float]] = {f"{n}/{k}": [] for n, k in runs}
@@ -383,7 +395,8 @@ def table(res: dict[str, Any]) -> str:
         f"{'destination:':<34}" + "".join(f"{k + ' GB/s':>13}{'store/this':>11}{'CPU s/GB':>9}" for k in DESTINATIONS),
     ]
     names = {"store": "store get_many (verified)", "readv_parallel": f"readv, {c['threads']} threads (no checks)",
-             "readv_one": "readv, 1 thread (no checks)", "engine_alone": "native batch read alone (verified)"}
+             "readv_one": "readv, 1 thread (no checks)", "engine_alone": "native batch read alone (verified)",
+             "engine_unhashed": "native batch read alone, no xxh3"}
     for name, label in names.items():
         if f"{name}/{DESTINATIONS[0]}" not in h:
             continue
