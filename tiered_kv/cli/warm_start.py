@@ -206,7 +206,8 @@ def warm_start(layout: KVLayout, loc: _common.StoreLocation, prompts: list[Promp
     with _common.store_errors(loc, layout):
         cache = TieredKVCache(layout, device=device, num_blocks=num_blocks, num_state_slots=1,
                               num_snapshots=num_snapshots, snapshot_interval=snapshot_interval,
-                              salt=salt, store=loc.url, store_options=store_options)
+                              salt=salt, store=loc.url, store_options=store_options,
+                              admission="all")  # (warming writes every prompt: its purpose)
         try:
             model = ReferenceModel(layout, seed=MODEL_SEED)
             _warm_up(model, layout, device)

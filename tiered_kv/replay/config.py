@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layout import KVLayout
+from ..policy.admission import DEFAULT_ADMISSION
 from ..policy.eviction import DEFAULT_EVICTION
 from ..policy.snapshots import DEFAULT_SNAPSHOT_POLICY
 from ..presets import get_preset
@@ -115,8 +116,8 @@ class ReplayConfig:
     #: the cache's defaults (:mod:`tiered_kv.policy`)
     snapshot_policy: str = DEFAULT_SNAPSHOT_POLICY
     eviction_policy: str = DEFAULT_EVICTION
-    #: the disk admission filter (``all``: every record written through, the cache's own)
-    admission_policy: str = "all"
+    #: the disk admission filter (the cache's own default: :data:`~tiered_kv.policy.DEFAULT_ADMISSION`)
+    admission_policy: str = DEFAULT_ADMISSION
     #: force the stand-in's scale (None: the largest exact one)
     scale: int | None = None
     #: read back and check every n-th request that hits (and the first hit from each tier); 0: never

@@ -103,7 +103,8 @@ def _leaf_s3fifo(arg: int | None) -> Policy:
 def _all(arg: int | None) -> Policy:
     if arg is not None:
         raise ValueError(f"admission policy all: expected no argument, got {arg}")
-    return Policy(label="all", description="every record written through to disk")
+    return Policy(label="all", description="every record written through to disk",
+                  cache_options={"admission": "all"})  # (named: whatever the cache's default)
 
 
 def _second_hit(arg: int | None) -> Policy:
