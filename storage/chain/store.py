@@ -212,9 +212,15 @@ class StoreChain(ChainReads, ChainScheduler, ChainStats, BlockStore):
     # ------------------------------------------------------------------ admin
     def delete(self, key: RecordKey) -> bool:
         """Delete ``key`` from every level (and its queued uploads). An admin operation:
-        far levels are called directly, and one that is not open raises StoreError."""
+        far levels are called directly, and one that is not open raises StoreError. An
+        upload of ``key`` already in flight is waited for first: landing after the far
+        levels' deletes it would bring the record back (and one that fails is requeued,
+        so it is dropped from the queue again once it ended)."""
         check_open(self._closed, self.where)
         with self._cond:
+            for level in self._far:
+                level.pending.pop(key, None)
+            self._cond.wait_for(lambda: not any(key in level.inflight_keys for level in self._far))
             for level in self._far:
                 level.pending.pop(key, None)
         if self._journal is not None:
