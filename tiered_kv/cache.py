@@ -942,11 +942,10 @@ class TieredKVCache(TierMoves):
         if adm.at_write("snapshot", h, retraced=self._retraced(req, k)):
             if adm.policy.write_through:
                 self._rewrite_evicted_path(req, k)
-            for i in [] if adm.policy.write_through else self._blocks_to_write(req.block_hashes[:k]):
-                bh = req.block_hashes[i]  # the path segment it ends, ahead of it
-                adm.admit("block", bh)
-                self._submit_block_copy(req.block_ids[i], bh, req.block_hashes[i - 1] if i else parent,
-                                        digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
+            else:
+                for i in self._blocks_to_write(req.block_hashes[:k]):  # the path segment it ends, ahead of it
+                    adm.admit("block", req.block_hashes[i])
+                    self._submit_request_block(req, i)
             self.disk.submit(record_key("snapshot", h), parent, digest, self.snapshots.data[snap_id].to("cpu", copy=True))
         elif adm.policy.survive is not None:  # held back: survived:N writes it later if it lives on
             before = [(bh, req.block_hashes[i - 1] if i else parent,
@@ -969,13 +968,17 @@ class TieredKVCache(TierMoves):
         i = k
         while i > 0 and disk.evicted_from_store(record_key("block", hashes[i - 1])):
             i -= 1
-        if i == k:
-            return
-        bt = self.layout.block_tokens
         for j in range(i, k):
-            self._submit_block_copy(req.block_ids[j], hashes[j], hashes[j - 1] if j else self.hasher.root,
-                                    digest_token_bytes(checked_token_bytes(req.token_ids[j * bt:(j + 1) * bt])))
+            self._submit_request_block(req, j)
         self._counters["disk_blocks_rewritten"] += k - i
+
+    def _submit_request_block(self, req: Request, i: int) -> None:
+        """Queue a disk write of ``req``'s sealed block ``i`` from its GPU block, with the
+        parent and token digest its seal gave it (a path segment written after the seal)."""
+        bt = self.layout.block_tokens
+        hashes = req.block_hashes
+        self._submit_block_copy(req.block_ids[i], hashes[i], hashes[i - 1] if i else self.hasher.root,
+                                digest_token_bytes(checked_token_bytes(req.token_ids[i * bt:(i + 1) * bt])))
 
     def _retraced(self, req: Request, k: int) -> bool:
         """Whether request ``req``'s path up to boundary ``k`` was retraced, as the
